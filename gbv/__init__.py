@@ -1,0 +1,34 @@
+"""gbv: lossless multi-path speculative sampling.
+
+    import gbv
+    pair = gbv.load_pair("bundled")                 # or load_pair(target="...", draft="...")
+    out = gbv.generate(pair, prompt="Question: ...", method="gbv", num_paths=3, block_len=8)
+    print(out.text, out.stats.block_efficiency)
+
+Where things are: verifiers in ``gbv/verify/`` (GBV is ``gbv/verify/gbv.py``), exact theory in
+``gbv/theory/``, the decoding loop in ``gbv/engine/``, model loading in ``gbv/models/``, prompt sets
+in ``gbv/data/``, benchmarks in ``gbv/bench/``, the CLI in ``gbv/cli.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Heavy imports (transformers) happen only when these are first used.
+_LAZY = {
+    "load_pair": "gbv.models.loading",
+    "generate": "gbv.engine.generate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gbv' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "generate", "load_pair"]

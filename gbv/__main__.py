@@ -1,0 +1,5 @@
+import sys
+
+from gbv.cli import main
+
+sys.exit(main())

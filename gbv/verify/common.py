@@ -1,0 +1,104 @@
+"""What every verifier shares: the result type, the random-source protocol, and small helpers.
+
+Shapes (one iteration, one sequence):
+    draft_tokens  (K, L)      long   -- K drafted paths of L tokens
+    q             (K, L, V)   float  -- q[k, i] = draft distribution the token draft_tokens[k, i] was sampled from
+    p             (K, L+1, V) float  -- p[k, i] = target distribution after the first i tokens of path k
+
+``p`` and ``q`` are the distributions actually sampled from (after temperature / top-k / top-p).
+All randomness goes through a :class:`RandomSource`, so the same verifier code runs in the engine
+(seeded ``torch.Generator``) and in the exact enumerator of :mod:`gbv.theory.enumerate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of one verification: emit ``draft_tokens[path, :accepted_len]`` then ``next_token``."""
+
+    path: int
+    accepted_len: int
+    next_token: int
+
+
+class RandomSource(Protocol):
+    """The only two random primitives a verifier may use."""
+
+    def accept(self, prob: float) -> bool:
+        """Return True with probability ``prob`` (clipped to [0, 1])."""
+        ...
+
+    def sample(self, dist: Tensor) -> int:
+        """Draw one index from the normalised probability vector ``dist`` (shape (V,))."""
+        ...
+
+
+class TorchRandom:
+    """Production random source backed by a seeded ``torch.Generator``."""
+
+    def __init__(self, generator: torch.Generator | None = None, seed: int | None = None) -> None:
+        if generator is None:
+            generator = torch.Generator()
+            if seed is not None:
+                generator.manual_seed(seed)
+        self.generator = generator
+
+    def accept(self, prob: float) -> bool:
+        prob = float(prob)
+        if prob >= 1.0:
+            return True
+        if prob <= 0.0:
+            return False
+        u = torch.rand((), generator=self.generator, device=self.generator.device)
+        return bool(u.item() < prob)
+
+    def sample(self, dist: Tensor) -> int:
+        if dist.device != self.generator.device:
+            dist = dist.to(self.generator.device)
+        return int(torch.multinomial(dist.float() if dist.dtype in (torch.float16, torch.bfloat16) else dist,
+                                     1, generator=self.generator).item())
+
+
+Verifier = Callable[[Tensor, Tensor, Tensor, RandomSource], VerifyResult]
+
+
+def check_shapes(draft_tokens: Tensor, q: Tensor, p: Tensor) -> tuple[int, int, int]:
+    """Validate the verifier inputs and return ``(num_paths, block_len, vocab)``."""
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be (K, L), got shape {tuple(draft_tokens.shape)}")
+    num_paths, block_len = draft_tokens.shape
+    if q.shape[:2] != (num_paths, block_len) or q.dim() != 3:
+        raise ValueError(f"q must be (K, L, V) = ({num_paths}, {block_len}, V), got {tuple(q.shape)}")
+    vocab = q.shape[2]
+    if tuple(p.shape) != (num_paths, block_len + 1, vocab):
+        raise ValueError(f"p must be (K, L+1, V) = ({num_paths}, {block_len + 1}, {vocab}), got {tuple(p.shape)}")
+    return num_paths, block_len, vocab
+
+
+def normalize_or(dist: Tensor, fallback: Tensor) -> Tensor:
+    """``dist / dist.sum()``; ``fallback`` when ``dist`` has no mass.
+
+    A residual with zero mass is unreachable in exact arithmetic (its branch has probability 0);
+    the fallback only guards against floating-point round-off in production.
+    """
+    total = dist.sum()
+    if total.item() <= 0.0:
+        return fallback
+    return dist / total
+
+
+def residual(p: Tensor, q: Tensor, scale: float | Tensor = 1.0) -> Tensor:
+    """``norm((scale * p - q)+)`` along the last axis, falling back to ``p``. Shape (V,)."""
+    return normalize_or((scale * p - q).clamp_min(0.0), p)
+
+
+def on_path_probs(dist: Tensor, tokens: Tensor) -> Tensor:
+    """``dist[..., i, tokens[..., i]]``: probability of each drafted token. (…, L, V), (…, L) -> (…, L)."""
+    return dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,24 @@
+"""Token-level speculative sampling (Leviathan et al. 2023; Chen et al. 2023), one path. SPEC section 1.
+
+Accept drafted token ``x_i`` with probability ``min(1, p(x_i) / q(x_i))``; at the first rejection emit
+a token from ``norm((p - q)+)``; if all ``L`` are accepted emit a bonus token from ``p_L``.
+Only path 0 is used when ``K > 1``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes, on_path_probs, residual
+
+
+def verify_token(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """(K, L) tokens, (K, L, V) q, (K, L+1, V) p -> result on path 0."""
+    _, block_len, _ = check_shapes(draft_tokens, q, p)
+    tokens, q0, p0 = draft_tokens[0], q[0], p[0]
+    # Drafted tokens have q > 0, so the ratio is finite; a one-hot p (temperature 0) gives 0 or 1.
+    accept_probs = (on_path_probs(p0[:block_len], tokens) / on_path_probs(q0, tokens)).clamp(max=1.0).tolist()
+    for i in range(block_len):
+        if not rng.accept(accept_probs[i]):
+            return VerifyResult(0, i, rng.sample(residual(p0[i], q0[i])))
+    return VerifyResult(0, block_len, rng.sample(p0[block_len]))
