@@ -35,7 +35,8 @@ def block_verify_path(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: Rando
     stop_probs = [0.0] * (block_len + 1)  # h_i, index i = 1..L
     stop_probs[block_len] = weights[block_len]
     for i in range(1, block_len):
-        denom = r[i - 1] + 1.0 - weights[i]
+        # r + (1 - w), not r + 1 - w: with w = 1 this gives exactly r / r = 1 (no 1 - 2e-16 branch).
+        denom = r[i - 1] + (1.0 - weights[i])
         stop_probs[i] = 1.0 if denom <= 0.0 else r[i - 1] / denom
     accepted_len = 0
     for i in range(block_len, 0, -1):

@@ -1,0 +1,145 @@
+"""SpecTr, K-SEQ verification over K i.i.d. paths. SPEC section 5.
+
+Sun, Suresh, Ro, Beirami, Jain, Yu, "SpecTr: Fast Speculative Decoding via Optimal Transport",
+NeurIPS 2023 (algorithm K-SEQ).
+
+Level by level, on the ``k`` alive paths (those agreeing with every token emitted so far; they share
+a prefix, so the row of the first alive path gives ``p = p_d`` and ``q = q_d``). With
+``beta(rho) = sum_x min(q(x), p(x) / rho)``, pick the smallest ``rho`` in ``[1, k]`` with
+``rho * beta(rho) >= 1 - (1 - beta(rho))^k`` (:func:`_smallest_rho`). Try the alive draws in
+path-index order, accepting ``y_j`` with probability ``min(1, p(y_j) / (rho * q(y_j)))``; continue
+with the paths carrying the accepted token. If all are rejected emit
+``Y ~ norm((p - min(q, p / rho) * (1 - (1 - beta)^k) / beta)+)`` and stop. Bonus ``Y ~ p_L`` after
+depth ``L``. With ``k = 1``, ``rho = 1`` and this is token-level speculative sampling.
+
+Why it is lossless for *any* ``rho`` satisfying the inequality: a token ``x`` is accepted with total
+probability ``min(q(x), p(x)/rho) * (1 - (1-beta)^k) / beta <= p(x)``, and the residual makes up the
+difference exactly. So the code only needs a ``rho`` that provably satisfies the inequality; it need
+not be exactly the smallest one (which only maximises acceptance).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes, normalize_or
+
+# Relative width of the final bisection bracket for rho. The returned value is the bracket's upper
+# end, at which the K-SEQ inequality was checked to hold, so rho is at most this far above the exact
+# smallest valid rho (acceptance is then lower by a relative ~1e-12 at most) and the verifier stays
+# exactly lossless.
+RHO_TOLERANCE = 1e-12
+_MAX_BISECTION_STEPS = 200
+
+
+def _smallest_rho(p: Tensor, q: Tensor, k: int) -> float:
+    """Smallest ``rho`` in ``[1, k]`` with ``rho * beta(rho) >= 1 - (1 - beta(rho))^k`` (to RHO_TOLERANCE).
+
+    ``f(rho) = rho * beta(rho) - 1 + (1 - beta(rho))^k`` is nondecreasing in ``rho`` (``rho * beta(rho)
+    = sum min(rho q, p)`` grows, ``beta`` shrinks) and ``f(k) >= 0`` (Bernoulli), so bisection applies.
+    ``g(rho) = rho * beta(rho)`` is piecewise linear with breakpoints at the ratios ``p(x) / q(x)``;
+    one vectorised pass (sort + cumulative sums, no loop over V) evaluates ``f`` at every breakpoint
+    and finds the segment holding the root, on which ``g(rho) = a * rho + b``; the bisection then runs
+    on scalars inside that segment.
+
+    Args:
+        p: (V,) target distribution; q: (V,) draft distribution; k: number of alive draws.
+    Returns:
+        The upper end of the final bracket (the inequality holds there).
+    """
+    if k <= 1:
+        return 1.0  # f == 0 identically for k = 1
+    beta1 = float(torch.minimum(p, q).sum())
+    if beta1 - 1.0 + (1.0 - beta1) ** k >= 0.0:
+        return 1.0  # beta(1) is 0 or 1 (disjoint supports, or p = q): rho = 1 is valid
+    # Breakpoints t = p / q, ascending. Tokens with q = 0 give +inf or NaN; sort puts them last and
+    # they add nothing to beta (min(rho * 0, p) = 0), which the formulas below respect.
+    t, order = torch.sort(p / q)
+    cum_p, cum_q = torch.stack((p, q))[:, order].cumsum(1)
+    q_above = cum_q[-1] - cum_q  # q-mass of the tokens after position j
+    # g(t_j) = sum_{i <= j} p_i + t_j * sum_{i > j} q_i: tokens up to j give p, the others t_j q (exact,
+    # ties included).
+    g = torch.addcmul(cum_p, t, q_above)
+    f = g.div(t).neg_().add_(1.0).pow_(k).add_(g).sub_(1.0)  # f(t_j) = g - 1 + (1 - g / t)^k
+    # stop: the first breakpoint in (1, k) where the inequality holds, or the first one >= k (or NaN).
+    # f is nondecreasing along t, so stop is False...False True...True; count the leading Falses.
+    stop = f.ge(0.0).logical_and_(t.gt(1.0)).logical_or_(t.lt(k).logical_not_())
+    first = int(stop.cumsum(0).eq(0).sum())
+    # Root in (lo, hi]: hi = t[first] (or k), lo = max(1, t[first - 1]). No breakpoint lies strictly
+    # inside, so there g(rho) = a * rho + b with b = sum of p before `first`, a = q-mass from `first` on.
+    rows = torch.stack((t, cum_p, q_above, cum_q), 1)[max(first - 1, 0):first + 1].tolist()
+    if first > 0:
+        lo_t, b, a, _ = rows[0]
+    else:
+        lo_t, b, a = 0.0, 0.0, rows[0][2] + rows[0][3]  # all of q
+    t_first = rows[-1][0] if first < t.shape[0] else float("nan")
+    hi = t_first if t_first < k else float(k)  # NaN (q = p = 0 tokens) also gives k
+    lo = max(1.0, lo_t)
+
+    def excess(rho: float) -> float:
+        return a * rho + b - 1.0 + (1.0 - a - b / rho) ** k
+
+    if b <= 0.0 < a:
+        # No target mass below the segment (e.g. one-hot p): f is linear there, root in closed form.
+        root = (1.0 - (1.0 - a) ** k) / a
+        if lo <= root <= hi and excess(root) >= 0.0:
+            return root
+    for _ in range(_MAX_BISECTION_STEPS):
+        if hi - lo <= RHO_TOLERANCE * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if excess(mid) >= 0.0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _accept_prob(p_y: float, q_y: float, rho: float) -> float:
+    """``min(1, p(y) / (rho q(y)))``; a drafted token has ``q(y) > 0``, the guard only avoids 0 / 0."""
+    if q_y <= 0.0:
+        return 1.0 if p_y > 0.0 else 0.0
+    return min(1.0, p_y / (rho * q_y))
+
+
+def _kseq_residual(p: Tensor, q: Tensor, rho: float, k: int) -> Tensor:
+    """``norm((p - min(q, p/rho) * (1 - (1-beta)^k) / beta)+)``, shape (V,); ``p`` when ``beta = 0``."""
+    overlap = torch.minimum(q, p / rho)
+    beta = float(overlap.sum())
+    if beta <= 0.0:  # nothing can be accepted (disjoint supports): the residual is p itself
+        return p
+    scale = (1.0 - (1.0 - beta) ** k) / beta
+    return normalize_or((p - overlap * scale).clamp_min(0.0), p)
+
+
+def verify_spectr(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """SpecTr K-SEQ, level-wise over the K drafted paths.
+
+    Args:
+        draft_tokens: (K, L) long, K paths drawn i.i.d. from the draft.
+        q: (K, L, V) draft distributions each token was sampled from.
+        p: (K, L+1, V) target distributions after each prefix of each path.
+        rng: the random source (``accept`` / ``sample``).
+    Returns:
+        ``VerifyResult(path, accepted_len, next_token)``; ``path`` is the first (lowest-index) path
+        carrying the accepted prefix.
+    """
+    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    tokens = draft_tokens.tolist()
+    alive = list(range(num_paths))
+    for depth in range(block_len):
+        lead = alive[0]
+        q_d, p_d = q[lead, depth], p[lead, depth]
+        k = len(alive)
+        rho = _smallest_rho(p_d, q_d, k)
+        accepted = None
+        for path in alive:
+            y = tokens[path][depth]
+            if rng.accept(_accept_prob(float(p_d[y]), float(q_d[y]), rho)):
+                accepted = y
+                break
+        if accepted is None:
+            return VerifyResult(lead, depth, rng.sample(_kseq_residual(p_d, q_d, rho, k)))
+        alive = [path for path in alive if tokens[path][depth] == accepted]
+    return VerifyResult(alive[0], block_len, rng.sample(p[alive[0], block_len]))
