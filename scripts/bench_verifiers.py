@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Micro-benchmark: time of one verify call per method (gbv.verify.METHODS), on CPU.
+
+Inputs are float32 random softmax distributions (target logits = draft logits + noise, so tokens
+are sometimes accepted; the root rows are shared by all paths, as in a real draft tree) and tokens
+drafted from q. One thread, a seeded TorchRandom per configuration, warm-up calls, then the median
+and 90th percentile over the timed repeats, of wall time or (``--clock cpu``) process CPU time, which
+is steadier on a busy machine. Methods whose module does not import (yet) are skipped with a note.
+Prints a markdown table; ``--out FILE`` also writes it.
+
+    python3 scripts/bench_verifiers.py --out bench.md
+    python3 scripts/bench_verifiers.py --clock cpu --out bench_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from gbv.verify import METHODS, TorchRandom, get_verifier
+
+
+def make_inputs(vocab: int, num_paths: int, block_len: int, seed: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(K, L) tokens, (K, L, V) q, (K, L+1, V) p; float32, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    q_logits = 2.0 * torch.randn(num_paths, block_len, vocab, generator=gen)
+    q_logits[1:, 0] = q_logits[0, 0].clone()  # the root node is the same for every path
+    p_logits = torch.cat([q_logits, 2.0 * torch.randn(num_paths, 1, vocab, generator=gen)], dim=1)
+    p_logits = p_logits + torch.randn(num_paths, block_len + 1, vocab, generator=gen)
+    p_logits[1:, 0] = p_logits[0, 0].clone()
+    q = torch.softmax(q_logits, dim=-1)
+    p = torch.softmax(p_logits, dim=-1)
+    tokens = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(num_paths, block_len)
+    return tokens, q, p
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_method(verifier, inputs, seed: int, repeats: int, warmup: int, clock=time.perf_counter) -> list[float]:
+    """Milliseconds of each timed call."""
+    rng = TorchRandom(seed=seed)
+    for _ in range(warmup):
+        verifier(*inputs, rng)
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        verifier(*inputs, rng)
+        times.append((clock() - start) * 1e3)
+    return times
+
+
+def percentile(values: list[float], frac: float) -> float:
+    ordered = sorted(values)
+    pos = frac * (len(ordered) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), help="default: all of gbv.verify.METHODS")
+    parser.add_argument("--vocab", nargs="+", type=int, default=[32000, 128000])
+    parser.add_argument("--paths", nargs="+", type=int, default=[1, 4], help="K values")
+    parser.add_argument("--block-len", type=int, default=8, help="L")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per configuration (>= 20)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: process CPU time (steadier on a busy machine)")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    verifiers, notes = {}, []
+    for name in args.methods:
+        try:
+            verifiers[name] = get_verifier(name)
+        except (ImportError, AttributeError) as exc:
+            notes.append(f"- `{name}` skipped: {type(exc).__name__}: {exc}")
+
+    rows = ["| method | V | K | L | median ms | p90 ms |", "|---|---:|---:|---:|---:|---:|"]
+    for vocab in args.vocab:
+        for num_paths in args.paths:
+            inputs = make_inputs(vocab, num_paths, args.block_len, args.seed)
+            for name, verifier in verifiers.items():
+                try:
+                    times = time_method(verifier, inputs, args.seed, args.repeats, args.warmup, CLOCKS[args.clock])
+                except Exception as exc:  # a method under construction must not stop the others
+                    notes.append(f"- `{name}` failed at V={vocab}, K={num_paths}: {type(exc).__name__}: {exc}")
+                    continue
+                rows.append(f"| {name} | {vocab} | {num_paths} | {args.block_len} | "
+                            f"{statistics.median(times):.2f} | {percentile(times, 0.9):.2f} |")
+                print(rows[-1], file=sys.stderr, flush=True)
+    header = (f"CPU, torch {torch.__version__}, {args.threads} thread(s), float32 inputs, {args.clock} clock, "
+              f"{args.repeats} timed calls after {args.warmup} warm-up calls per row.")
+    table = "\n".join([header, "", *rows] + (["", *notes] if notes else [])) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
