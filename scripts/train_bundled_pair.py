@@ -16,7 +16,9 @@ schedule sized to that budget. Loss curves go to ``<out>/<model>/loss_curve.csv`
 Example (what produced the bundled pair)::
 
     nohup python3 scripts/train_bundled_pair.py --out scratch/pair \\
-        --draft-minutes 13 --target-minutes 42 > scratch/train.log 2>&1 &
+        --batch-size 8 --draft-minutes 10 --target-minutes 47 --eval-every-s 90 \\
+        --heldout-batches 2 > scratch/train.log 2>&1 &
+    python3 scripts/train_bundled_pair.py --package scratch/pair gbv/models/bundled
 """
 
 from __future__ import annotations
@@ -213,8 +215,40 @@ def train_model(name, model, train_ids: np.ndarray, val_batches, args, minutes: 
             "params": n_params}
 
 
+def package(src: Path, dest: Path, dtype: str = "float16") -> None:
+    """Copy a trained pair from ``src`` to ``dest`` (e.g. ``gbv/models/bundled``).
+
+    Weights are stored in ``dtype`` to halve the size, but ``config.json`` keeps
+    ``"dtype": "float32"`` so that ``from_pretrained`` (default ``dtype="auto"``) upcasts them on
+    load: half-precision matmuls are slow on CPU.
+    """
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("target", "draft"):
+        model = AutoModelForCausalLM.from_pretrained(src / name, dtype=torch.float32)
+        d = dest / name
+        if d.exists():
+            shutil.rmtree(d)
+        model.to(getattr(torch, dtype)).save_pretrained(d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["dtype"] = "float32"
+        (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(src / name / f, d / f)
+        (d / "model.safetensors").chmod(0o644)  # safetensors writes 0600
+        shutil.copy(src / name / "loss_curve.csv", dest / f"loss_curve_{name}.csv")
+    shutil.copy(src / "train_summary.json", dest / "train_summary.json")
+    total = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+    print(f"packaged {src} -> {dest} ({total / 2**20:.1f} MiB)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--package", nargs=2, metavar=("SRC", "DEST"), default=None,
+                    help="only copy a trained pair SRC (dir with target/, draft/) to DEST in fp16")
     ap.add_argument("--out", default="scratch/pair")
     ap.add_argument("--gsm8k", default="/work/shared/data/gsm8k/train.jsonl")
     ap.add_argument("--python-lib", default=sysconfig.get_paths()["stdlib"])
@@ -238,7 +272,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=["both", "draft", "target"], default="both")
+    ap.add_argument("--init-from", default=None,
+                    help="warm-start each model from DIR/<draft|target> (continued training)")
     args = ap.parse_args(argv)
+    if args.package:
+        package(Path(args.package[0]), Path(args.package[1]))
+        return 0
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -308,6 +347,16 @@ def main(argv=None):
         h, l, nh, inter = (int(v) for v in spec.split(","))
         torch.manual_seed(args.seed + (0 if name == "draft" else 1))
         model = make_model(h, l, nh, inter, vocab, eos_id, args.max_pos)
+        if args.init_from:
+            from transformers import AutoModelForCausalLM
+
+            src = Path(args.init_from) / name
+            if (json.loads((src / "tokenizer.json").read_text())["model"]
+                    != json.loads(tok.to_str())["model"]):
+                raise SystemExit(f"tokenizer of {src} differs from the one trained here")
+            model.load_state_dict(AutoModelForCausalLM.from_pretrained(
+                src, dtype=torch.float32).state_dict())
+            print(f"[{name}] warm start from {src}", flush=True)
         res = train_model(name, model, train_ids, val_batches, args, minutes, lr, out, saver(name))
         saver(name)(model)
         # quantisation check: held-out loss after rounding weights to fp16 / bf16

@@ -1,0 +1,153 @@
+"""Load a target/draft pair of causal language models (and their shared tokenizer).
+
+    pair = gbv.load_pair("bundled")                               # the small pair shipped with gbv
+    pair = gbv.load_pair(target="path/or/hub-id", draft="...")     # local dirs or the local hub cache
+    pair = ModelPair(target=model_a, draft=model_b)                # model objects (tests; no tokenizer)
+
+Nothing is downloaded unless ``allow_download=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gbv.errors import GbvError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class ModelPair:
+    """A target model, a draft model (None for target-only ``ar`` decoding), and their tokenizer."""
+
+    target: Any
+    draft: Any = None
+    tokenizer: Any = None
+    device: str = "cpu"
+    dtype: torch.dtype | None = None
+    names: tuple[str, str] = field(default=("target", "draft"))
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``None``/``"auto"`` -> None (the checkpoint's dtype); a name or a torch dtype -> torch dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in _DTYPES:
+        raise GbvError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise GbvError(f"unknown device {device!r} ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GbvError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+def _is_path_like(name: str) -> bool:
+    """A filesystem path rather than a hub id (``org/name`` or ``name``)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def _load_model(name: str, device: torch.device, dtype: torch.dtype | None, allow_download: bool):
+    from transformers import AutoModelForCausalLM
+
+    expanded = os.path.expanduser(name)
+    if os.path.isdir(expanded):
+        name = expanded
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise GbvError(f"model directory {name!r} has no config.json")
+    elif os.path.exists(expanded):
+        raise GbvError(f"model path {name!r} is not a directory")
+    elif _is_path_like(name):
+        raise GbvError(f"model path {name!r} does not exist")
+    from transformers.utils import logging as hf_logging
+
+    kwargs: dict[str, Any] = {"local_files_only": not allow_download}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would break one-line CLI output
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, EnvironmentError) as exc:
+        hint = "" if allow_download else " (not a local directory and not in the local hub cache; nothing is downloaded unless allowed)"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GbvError(f"cannot load model {name!r}{hint}: {first}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.to(device).eval()
+
+
+def _load_tokenizer(name: str, allow_download: bool):
+    from transformers import AutoTokenizer
+
+    path = os.path.expanduser(name)
+    try:
+        return AutoTokenizer.from_pretrained(path if os.path.isdir(path) else name, local_files_only=not allow_download)
+    except Exception:  # noqa: BLE001 - a model saved without tokenizer files is fine (token-id API)
+        return None
+
+
+def check_tokenizers(target_tok, draft_tok) -> None:
+    """Raise :class:`GbvError` when both tokenizers exist and map strings to different ids."""
+    if target_tok is None or draft_tok is None:
+        return
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise GbvError("target and draft tokenizers differ (different vocabularies); speculative decoding "
+                       "needs one shared tokenizer")
+
+
+def _bundled() -> tuple[str, str]:
+    try:
+        from gbv.models.bundled import bundled_paths
+    except ImportError as exc:
+        raise GbvError(f"the bundled model pair is not available in this install ({exc})") from None
+    paths = bundled_paths()
+    if isinstance(paths, dict):
+        target, draft = paths["target"], paths["draft"]
+    else:
+        target, draft = paths
+    target, draft = str(target), str(draft)
+    for path in (target, draft):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise GbvError(f"bundled model files are missing under {path!r}")
+    return target, draft
+
+
+def load_pair(target: str | None = "bundled", draft: str | None = None, device: str = "cpu",
+              dtype: str | torch.dtype | None = None, allow_download: bool = False) -> ModelPair:
+    """Load ``target`` and ``draft`` (local directories or hub ids already in the local cache).
+
+    ``load_pair("bundled")`` (the default) loads the pair shipped with gbv. ``draft=None`` with a
+    non-bundled target loads the target only (enough for ``method="ar"``). The tokenizer is the
+    target's; when both directories carry one they must agree. Models are put in eval mode on
+    ``device`` in ``dtype`` (None: the checkpoint's dtype). Raises :class:`GbvError` on any bad input.
+    """
+    dev = parse_device(device)
+    torch_dtype = parse_dtype(dtype)
+    if target is None or target == "bundled":
+        if draft is not None and draft != "bundled":
+            raise GbvError("give --target together with --draft (or neither, for the bundled pair)")
+        target, draft = _bundled()
+    target_model = _load_model(target, dev, torch_dtype, allow_download)
+    draft_model = _load_model(draft, dev, torch_dtype, allow_download) if draft is not None else None
+    tokenizer = _load_tokenizer(target, allow_download)
+    if draft is not None:
+        check_tokenizers(tokenizer, _load_tokenizer(draft, allow_download))
+    return ModelPair(target=target_model, draft=draft_model, tokenizer=tokenizer, device=str(dev),
+                     dtype=torch_dtype, names=(str(target), str(draft) if draft is not None else ""))
