@@ -1,0 +1,146 @@
+"""Tiny models for the engine tests: random HF models of each architecture (built here, nothing
+downloaded) and ``TableLM``, a fast toy LM whose context lives in a real transformers ``DynamicCache``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+try:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+except ImportError:  # pragma: no cover - older transformers
+    Qwen3Config = Qwen3ForCausalLM = None
+
+NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+class TableLM(torch.nn.Module):
+    """Toy causal LM over ``vocab`` tokens: the logits after a context ``c_1..c_t`` are
+    ``A[c_t] + B[c_{t-1}] + C[(c_1 + ... + c_t) mod 5]`` (random tables), so they depend on the whole
+    context. The model reads its context back from the keys it stored in the cache: a cache that
+    was replicated, selected or cropped wrongly gives wrong logits."""
+
+    def __init__(self, vocab: int = 6, seed: int = 0, scale: float = 1.0, base: "TableLM | None" = None,
+                 noise: float = 0.0, max_positions: int = 64) -> None:
+        super().__init__()
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1,
+                                  max_position_embeddings=max_positions, **NO_SPECIAL)
+        gen = torch.Generator().manual_seed(seed)
+        shapes = {"A": (vocab, vocab), "B": (vocab + 1, vocab), "C": (5, vocab)}
+        for name, shape in shapes.items():
+            if base is None:
+                table = torch.randn(shape, generator=gen) * scale
+            else:
+                table = getattr(base, name) + torch.randn(shape, generator=gen) * noise
+            self.register_buffer(name, table)
+        self.vocab = vocab
+
+    def get_output_embeddings(self):
+        return None
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, **kwargs):
+        batch, new = input_ids.shape
+        if cache is not None:
+            stored = input_ids.to(torch.float32).reshape(batch, 1, new, 1)
+            keys, _ = cache.update(stored, stored, 0)
+            context = keys[:, 0, :, 0].long()
+        else:
+            context = input_ids
+        total = context.shape[1]
+        prev = torch.cat([torch.full((batch, 1), self.vocab, dtype=torch.long), context[:, :-1]], dim=1)
+        sums = context.cumsum(1) % 5
+        logits = self.A[context] + self.B[prev] + self.C[sums]
+        keep = new if not logits_to_keep else min(new, logits_to_keep)
+        return SimpleNamespace(logits=logits[:, total - keep:], cache=cache)
+
+
+def table_pair(vocab: int = 6, noise: float = 0.8, seed: int = 0):
+    target = TableLM(vocab, seed=seed)
+    draft = TableLM(vocab, seed=seed + 1, base=target, noise=noise)
+    return target, draft
+
+
+def _llama(vocab, hidden, layers):
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=128, **NO_SPECIAL))
+
+
+def _qwen2(vocab, hidden, layers):
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=128, **NO_SPECIAL))
+
+
+def _qwen3(vocab, hidden, layers):
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                        head_dim=hidden // 2, max_position_embeddings=128, **NO_SPECIAL))
+
+
+def _gpt2(vocab, hidden, layers):
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, n_positions=128,
+                                      **NO_SPECIAL))
+
+
+def _opt(vocab, hidden, layers):
+    return OPTForCausalLM(OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
+                                    num_attention_heads=2, max_position_embeddings=128, word_embed_proj_dim=hidden,
+                                    **NO_SPECIAL))
+
+
+ARCHITECTURES = {"gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2}
+if Qwen3ForCausalLM is not None:
+    ARCHITECTURES["qwen3"] = _qwen3
+
+
+def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):
+    """A random target and a smaller random draft of one architecture, in eval mode."""
+    torch.manual_seed(seed)
+    target = ARCHITECTURES[arch](vocab, *target_size).eval()
+    draft = ARCHITECTURES[arch](vocab, *draft_size).eval()
+    return target, draft
+
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,!")
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer with 32 tokens (30 characters, <eos>, <unk>), built offline."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(CHARS)}
+    vocab["<eos>"] = len(vocab)
+    vocab["<unk>"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+
+
+def sharpen(*models, scale: float = 30.0):
+    """Scale the output heads of random models so that their distributions are far from uniform
+    (clear argmax margins for greedy tests)."""
+    with torch.no_grad():
+        for model in models:
+            model.get_output_embeddings().weight.mul_(scale)
+    return models
+
+
+def save_pair(tmp_path, arch: str = "llama", max_positions: int = 128, with_tokenizer: bool = True):
+    """Random target/draft of ``arch`` (vocab 32) saved with ``save_pretrained``; returns the two dirs."""
+    target, draft = hf_pair(arch, vocab=32)
+    tokenizer = char_tokenizer() if with_tokenizer else None
+    dirs = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.config.max_position_embeddings = max_positions
+        path = tmp_path / name
+        model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        dirs.append(str(path))
+    return dirs

@@ -1,0 +1,103 @@
+"""Logits processing equals transformers' warpers; cache replicate / select / crop equal fresh forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from gbv.engine import cache as kv
+from gbv.engine.sampling import SamplingConfig, process_logits, sample
+
+from engine_toy import ARCHITECTURES, hf_pair
+
+
+def hf_probs(logits, temperature, top_k, top_p):
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers(None, logits.clone()).softmax(-1)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 0, 1.0), (0.3, 0, 1.0), (1.7, 5, 1.0), (1.0, 0, 0.8), (0.7, 10, 0.9), (1.0, 1, 1.0), (2.0, 0, 0.05),
+    (1.0, 100, 1.0),
+])
+def test_matches_hf_warpers(temperature, top_k, top_p):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, :5] = logits[0, 5]  # ties
+    ours = process_logits(logits, SamplingConfig(temperature, top_k, top_p))
+    torch.testing.assert_close(ours, hf_probs(logits, temperature, top_k, top_p), atol=1e-7, rtol=1e-6)
+    assert torch.allclose(ours.sum(-1), torch.ones(6))
+    # Works on (K, L, V) too.
+    torch.testing.assert_close(process_logits(logits.reshape(2, 3, 50), SamplingConfig(temperature, top_k, top_p)),
+                               ours.reshape(2, 3, 50))
+
+
+def test_temperature_zero_is_one_hot_argmax_without_nan():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [-1e4, -5.0, -7.0, -6.0]])
+    probs = process_logits(logits, SamplingConfig(0.0))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]))
+    assert torch.equal(sample(probs, None, greedy=True), torch.tensor([1, 1]))
+
+
+def test_sample_draws_from_probs():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.1, 0.0, 0.9]]).expand(20000, -1)
+    draws = sample(probs, gen)
+    assert (draws == 1).sum() == 0
+    assert abs((draws == 2).float().mean().item() - 0.9) < 0.01
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_replicate_select_crop(arch):
+    """Prefill, replicate to 3 rows, feed a different continuation per row, keep row 1, crop: the
+    cache then equals a fresh forward of the kept prefix."""
+    target, _ = hf_pair(arch, vocab=32)
+    prompt = [1, 2, 3, 4, 5]
+    cache = kv.new_cache(target)
+    with torch.no_grad():
+        target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        kv.replicate(cache, 3)
+        rows = torch.tensor([[6, 7, 8], [9, 10, 11], [12, 13, 14]])
+        batched = target(input_ids=rows, cache=cache, use_cache=True).logits
+        assert kv.cache_length(cache) == 8
+        for k in range(3):
+            fresh = target(input_ids=torch.tensor([prompt + rows[k].tolist()])).logits[0, -3:]
+            torch.testing.assert_close(batched[k], fresh, atol=1e-4, rtol=0)
+        kv.select_row(cache, 1)
+        kv.crop(cache, 6)  # prompt + 9
+        nxt = target(input_ids=torch.tensor([[20]]), cache=cache, use_cache=True).logits[0, -1]
+        fresh = target(input_ids=torch.tensor([prompt + [9, 20]])).logits[0, -1]
+        torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
+        assert kv.cache_length(cache) == 7
+        kv.crop(cache, 10)  # longer than the cache: no-op
+        assert kv.cache_length(cache) == 7
+
+
+def test_api_fallback_layers():
+    """Non-plain layers go through the cache API (batch_repeat_interleave / batch_select_indices / crop)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class OtherLayer(DynamicLayer):
+        pass
+
+    target, _ = hf_pair("llama", vocab=32)
+    cache = kv.new_cache(target)
+    cache.layers = [OtherLayer() for _ in cache.layers]
+    prompt = [1, 2, 3, 4]
+    with torch.no_grad():
+        target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        kv.replicate(cache, 2)
+        target(input_ids=torch.tensor([[5, 6], [7, 8]]), cache=cache, use_cache=True)
+        kv.select_row(cache, 1)
+        kv.crop(cache, 5)
+        assert cache.layers[0].keys.shape[0] == 1 and kv.cache_length(cache) == 5
+        nxt = target(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True).logits[0, -1]
+        fresh = target(input_ids=torch.tensor([prompt + [7, 9]])).logits[0, -1]
+    torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
