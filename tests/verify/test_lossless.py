@@ -1,0 +1,249 @@
+"""Master losslessness test: every verifier in METHODS, exact enumeration, many random tiny instances.
+
+The check (:func:`law_error`) runs the verifier on every K-tuple of drafted paths and every random
+branch (gbv.theory.enumerate) and compares the completed law of the emitted tokens with the target
+law on all of V^(L+1). The negative controls at the end show that this very check catches a broken
+block verifier and a broken token-level sampler. Per-method negative controls live beside each
+method's own tests (test_gbv.py, test_specinfer.py, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from gbv.theory import TinyInstance, enumerate_branches, exact_analysis, random_instance
+from gbv.verify import METHODS, get_verifier, is_multi_path
+from gbv.verify.common import VerifyResult, check_shapes, on_path_probs, residual
+
+TOLERANCE = 1e-9
+KINDS = ("mixed", "truncated", "equal", "sharp")
+
+
+def law_error(verifier, inst: TinyInstance, num_paths: int) -> float:
+    """Max |completed law - target law|; a verifier the enumerator rejects (negative or unnormalised
+    sampling distribution, impossible decision) counts as infinitely wrong."""
+    try:
+        return exact_analysis(verifier, inst, num_paths=num_paths).max_law_error
+    except AssertionError:
+        return float("inf")
+
+
+def check_lossless(name: str, vocab: int, length: int, num_paths: int, kind: str, seeds) -> int:
+    verifier = get_verifier(name)
+    paths = num_paths if is_multi_path(name) else 1
+    count = 0
+    for seed in seeds:
+        inst = random_instance(vocab, length, num_paths, seed=seed, kind=kind)
+        error = exact_analysis(verifier, inst, num_paths=paths).max_law_error
+        assert error < TOLERANCE, f"{name} is lossy on V={vocab} L={length} K={paths} {kind} seed {seed}: {error:.3g}"
+        count += 1
+    return count
+
+
+# Fast set: V^(L*K) <= 27. 13 shapes x 4 kinds x 4 seeds = 208 instances, each checked for every method.
+FAST_SHAPES = [(2, 1, 1), (3, 1, 1), (4, 1, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1), (2, 3, 1),
+               (2, 1, 2), (3, 1, 2), (4, 1, 2), (2, 2, 2),
+               (2, 1, 3), (3, 1, 3)]
+FAST_SEEDS = range(4)
+# Slow set: V^(L*K) up to 729; 10 shapes x 4 kinds x 3 seeds = 120 more instances (token and block,
+# which run with K = 1, only on the K = 1 shapes).
+SLOW_SHAPES = [(3, 3, 1), (4, 3, 1), (3, 2, 2), (4, 2, 2), (2, 3, 2), (2, 2, 3), (4, 1, 3), (2, 3, 3), (3, 2, 3),
+               (2, 1, 4)]
+SLOW_SEEDS = range(100, 103)
+SLOW_CASES = [(name, *shape) for name in METHODS for shape in SLOW_SHAPES if is_multi_path(name) or shape[2] == 1]
+
+
+def test_fast_set_covers_200_instances():
+    assert len(FAST_SHAPES) * len(KINDS) * len(FAST_SEEDS) >= 200
+    shapes = FAST_SHAPES + SLOW_SHAPES
+    assert {v for v, _, _ in shapes} == {2, 3, 4} and {l for _, l, _ in shapes} == {1, 2, 3}
+    assert {k for _, _, k in shapes} >= {1, 2, 3}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("vocab,length,num_paths", FAST_SHAPES)
+@pytest.mark.parametrize("name", METHODS)
+def test_lossless(name, vocab, length, num_paths, kind):
+    assert check_lossless(name, vocab, length, num_paths, kind, FAST_SEEDS) == len(FAST_SEEDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name,vocab,length,num_paths", SLOW_CASES)
+def test_lossless_larger(name, vocab, length, num_paths, kind):
+    check_lossless(name, vocab, length, num_paths, kind, SLOW_SEEDS)
+
+
+@pytest.mark.parametrize("name", ["token", "block"])
+def test_single_path_methods_ignore_extra_paths(name):
+    """Given K > 1 paths, token and block use path 0 only: still lossless, same accepted length."""
+    verifier = get_verifier(name)
+    for seed in range(3):
+        inst = random_instance(2, 2, 2, seed=seed, kind="mixed")
+        with_extra = exact_analysis(verifier, inst, num_paths=2)
+        alone = exact_analysis(verifier, inst, num_paths=1)
+        assert with_extra.max_law_error < TOLERANCE
+        assert with_extra.expected_accepted == pytest.approx(alone.expected_accepted, abs=1e-12)
+
+
+# ---------------------------------------------------------------------- temperature 0 (SPEC section 8)
+def one_hot_rows(inst: TinyInstance, table: str, seed: int) -> TinyInstance:
+    """``inst`` with the rows of ``table`` ('target' or 'draft') replaced by one-hot rows at random tokens."""
+    rng = np.random.default_rng(seed)
+    rows = {}
+    for ctx, row in getattr(inst, table).items():
+        hot = np.zeros_like(row)
+        hot[rng.integers(inst.vocab)] = 1.0
+        rows[ctx] = hot
+    target = rows if table == "target" else inst.target
+    draft = rows if table == "draft" else inst.draft
+    return TinyInstance(inst.vocab, inst.block_len, inst.num_paths, target, draft)
+
+
+def argmax_chain(inst: TinyInstance) -> tuple[int, ...]:
+    ctx: tuple[int, ...] = ()
+    for _ in range(inst.block_len + 1):
+        ctx = ctx + (int(np.argmax(inst.target[ctx])),)
+    return ctx
+
+
+def check_greedy(name: str, inst: TinyInstance) -> None:
+    """Every branch of every draft tuple emits the longest drafted prefix matching the target's
+    argmax chain (over all paths the method looks at), then the target's argmax."""
+    verifier = get_verifier(name)
+    num_paths = inst.num_paths if is_multi_path(name) else 1
+    chain = argmax_chain(inst)
+    seqs = [s for s in itertools.product(range(inst.vocab), repeat=inst.block_len)
+            if inst.seq_prob(inst.draft, s) > 0.0]
+    for paths in itertools.product(seqs, repeat=num_paths):
+        matches = [next((i for i in range(inst.block_len) if s[i] != chain[i]), inst.block_len) for s in paths]
+        best = max(matches)
+        tokens = torch.tensor(paths, dtype=torch.long)
+        q = torch.stack([torch.from_numpy(np.stack([inst.draft[s[:i]] for i in range(inst.block_len)])) for s in paths])
+        p = torch.stack([torch.from_numpy(np.stack([inst.target[s[:i]] for i in range(inst.block_len + 1)]))
+                         for s in paths])
+        for result, prob in enumerate_branches(verifier, tokens, q, p):
+            if prob == 0.0:
+                continue
+            assert result.accepted_len == best, f"{name} on paths {paths}: accepted {result.accepted_len}, want {best}"
+            assert matches[result.path] >= best, f"{name} on paths {paths}: path {result.path} does not match"
+            assert result.next_token == chain[best], f"{name} on paths {paths}: emitted {result.next_token}"
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_temperature_zero_one_hot_target_and_draft(name):
+    for vocab, length, num_paths in [(2, 2, 2), (3, 2, 3), (3, 3, 2)]:
+        for seed in range(4):
+            base = random_instance(vocab, length, num_paths, seed=seed, kind="dirichlet")
+            inst = one_hot_rows(one_hot_rows(base, "target", seed), "draft", seed + 1000)
+            check_greedy(name, inst)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_temperature_zero_target_with_sampled_draft(name):
+    """Target at temperature 0, draft sampled (paths differ, some rows truncated)."""
+    for vocab, length, num_paths in [(2, 2, 2), (3, 2, 2), (2, 2, 3)]:
+        for seed in range(3):
+            kind = "truncated" if seed % 2 else "dirichlet"
+            inst = one_hot_rows(random_instance(vocab, length, num_paths, seed=seed, kind=kind), "target", seed)
+            check_greedy(name, inst)
+
+
+# ---------------------------------------------------------------------- GBV with K = 1 is BV
+def test_gbv_with_one_path_is_block_verification():
+    gbv_verifier, block = get_verifier("gbv"), get_verifier("block")
+    for vocab, length, kind, seed in itertools.product([2, 3], [1, 2, 3], KINDS, range(2)):
+        inst = random_instance(vocab, length, 1, seed=seed, kind=kind)
+        for s in itertools.product(range(vocab), repeat=length):
+            if inst.seq_prob(inst.draft, s) == 0.0:
+                continue
+            tokens = torch.tensor([s], dtype=torch.long)
+            q = torch.from_numpy(np.stack([inst.draft[s[:i]] for i in range(length)]))[None]
+            p = torch.from_numpy(np.stack([inst.target[s[:i]] for i in range(length + 1)]))[None]
+            laws = []
+            for verifier in (gbv_verifier, block):
+                law: dict[tuple[int, int, int], float] = {}
+                for result, prob in enumerate_branches(verifier, tokens, q, p):
+                    key = (result.path, result.accepted_len, result.next_token)
+                    law[key] = law.get(key, 0.0) + prob
+                laws.append({k: v for k, v in law.items() if v > 0.0})
+            assert laws[0].keys() == laws[1].keys(), f"V={vocab} L={length} {kind} seed {seed} path {s}"
+            for key, prob in laws[1].items():
+                assert laws[0][key] == pytest.approx(prob, abs=1e-14), f"{key} on path {s}"
+
+
+# ---------------------------------------------------------------------- negative controls
+def reference_block(draft_tokens, q, p, rng, h_shift: int = 0) -> VerifyResult:
+    """BV on path 0 written out from SPEC section 2; ``h_shift = 1`` is the off-by-one bug
+    ``h_i = r_i / (r_i + 1 - w_{i-1})`` (weights shifted by one in the acceptance probabilities)."""
+    _, length, _ = check_shapes(draft_tokens, q, p)
+    tokens, q0, p0 = draft_tokens[0], q[0], p[0]
+    ratios = (on_path_probs(p0[:length], tokens) / on_path_probs(q0, tokens)).tolist()
+    w = [1.0]
+    for ratio in ratios:
+        w.append(min(1.0, w[-1] * ratio))
+    h = [0.0] * (length + 1)
+    h[length] = w[length - h_shift]
+    for i in range(1, length):
+        r = float((w[i] * p0[i] - q0[i]).clamp_min(0.0).sum())
+        denom = r + 1.0 - w[i - h_shift]
+        h[i] = 1.0 if denom <= 0.0 else min(1.0, r / denom)
+    tau = next((i for i in range(length, 0, -1) if rng.accept(h[i])), 0)
+    if tau == length:
+        return VerifyResult(0, tau, rng.sample(p0[length]))
+    return VerifyResult(0, tau, rng.sample(residual(p0[tau], q0[tau], w[tau])))
+
+
+def reference_token(draft_tokens, q, p, rng, bug: str | None = None) -> VerifyResult:
+    """Token-level sampling on path 0 (SPEC section 1). Bugs: ``"unclamped"`` samples from
+    ``norm(p - q)`` without ``(.)+``; ``"from_p"`` samples the correction from ``p``."""
+    _, length, _ = check_shapes(draft_tokens, q, p)
+    tokens, q0, p0 = draft_tokens[0], q[0], p[0]
+    for i in range(length):
+        x = int(tokens[i])
+        if not rng.accept(min(1.0, float(p0[i, x] / q0[i, x]))):
+            if bug == "unclamped":
+                diff = p0[i] - q0[i]
+                dist = diff / diff.sum() if float(diff.sum()) != 0.0 else p0[i]
+            elif bug == "from_p":
+                dist = p0[i]
+            else:
+                dist = residual(p0[i], q0[i])
+            return VerifyResult(0, i, rng.sample(dist))
+    return VerifyResult(0, length, rng.sample(p0[length]))
+
+
+CONTROL_SHAPES = [(2, 2, 1), (3, 2, 1), (2, 3, 1), (3, 1, 1)]
+
+
+def master_check_fails(verifier) -> bool:
+    """The master test's check on a share of its instances: does any instance show a law error?"""
+    return any(law_error(verifier, random_instance(v, l, k, seed=seed, kind=kind), 1) >= TOLERANCE
+               for v, l, k in CONTROL_SHAPES for kind in ("mixed", "truncated") for seed in FAST_SEEDS)
+
+
+def test_reference_controls_are_lossless_without_the_bug():
+    assert not master_check_fails(reference_block)
+    assert not master_check_fails(reference_token)
+
+
+def test_master_check_catches_off_by_one_block_verification():
+    assert master_check_fails(lambda t, q, p, rng: reference_block(t, q, p, rng, h_shift=1))
+
+
+@pytest.mark.parametrize("bug", ["unclamped", "from_p"])
+def test_master_check_catches_broken_token_sampler(bug):
+    assert master_check_fails(lambda t, q, p, rng: reference_token(t, q, p, rng, bug=bug))
+
+
+def test_master_check_catches_monkeypatched_production_block(monkeypatch):
+    """The production BV with its correction drawn from the unscaled residual (weight ignored)."""
+    import gbv.verify.block as block_module
+
+    real_residual = block_module.residual
+    monkeypatch.setattr(block_module, "residual", lambda p, q, scale=1.0: real_residual(p, q))
+    assert master_check_fails(get_verifier("block"))
