@@ -13,12 +13,10 @@ import torch
 
 import gbv.verify.gbv as gbv_module
 from gbv.theory import context_free_instance, enumerate_branches, exact_analysis, random_instance
-from gbv.theory.instance import TinyInstance
 from gbv.verify import TorchRandom, get_verifier
 from gbv.verify.gbv import ranking_key, select_path, skewed_draft_law, verify_gbv
 
-KINDS = ("mixed", "truncated", "equal", "sharp")
-LAW_TOL = 1e-9
+from exact_checks import KINDS, LOSSLESS_TOL, path_tensors, tuple_inputs
 
 
 def _shapes(max_tuples: int, min_tuples: int = 0) -> list[tuple[int, int, int]]:
@@ -30,25 +28,13 @@ def _seed(vocab: int, block_len: int, num_paths: int, kind: str, rep: int = 0) -
     return 1000 * rep + 100 * vocab + 10 * block_len + num_paths + 7 * KINDS.index(kind)
 
 
-def _path_tensors(inst: TinyInstance, seq: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    q = torch.tensor(np.stack([inst.draft[seq[:i]] for i in range(inst.block_len)]))
-    p = torch.tensor(np.stack([inst.target[seq[:i]] for i in range(inst.block_len + 1)]))
-    return q, p
-
-
-def _tuple_inputs(inst: TinyInstance, paths: list[tuple[int, ...]]):
-    tensors = [_path_tensors(inst, s) for s in paths]
-    draft_tokens = torch.tensor(paths, dtype=torch.long).reshape(len(paths), inst.block_len)
-    return draft_tokens, torch.stack([t[0] for t in tensors]), torch.stack([t[1] for t in tensors])
-
-
 # ---------------------------------------------------------------------------------------------- 1
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab,block_len,num_paths", _shapes(729))
 def test_lossless_by_exact_enumeration(vocab, block_len, num_paths, kind):
     inst = random_instance(vocab, block_len, num_paths, seed=_seed(vocab, block_len, num_paths, kind), kind=kind)
     result = exact_analysis(get_verifier("gbv"), inst)
-    assert result.max_law_error < LAW_TOL
+    assert result.max_law_error < LOSSLESS_TOL
     assert -1e-12 <= result.expected_accepted <= block_len + 1e-12
 
 
@@ -64,7 +50,7 @@ SLOW_CASES = ([(v, l, k, 1, kind) for v, l, k in _shapes(729) for kind in KINDS]
 def test_lossless_by_exact_enumeration_slow(vocab, block_len, num_paths, rep, kind):
     inst = random_instance(vocab, block_len, num_paths, seed=_seed(vocab, block_len, num_paths, kind, rep),
                            kind=kind)
-    assert exact_analysis(get_verifier("gbv"), inst).max_law_error < LAW_TOL
+    assert exact_analysis(get_verifier("gbv"), inst).max_law_error < LOSSLESS_TOL
 
 
 # ---------------------------------------------------------------------------------------------- 2
@@ -121,10 +107,10 @@ def test_skewed_law_matches_brute_force_selection(kind, vocab, block_len, num_pa
     selected_law: dict[tuple[int, ...], float] = defaultdict(float)
     for combo in itertools.product([s for s in seqs if probs[s] > 0], repeat=num_paths):
         paths = list(combo)
-        selected_law[paths[select_path(*_tuple_inputs(inst, paths))]] += math.prod(probs[s] for s in paths)
+        selected_law[paths[select_path(*tuple_inputs(inst, paths))]] += math.prod(probs[s] for s in paths)
     assert abs(sum(selected_law.values()) - 1.0) < 1e-12
     for s in seqs:
-        q_path, p_path = _path_tensors(inst, s)
+        q_path, p_path = path_tensors(inst, s)
         q_g = skewed_draft_law(torch.tensor(s), q_path, p_path, num_paths)
         assert torch.all(q_g >= 0) and torch.allclose(q_g.sum(-1), torch.ones(block_len, dtype=torch.float64),
                                                       atol=1e-12, rtol=0)
@@ -160,7 +146,7 @@ def test_select_path_is_the_lexicographic_maximum():
             for _d in range(block_len):
                 path += (int(rng.choice(vocab, p=inst.draft[path])),)
             paths.append(path)
-        draft_tokens, q, p = _tuple_inputs(inst, paths)
+        draft_tokens, q, p = tuple_inputs(inst, paths)
         assert select_path(draft_tokens, q, p) == _lexicographic_best(draft_tokens, q, p)
 
 
@@ -300,6 +286,6 @@ NEGATIVE_CONTROL_INSTANCES = [("equal", 3, 2, 2, 31), ("mixed", 3, 2, 2, 32), ("
 def test_inconsistent_ranking_is_detected(monkeypatch, broken):
     instances = [random_instance(v, l, k, seed=seed, kind=kind) for kind, v, l, k, seed in NEGATIVE_CONTROL_INSTANCES]
     verifier = get_verifier("gbv")
-    assert max(exact_analysis(verifier, inst).max_law_error for inst in instances) < LAW_TOL
+    assert max(exact_analysis(verifier, inst).max_law_error for inst in instances) < LOSSLESS_TOL
     monkeypatch.setattr(gbv_module, "_rank_order", broken)
     assert max(exact_analysis(verifier, inst).max_law_error for inst in instances) > 1e-6

@@ -13,14 +13,12 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
 
 from gbv.theory import TinyInstance, enumerate_branches, exact_analysis, random_instance
 from gbv.verify import METHODS, get_verifier, is_multi_path
 from gbv.verify.common import VerifyResult, check_shapes, on_path_probs, residual
 
-TOLERANCE = 1e-9
-KINDS = ("mixed", "truncated", "equal", "sharp")
+from exact_checks import KINDS, LOSSLESS_TOL, check_greedy, one_hot_table, tuple_inputs
 
 
 def law_error(verifier, inst: TinyInstance, num_paths: int) -> float:
@@ -39,7 +37,8 @@ def check_lossless(name: str, vocab: int, length: int, num_paths: int, kind: str
     for seed in seeds:
         inst = random_instance(vocab, length, num_paths, seed=seed, kind=kind)
         error = exact_analysis(verifier, inst, num_paths=paths).max_law_error
-        assert error < TOLERANCE, f"{name} is lossy on V={vocab} L={length} K={paths} {kind} seed {seed}: {error:.3g}"
+        assert error < LOSSLESS_TOL, \
+            f"{name} is lossy on V={vocab} L={length} K={paths} {kind} seed {seed}: {error:.3g}"
         count += 1
     return count
 
@@ -86,7 +85,7 @@ def test_single_path_methods_ignore_extra_paths(name):
         inst = random_instance(2, 2, 2, seed=seed, kind="mixed")
         with_extra = exact_analysis(verifier, inst, num_paths=2)
         alone = exact_analysis(verifier, inst, num_paths=1)
-        assert with_extra.max_law_error < TOLERANCE
+        assert with_extra.max_law_error < LOSSLESS_TOL
         assert with_extra.expected_accepted == pytest.approx(alone.expected_accepted, abs=1e-12)
 
 
@@ -94,44 +93,15 @@ def test_single_path_methods_ignore_extra_paths(name):
 def one_hot_rows(inst: TinyInstance, table: str, seed: int) -> TinyInstance:
     """``inst`` with the rows of ``table`` ('target' or 'draft') replaced by one-hot rows at random tokens."""
     rng = np.random.default_rng(seed)
-    rows = {}
-    for ctx, row in getattr(inst, table).items():
-        hot = np.zeros_like(row)
-        hot[rng.integers(inst.vocab)] = 1.0
-        rows[ctx] = hot
+    rows = one_hot_table(getattr(inst, table), lambda row: rng.integers(inst.vocab))
     target = rows if table == "target" else inst.target
     draft = rows if table == "draft" else inst.draft
     return TinyInstance(inst.vocab, inst.block_len, inst.num_paths, target, draft)
 
 
-def argmax_chain(inst: TinyInstance) -> tuple[int, ...]:
-    ctx: tuple[int, ...] = ()
-    for _ in range(inst.block_len + 1):
-        ctx = ctx + (int(np.argmax(inst.target[ctx])),)
-    return ctx
-
-
-def check_greedy(name: str, inst: TinyInstance) -> None:
-    """Every branch of every draft tuple emits the longest drafted prefix matching the target's
-    argmax chain (over all paths the method looks at), then the target's argmax."""
-    verifier = get_verifier(name)
-    num_paths = inst.num_paths if is_multi_path(name) else 1
-    chain = argmax_chain(inst)
-    seqs = [s for s in itertools.product(range(inst.vocab), repeat=inst.block_len)
-            if inst.seq_prob(inst.draft, s) > 0.0]
-    for paths in itertools.product(seqs, repeat=num_paths):
-        matches = [next((i for i in range(inst.block_len) if s[i] != chain[i]), inst.block_len) for s in paths]
-        best = max(matches)
-        tokens = torch.tensor(paths, dtype=torch.long)
-        q = torch.stack([torch.from_numpy(np.stack([inst.draft[s[:i]] for i in range(inst.block_len)])) for s in paths])
-        p = torch.stack([torch.from_numpy(np.stack([inst.target[s[:i]] for i in range(inst.block_len + 1)]))
-                         for s in paths])
-        for result, prob in enumerate_branches(verifier, tokens, q, p):
-            if prob == 0.0:
-                continue
-            assert result.accepted_len == best, f"{name} on paths {paths}: accepted {result.accepted_len}, want {best}"
-            assert matches[result.path] >= best, f"{name} on paths {paths}: path {result.path} does not match"
-            assert result.next_token == chain[best], f"{name} on paths {paths}: emitted {result.next_token}"
+def check_method_greedy(name: str, inst: TinyInstance) -> None:
+    """:func:`exact_checks.check_greedy` on the paths the method looks at (path 0 only for token and block)."""
+    check_greedy(get_verifier(name), inst, inst.num_paths if is_multi_path(name) else 1)
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -140,7 +110,7 @@ def test_temperature_zero_one_hot_target_and_draft(name):
         for seed in range(4):
             base = random_instance(vocab, length, num_paths, seed=seed, kind="dirichlet")
             inst = one_hot_rows(one_hot_rows(base, "target", seed), "draft", seed + 1000)
-            check_greedy(name, inst)
+            check_method_greedy(name, inst)
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -150,7 +120,7 @@ def test_temperature_zero_target_with_sampled_draft(name):
         for seed in range(3):
             kind = "truncated" if seed % 2 else "dirichlet"
             inst = one_hot_rows(random_instance(vocab, length, num_paths, seed=seed, kind=kind), "target", seed)
-            check_greedy(name, inst)
+            check_method_greedy(name, inst)
 
 
 # ---------------------------------------------------------------------- GBV with K = 1 is BV
@@ -161,9 +131,7 @@ def test_gbv_with_one_path_is_block_verification():
         for s in itertools.product(range(vocab), repeat=length):
             if inst.seq_prob(inst.draft, s) == 0.0:
                 continue
-            tokens = torch.tensor([s], dtype=torch.long)
-            q = torch.from_numpy(np.stack([inst.draft[s[:i]] for i in range(length)]))[None]
-            p = torch.from_numpy(np.stack([inst.target[s[:i]] for i in range(length + 1)]))[None]
+            tokens, q, p = tuple_inputs(inst, [s])
             laws = []
             for verifier in (gbv_verifier, block):
                 law: dict[tuple[int, int, int], float] = {}
@@ -222,7 +190,7 @@ CONTROL_SHAPES = [(2, 2, 1), (3, 2, 1), (2, 3, 1), (3, 1, 1)]
 
 def master_check_fails(verifier) -> bool:
     """The master test's check on a share of its instances: does any instance show a law error?"""
-    return any(law_error(verifier, random_instance(v, l, k, seed=seed, kind=kind), 1) >= TOLERANCE
+    return any(law_error(verifier, random_instance(v, l, k, seed=seed, kind=kind), 1) >= LOSSLESS_TOL
                for v, l, k in CONTROL_SHAPES for kind in ("mixed", "truncated") for seed in FAST_SEEDS)
 
 

@@ -1,0 +1,201 @@
+"""Exact checks shared by the verifier tests in this folder (a plain module, put on ``sys.path`` by
+``conftest.py`` like ``tests/engine/engine_toy.py``).
+
+SpecInfer, SpecTr and Traversal Verification are held to the very same exact checks: losslessness by
+enumeration on one grid of instances and seeds, temperature 0 (SPEC section 8), a negative-control
+set, a large-vocabulary smoke run. Written once, the checks cannot drift apart between verifiers,
+and a stricter check or a new instance reaches all of them. Each verifier's file keeps what is its
+own (SPEC section 10 values, the single-path method it reduces to, the internals its negative
+controls break) and brings in the shared tests by name::
+
+    from exact_checks import test_lossless_exact, ...  # collected in that file, ids unchanged
+    verifier = verifier_fixture(verify_specinfer)  # what those tests run on
+
+The building blocks (draft-tuple tensors, one-hot tables, the greedy check) also serve
+test_gbv.py and the all-methods master tests in test_lossless.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from gbv.theory import context_free_instance, enumerate_branches, exact_analysis, random_instance
+from gbv.theory.instance import TinyInstance
+from gbv.verify import TorchRandom
+from gbv.verify.common import Verifier
+from gbv.verify.token import verify_token
+
+KINDS = ("mixed", "truncated", "equal", "sharp")
+# Exact enumeration in float64: a lossless verifier is off by rounding only, far below this bound.
+LOSSLESS_TOL = 1e-9
+
+# (V, L, K) with V^(L*K) draft tuples: up to 256 in the fast set; the largest sizes go to the slow set.
+SIZES = [(v, l, k) for v in (2, 3, 4) for l in (1, 2, 3) for k in (1, 2, 3)]
+FAST = [(v, l, k, kind) for v, l, k in SIZES if v ** (l * k) <= 256 for kind in KINDS]
+FAST += [(v, l, k, "mixed") for v, l, k in SIZES if 256 < v ** (l * k) <= 729]
+SLOW = [(v, l, k, kind) for v, l, k in SIZES if 256 < v ** (l * k) <= 729 for kind in KINDS if kind != "mixed"]
+# The 4096-tuple shapes cost ~10 s each: one mixed instance (rows of every kind) per shape.
+SLOW += [(v, l, k, "mixed") for v, l, k in SIZES if 729 < v ** (l * k) <= 4096]
+
+# Small enough that the greedy check can visit every branch of every draft tuple.
+GREEDY_CASES = [(3, 2, 3, 0), (2, 3, 2, 1), (4, 1, 3, 2), (4, 3, 1, 3)]
+# (V, L, K, seed) of the negative-control set: tiny, yet each verifier's planted bugs show on it.
+NEGATIVE_INSTANCES = [(3, 1, 2, 0), (3, 1, 2, 1), (4, 1, 3, 0), (3, 2, 2, 0)]
+
+
+def grid_seed(vocab: int, block_len: int, num_paths: int, kind: str) -> int:
+    """One fixed seed per grid point, so every verifier is checked on the very same instances."""
+    return 1000 * vocab + 100 * block_len + 10 * num_paths + KINDS.index(kind)
+
+
+# ---------------------------------------------------------------------- building blocks
+def path_tensors(inst: TinyInstance, seq: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, V) draft and (L+1, V) target rows along one drafted sequence (fresh copies: a verifier
+    that wrote into its inputs could not corrupt the instance's tables)."""
+    q = torch.tensor(np.stack([inst.draft[seq[:i]] for i in range(inst.block_len)]))
+    p = torch.tensor(np.stack([inst.target[seq[:i]] for i in range(inst.block_len + 1)]))
+    return q, p
+
+
+def tuple_inputs(inst: TinyInstance, paths) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verifier's inputs for one tuple of drafted paths: tokens (K, L), q (K, L, V), p (K, L+1, V)."""
+    tensors = [path_tensors(inst, s) for s in paths]
+    draft_tokens = torch.tensor(paths, dtype=torch.long).reshape(len(paths), inst.block_len)
+    return draft_tokens, torch.stack([t[0] for t in tensors]), torch.stack([t[1] for t in tensors])
+
+
+def one_hot_table(table: dict, pick: Callable[[np.ndarray], int]) -> dict:
+    """``table`` (context -> row) with every row replaced by a one-hot row at ``pick(row)``
+    (rows visited in the table's order, so a random ``pick`` is reproducible)."""
+    out = {}
+    for ctx, row in table.items():
+        hot = np.zeros_like(row)
+        hot[pick(row)] = 1.0
+        out[ctx] = hot
+    return out
+
+
+def argmax_one_hot(table: dict) -> dict:
+    """The table at temperature 0: each row one-hot at its argmax."""
+    return one_hot_table(table, lambda row: int(np.argmax(row)))
+
+
+def check_greedy(verifier: Verifier, inst: TinyInstance, num_paths: int | None = None) -> int:
+    """SPEC section 8 on every branch of every tuple of ``num_paths`` (default K) drafted paths: the
+    verifier accepts the longest drafted prefix that matches the target's argmax chain (over all
+    the paths it is given), on a path that matches that far, then emits the argmax. Returns the
+    number of branches checked."""
+    num_paths = num_paths or inst.num_paths
+    length = inst.block_len
+    argmax = {ctx: int(np.argmax(row)) for ctx, row in inst.target.items()}
+
+    def matched(seq):
+        m = 0
+        while m < length and argmax[seq[:m]] == seq[m]:
+            m += 1
+        return m
+
+    seqs = [s for s in itertools.product(range(inst.vocab), repeat=length) if inst.seq_prob(inst.draft, s) > 0]
+    checked = 0
+    for combo in itertools.product(seqs, repeat=num_paths):
+        best = max(matched(s) for s in combo)
+        for result, _ in enumerate_branches(verifier, *tuple_inputs(inst, combo)):
+            seq = combo[result.path]
+            assert result.accepted_len == best and matched(seq) >= best, (combo, result, best)
+            assert result.next_token == argmax[seq[:best]], (combo, result, best)
+            checked += 1
+    return checked
+
+
+# ---------------------------------------------------------------------- checks with per-verifier values
+def check_reference_value(verifier: Verifier, num_paths: int, expected: float, tol: float) -> None:
+    """SPEC section 10: E[tau] on the context-free instance p = (1/3, 2/3), q = (2/3, 1/3), L = 2."""
+    inst = context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, num_paths)
+    result = exact_analysis(verifier, inst)
+    assert result.expected_accepted == pytest.approx(expected, abs=tol)
+    assert result.max_law_error < 1e-12
+
+
+def check_same_law(verifier: Verifier, reference: Verifier, inst: TinyInstance) -> None:
+    """``verifier`` has the law of ``reference`` on ``inst``: the same E[tau] and emitted-token law."""
+    ours, ref = exact_analysis(verifier, inst), exact_analysis(reference, inst)
+    assert ours.expected_accepted == pytest.approx(ref.expected_accepted, abs=1e-12)
+    for out in set(ours.emitted_law) | set(ref.emitted_law):
+        assert ours.emitted_law.get(out, 0.0) == pytest.approx(ref.emitted_law.get(out, 0.0), abs=1e-12)
+
+
+def max_error_on_negative_set(verifier: Verifier) -> float:
+    """Largest law error over NEGATIVE_INSTANCES: below LOSSLESS_TOL for the real verifier, and a
+    planted bug must push it above 1e-6, or the exact check would not be worth trusting."""
+    return max(exact_analysis(verifier, random_instance(v, l, k, s, "dirichlet")).max_law_error
+               for v, l, k, s in NEGATIVE_INSTANCES)
+
+
+# ---------------------------------------------------------------------- shared tests (need a `verifier` fixture)
+def verifier_fixture(verifier: Verifier):
+    """The ``verifier`` fixture the shared tests below take; a test file binds it to its verifier with
+    ``verifier = verifier_fixture(verify_x)`` (pytest finds fixtures by the module attribute)."""
+    @pytest.fixture(name="verifier")
+    def _verifier() -> Verifier:
+        return verifier
+    return _verifier
+
+
+def _check_lossless(verifier: Verifier, vocab: int, block_len: int, num_paths: int, kind: str) -> None:
+    inst = random_instance(vocab, block_len, num_paths, grid_seed(vocab, block_len, num_paths, kind), kind)
+    assert exact_analysis(verifier, inst).max_law_error < LOSSLESS_TOL
+
+
+@pytest.mark.parametrize("vocab,block_len,num_paths,kind", FAST)
+def test_lossless_exact(verifier, vocab, block_len, num_paths, kind):
+    _check_lossless(verifier, vocab, block_len, num_paths, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab,block_len,num_paths,kind", SLOW)
+def test_lossless_exact_large(verifier, vocab, block_len, num_paths, kind):
+    _check_lossless(verifier, vocab, block_len, num_paths, kind)
+
+
+@pytest.mark.parametrize("vocab,block_len,seed", [(3, 2, 0), (4, 3, 1), (2, 3, 2)])
+def test_single_path_is_token_level(verifier, vocab, block_len, seed):
+    """For verifiers that reduce to token-level sampling with one path (SpecInfer, SpecTr)."""
+    check_same_law(verifier, verify_token, random_instance(vocab, block_len, 1, seed, "mixed"))
+
+
+@pytest.mark.parametrize("vocab,block_len,num_paths,seed", GREEDY_CASES)
+def test_temperature_zero(verifier, vocab, block_len, num_paths, seed):
+    base = random_instance(vocab, block_len, num_paths, seed, "mixed")
+    greedy = TinyInstance(vocab, block_len, num_paths, argmax_one_hot(base.target), argmax_one_hot(base.draft))
+    assert check_greedy(verifier, greedy) >= 1
+
+
+@pytest.mark.parametrize("kind", ["mixed", "sharp", "truncated"])
+def test_greedy_target_sampled_draft(verifier, kind):
+    """One-hot p, stochastic q (paths differ): still the longest matching prefix over all paths."""
+    base = random_instance(3, 2, 3, 7, kind)
+    inst = TinyInstance(3, 2, 3, argmax_one_hot(base.target), base.draft)
+    assert check_greedy(verifier, inst) >= 1
+
+
+def test_negative_control_set_is_lossless_unpatched(verifier):
+    assert max_error_on_negative_set(verifier) < LOSSLESS_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_vocab_smoke(verifier, dtype):
+    """Production sizes (V = 50k, float32 too): the verifier runs and returns an in-range result."""
+    gen = torch.Generator().manual_seed(0)
+    num_paths, block_len, vocab = 4, 3, 50_000
+    q = torch.softmax(torch.randn(num_paths, block_len, vocab, generator=gen, dtype=dtype) * 3, -1)
+    p = torch.softmax(torch.randn(num_paths, block_len + 1, vocab, generator=gen, dtype=dtype) * 3, -1)
+    tokens = torch.stack([torch.multinomial(q[k], 1, generator=gen).squeeze(-1) for k in range(num_paths)])
+    for seed in range(5):
+        result = verifier(tokens, q, p, TorchRandom(seed=seed))
+        assert 0 <= result.path < num_paths and 0 <= result.accepted_len <= block_len
+        assert 0 <= result.next_token < vocab
