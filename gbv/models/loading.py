@@ -140,14 +140,17 @@ def load_pair(target: str | None = "bundled", draft: str | None = None, device: 
     """
     dev = parse_device(device)
     torch_dtype = parse_dtype(dtype)
+    names = None
     if target is None or target == "bundled":
         if draft is not None and draft != "bundled":
             raise GbvError("give --target together with --draft (or neither, for the bundled pair)")
         target, draft = _bundled()
+        names = ("bundled/target", "bundled/draft")  # not this machine's install path, in reports
     target_model = _load_model(target, dev, torch_dtype, allow_download)
     draft_model = _load_model(draft, dev, torch_dtype, allow_download) if draft is not None else None
     tokenizer = _load_tokenizer(target, allow_download)
     if draft is not None:
         check_tokenizers(tokenizer, _load_tokenizer(draft, allow_download))
     return ModelPair(target=target_model, draft=draft_model, tokenizer=tokenizer, device=str(dev),
-                     dtype=torch_dtype, names=(str(target), str(draft) if draft is not None else ""))
+                     dtype=torch_dtype,
+                     names=names or (str(target), str(draft) if draft is not None else ""))
