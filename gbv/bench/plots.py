@@ -86,21 +86,26 @@ def plot_vs_k(rows: list[dict], value: str, ylabel: str, path: Path, panel_keys:
         ax.set_xticks(all_k)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
-    for idx in range(len(panels), n_rows * n_cols):
-        axes[idx // n_cols][idx % n_cols].axis("off")
-    handles, labels = {}, []
-    for ax_row in axes:
-        for ax in ax_row:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in handles:
-                    handles[lab] = h
-                    labels.append(lab)
-    fig.legend([handles[lab] for lab in labels], labels, loc="upper center", ncol=min(len(labels), 9),
-               fontsize=8, bbox_to_anchor=(0.5, 1.0 + 0.06 / n_rows))
+    _hide_unused_and_add_legend(fig, axes, len(panels), n_cols, max_legend_cols=9, legend_y=1.0 + 0.06 / n_rows)
     fig.suptitle(title, y=1.0 + 0.12 / n_rows, fontsize=10)
     fig.tight_layout()
     _save(fig, path)
 
+
+
+def _hide_unused_and_add_legend(fig, axes, used_panels: int, n_cols: int, max_legend_cols: int,
+                                legend_y: float) -> None:
+    """Blank the grid cells past the last panel; one figure legend with every label once (panels
+    share methods, so per-axes legends would repeat them)."""
+    for idx in range(used_panels, len(axes) * n_cols):
+        axes[idx // n_cols][idx % n_cols].axis("off")
+    handles: dict = {}
+    for ax_row in axes:
+        for ax in ax_row:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="upper center",
+               ncol=min(len(handles), max_legend_cols), fontsize=8, bbox_to_anchor=(0.5, legend_y))
 
 def plot_vs_temperature(rows: list[dict], value: str, ylabel: str, path: Path, panel_keys: tuple[str, ...],
                         panel_names: tuple[str, ...], methods: list[str], title: str) -> None:
@@ -131,17 +136,7 @@ def plot_vs_temperature(rows: list[dict], value: str, ylabel: str, path: Path, p
         ax.set_xlabel("temperature T")
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
-    for idx in range(len(panels), n_rows * n_cols):
-        axes[idx // n_cols][idx % n_cols].axis("off")
-    handles, labels = {}, []
-    for ax_row in axes:
-        for ax in ax_row:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in handles:
-                    handles[lab] = h
-                    labels.append(lab)
-    fig.legend([handles[lab] for lab in labels], labels, loc="upper center", ncol=min(len(labels), 5),
-               fontsize=8, bbox_to_anchor=(0.5, 1.0 + 0.1 / n_rows))
+    _hide_unused_and_add_legend(fig, axes, len(panels), n_cols, max_legend_cols=5, legend_y=1.0 + 0.1 / n_rows)
     fig.suptitle(f"{title} (multi-path methods at K={k_max})", y=1.0 + 0.2 / n_rows, fontsize=10)
     fig.tight_layout()
     _save(fig, path)
