@@ -102,3 +102,31 @@ def residual(p: Tensor, q: Tensor, scale: float | Tensor = 1.0) -> Tensor:
 def on_path_probs(dist: Tensor, tokens: Tensor) -> Tensor:
     """``dist[..., i, tokens[..., i]]``: probability of each drafted token. (…, L, V), (…, L) -> (…, L)."""
     return dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# A level rule of a level-wise multi-path verifier: given the node's target and draft rows (V,) and
+# the alive paths' draws at that level (in path-index order), return ``(token, None)`` when a draw
+# is accepted, or ``(None, dist)`` with the distribution the correction token is sampled from.
+LevelRule = Callable[[Tensor, Tensor, list[int], RandomSource], tuple[int | None, Tensor | None]]
+
+
+def verify_level_by_level(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource,
+                          level_rule: LevelRule) -> VerifyResult:
+    """The driver shared by SpecInfer and SpecTr: walk the K paths level by level.
+
+    At depth ``d`` the *alive* paths agree with every token accepted so far, so they share one node
+    and their ``p``/``q`` rows at ``d`` are the same (the first alive path's rows are used). The rule
+    decides the level; an accepted token keeps alive only the paths carrying it; a rejection ends the
+    block with a token from the rule's residual; surviving all ``L`` levels earns the bonus ``p_L``.
+    Returns the first (lowest-index) path carrying the accepted prefix.
+    """
+    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    tokens = draft_tokens.tolist()
+    alive = list(range(num_paths))
+    for depth in range(block_len):
+        lead = alive[0]
+        accepted, correction = level_rule(p[lead, depth], q[lead, depth], [tokens[k][depth] for k in alive], rng)
+        if accepted is None:
+            return VerifyResult(lead, depth, rng.sample(correction))
+        alive = [k for k in alive if tokens[k][depth] == accepted]
+    return VerifyResult(alive[0], block_len, rng.sample(p[alive[0], block_len]))

@@ -22,17 +22,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, residual
+from gbv.verify.common import RandomSource, VerifyResult, residual, verify_level_by_level
 
 
-def _trial_order(alive: list[int], level_tokens: list[int]) -> list[int]:
-    """Paths whose draws are tried at one level, in order: every alive path, duplicates included.
-
-    Args:
-        alive: indices of the alive paths, increasing.
-        level_tokens: ``level_tokens[k]`` = token of path ``k`` at this level (all K paths).
-    """
-    return alive
+def _trial_order(draws: list[int]) -> list[int]:
+    """The draws tried at one level, in order: every alive path's draw, duplicates included
+    (each copy is its own trial; skipping copies breaks losslessness)."""
+    return draws
 
 
 def _accept_prob(r_y: float, q_y: float) -> float:
@@ -40,6 +36,16 @@ def _accept_prob(r_y: float, q_y: float) -> float:
     if q_y <= 0.0:
         return 1.0 if r_y > 0.0 else 0.0
     return min(1.0, r_y / q_y)
+
+
+def _specinfer_level(p_d: Tensor, q_d: Tensor, draws: list[int], rng: RandomSource) -> tuple[int | None, Tensor]:
+    """One level: try the draws against the running residual ``r`` (starting at ``p_d``)."""
+    r = p_d
+    for y in _trial_order(draws):
+        if rng.accept(_accept_prob(float(r[y]), float(q_d[y]))):
+            return y, r
+        r = residual(r, q_d)  # norm((r - q_d)+); falls back to r on a zero-mass (round-off) residual
+    return None, r
 
 
 def verify_specinfer(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
@@ -54,22 +60,4 @@ def verify_specinfer(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSour
         ``VerifyResult(path, accepted_len, next_token)``; ``path`` is the first (lowest-index) path
         carrying the accepted prefix.
     """
-    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
-    tokens = draft_tokens.tolist()
-    alive = list(range(num_paths))
-    for depth in range(block_len):
-        lead = alive[0]
-        q_d = q[lead, depth]
-        r = p[lead, depth]
-        level_tokens = [path[depth] for path in tokens]
-        accepted = None
-        for k in _trial_order(alive, level_tokens):
-            y = level_tokens[k]
-            if rng.accept(_accept_prob(float(r[y]), float(q_d[y]))):
-                accepted = y
-                break
-            r = residual(r, q_d)  # norm((r - q_d)+); falls back to r on a zero-mass (round-off) residual
-        if accepted is None:
-            return VerifyResult(lead, depth, rng.sample(r))
-        alive = [k for k in alive if level_tokens[k] == accepted]
-    return VerifyResult(alive[0], block_len, rng.sample(p[alive[0], block_len]))
+    return verify_level_by_level(draft_tokens, q, p, rng, _specinfer_level)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, normalize_or
+from gbv.verify.common import RandomSource, VerifyResult, normalize_or, verify_level_by_level
 
 # Relative width of the final bisection bracket for rho. The returned value is the bracket's upper
 # end, at which the K-SEQ inequality was checked to hold, so rho is at most this far above the exact
@@ -113,6 +113,16 @@ def _kseq_residual(p: Tensor, q: Tensor, rho: float, k: int) -> Tensor:
     return normalize_or((p - overlap * scale).clamp_min(0.0), p)
 
 
+def _kseq_level(p_d: Tensor, q_d: Tensor, draws: list[int], rng: RandomSource) -> tuple[int | None, Tensor | None]:
+    """One level: the smallest valid rho for ``k = len(draws)``, then the draws in order."""
+    k = len(draws)
+    rho = _smallest_rho(p_d, q_d, k)
+    for y in draws:
+        if rng.accept(_accept_prob(float(p_d[y]), float(q_d[y]), rho)):
+            return y, None
+    return None, _kseq_residual(p_d, q_d, rho, k)
+
+
 def verify_spectr(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
     """SpecTr K-SEQ, level-wise over the K drafted paths.
 
@@ -125,21 +135,4 @@ def verify_spectr(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource)
         ``VerifyResult(path, accepted_len, next_token)``; ``path`` is the first (lowest-index) path
         carrying the accepted prefix.
     """
-    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
-    tokens = draft_tokens.tolist()
-    alive = list(range(num_paths))
-    for depth in range(block_len):
-        lead = alive[0]
-        q_d, p_d = q[lead, depth], p[lead, depth]
-        k = len(alive)
-        rho = _smallest_rho(p_d, q_d, k)
-        accepted = None
-        for path in alive:
-            y = tokens[path][depth]
-            if rng.accept(_accept_prob(float(p_d[y]), float(q_d[y]), rho)):
-                accepted = y
-                break
-        if accepted is None:
-            return VerifyResult(lead, depth, rng.sample(_kseq_residual(p_d, q_d, rho, k)))
-        alive = [path for path in alive if tokens[path][depth] == accepted]
-    return VerifyResult(alive[0], block_len, rng.sample(p[alive[0], block_len]))
+    return verify_level_by_level(draft_tokens, q, p, rng, _kseq_level)

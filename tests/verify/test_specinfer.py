@@ -34,13 +34,8 @@ def test_registry():
 
 # ---------------------------------------------------------------------- negative control
 def test_skipping_duplicate_draws_is_caught(monkeypatch):
-    def first_copy_only(alive, level_tokens):
-        seen, order = set(), []
-        for k in alive:
-            if level_tokens[k] not in seen:
-                seen.add(level_tokens[k])
-                order.append(k)
-        return order
+    def first_copy_only(draws):
+        return list(dict.fromkeys(draws))  # each distinct token once, in first-appearance order
 
     monkeypatch.setattr(specinfer, "_trial_order", first_copy_only)
     assert max_error_on_negative_set(verify_specinfer) > 1e-6
