@@ -30,13 +30,11 @@ from typing import Any
 
 import torch
 
-from gbv.engine import cache as kv
-from gbv.engine.sampling import SamplingConfig, process_logits, sample
+from gbv.engine.decoder import AR, Decoder
+from gbv.engine.sampling import SamplingConfig
 from gbv.engine.stats import GenerationStats
 from gbv.errors import GbvError
-from gbv.verify import METHODS, TorchRandom, get_verifier, is_multi_path
-
-AR = "ar"
+from gbv.verify import METHODS
 
 
 def all_methods() -> tuple[str, ...]:
@@ -118,130 +116,6 @@ def _eos_list(eos_token_id, pair) -> list[int]:
     if isinstance(eos_token_id, int):
         return [eos_token_id]
     return [int(v) for v in eos_token_id]
-
-
-# ----------------------------------------------------------------------------------------------- decoder
-
-class Decoder:
-    """The decoding state of one sequence and one iteration step. Used by :func:`generate`; tests use
-    it to inspect the caches (``target_cache`` holds ``tokens[:-1]``, ``draft_cache`` holds
-    ``tokens[:draft_len]``; the draft still has to be fed ``tokens[draft_len:]``)."""
-
-    def __init__(self, target, draft, method: str, num_paths: int, block_len: int, vocab: int,
-                 target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device) -> None:
-        self.target = target
-        self.draft = draft
-        self.method = method
-        self.verifier = None if method == AR else get_verifier(method)
-        self.num_paths = 0 if method == AR else (num_paths if is_multi_path(method) else 1)
-        self.block_len = 0 if method == AR else block_len
-        self.vocab = vocab
-        self.target_sampling = target_sampling
-        self.draft_sampling = draft_sampling
-        self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
-        self.rng = TorchRandom(self.generator)
-        self.target_cache = kv.new_cache(target)
-        self.draft_cache = kv.new_cache(draft) if self.verifier is not None else None
-        self.tokens: list[int] = []
-        self.draft_len = 0
-        self.stats = GenerationStats(method=method, num_paths=self.num_paths, block_len=self.block_len,
-                                     depth_accept_counts=[0] * self.block_len)
-
-    def _ids(self, ids: Sequence[int] | torch.Tensor, rows: int = 1) -> torch.Tensor:
-        tensor = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
-        return tensor.expand(rows, -1) if rows > 1 else tensor
-
-    def prefill(self, prompt_ids: Sequence[int]) -> None:
-        """Feed every prompt token but the last to both models."""
-        start = time.perf_counter()
-        self.tokens = list(prompt_ids)
-        if len(self.tokens) > 1:
-            head = self._ids(self.tokens[:-1])
-            self.target(input_ids=head, cache=self.target_cache, use_cache=True, logits_to_keep=1)
-            if self.draft_cache is not None:
-                self.draft(input_ids=head, cache=self.draft_cache, use_cache=True, logits_to_keep=1)
-        self.draft_len = len(self.tokens) - 1
-        self.stats.prompt_tokens = len(self.tokens)
-        self.stats.time_prefill += time.perf_counter() - start
-
-    def step(self, block_len: int | None = None) -> list[int]:
-        """One iteration; returns the newly committed tokens (the last one is the new pending token).
-        ``block_len`` (<= the configured one) shortens this iteration's block; 0 = a plain target step."""
-        block = self.block_len if block_len is None else min(block_len, self.block_len)
-        if block <= 0:
-            return self._target_step()
-        stats = self.stats
-        # A greedy draft makes K identical paths: draft one (any K is lossless; this one is cheapest).
-        rows = 1 if self.draft_sampling.greedy else self.num_paths
-        committed = len(self.tokens) - 1  # = target cache length
-
-        # 1. draft K paths of `block` tokens, one batched forward per step.
-        start = time.perf_counter()
-        kv.replicate(self.draft_cache, rows)
-        feed = self._ids(self.tokens[self.draft_len:], rows)
-        drafted = torch.empty(rows, block, dtype=torch.long, device=self.device)
-        q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
-        greedy = self.draft_sampling.greedy
-        for i in range(block):
-            logits = self.draft(input_ids=feed, cache=self.draft_cache, use_cache=True, logits_to_keep=1).logits
-            q_i = process_logits(logits[:, -1, :self.vocab], self.draft_sampling)
-            x_i = sample(q_i, self.generator, greedy)
-            q[:, i] = q_i
-            drafted[:, i] = x_i
-            feed = x_i[:, None]
-        stats.draft_steps += block
-        t_draft = time.perf_counter()
-        stats.time_draft += t_draft - start
-
-        # 2. score every path in one target forward.
-        kv.replicate(self.target_cache, rows)
-        pending = self._ids(self.tokens[-1:], rows)
-        logits = self.target(input_ids=torch.cat([pending, drafted], dim=1), cache=self.target_cache,
-                             use_cache=True).logits
-        p = process_logits(logits[..., :self.vocab], self.target_sampling)
-        stats.target_calls += 1
-        t_target = time.perf_counter()
-        stats.time_target += t_target - t_draft
-
-        # 3. verify.
-        result = self.verifier(drafted, q, p, self.rng)
-        t_verify = time.perf_counter()
-        stats.time_verify += t_verify - t_target
-        path, tau = result.path, result.accepted_len
-        stats.record_accept(tau)
-
-        # 4. commit; keep the chosen row of each cache, cropped to the committed length.
-        new = drafted[path, :tau].tolist() + [int(result.next_token)]
-        self.tokens.extend(new)
-        kv.select_row(self.target_cache, path)
-        kv.crop(self.target_cache, committed + 1 + tau)
-        kv.select_row(self.draft_cache, path)
-        # The draft saw pending + x_1..x_{block-1}: it holds committed + block positions.
-        self.draft_len = min(committed + block, committed + 1 + tau)
-        kv.crop(self.draft_cache, self.draft_len)
-        return new
-
-    def _target_step(self) -> list[int]:
-        start = time.perf_counter()
-        logits = self.target(input_ids=self._ids(self.tokens[-1:]), cache=self.target_cache, use_cache=True).logits
-        probs = process_logits(logits[0, -1, :self.vocab], self.target_sampling)
-        token = int(sample(probs[None], self.generator, self.target_sampling.greedy)[0])
-        self.stats.target_calls += 1
-        self.stats.time_target += time.perf_counter() - start
-        self.tokens.append(token)
-        return [token]
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` committed tokens (after an EOS / stop string / token limit)."""
-        if length >= len(self.tokens):
-            return
-        del self.tokens[length:]
-        kv.crop(self.target_cache, length - 1)
-        if self.draft_cache is not None:
-            self.draft_len = min(self.draft_len, length - 1)
-            kv.crop(self.draft_cache, self.draft_len)
 
 
 # ----------------------------------------------------------------------------------------------- API

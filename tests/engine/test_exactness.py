@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import gbv.engine.generate as engine
+import gbv.engine.decoder as engine_decoder
 from gbv.engine.generate import generate
 from gbv.engine.sampling import SamplingConfig, process_logits
 from gbv.models.loading import ModelPair
@@ -113,7 +113,7 @@ def test_negative_control_wrong_q_is_caught(toy_pair, monkeypatch, method):
         skewed = q ** 0.5  # q at twice the temperature
         return real(tokens, skewed / skewed.sum(-1, keepdim=True), p, rng)
 
-    monkeypatch.setattr(engine, "get_verifier", lambda name: wrong_q)
+    monkeypatch.setattr(engine_decoder, "get_verifier", lambda name: wrong_q)
     stat, threshold = check(toy_pair, RUNS, 1.0, method=method, num_paths=3, block_len=2)
     assert stat > threshold, f"broken engine not detected: chi2 {stat:.1f} < {threshold:.1f}"
 
