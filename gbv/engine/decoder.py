@@ -139,3 +139,28 @@ class Decoder:
         if self.draft_cache is not None:
             self.draft_len = min(self.draft_len, length - 1)
             kv.crop(self.draft_cache, self.draft_len)
+
+
+def engine_for(target, draft) -> str:
+    """``"tree"`` when both models run on the lean tree engine (the Llama family), else ``"hf"``.
+    ``GBV_ENGINE=hf`` in the environment forces the plain Hugging Face path (for comparisons)."""
+    import os
+
+    from gbv.engine.lean import lean_unsupported_reason
+
+    if os.environ.get("GBV_ENGINE", "").lower() == "hf":
+        return "hf"
+    models = [m for m in (target, draft) if m is not None]
+    return "tree" if all(lean_unsupported_reason(m) is None for m in models) else "hf"
+
+
+def make_decoder(target, draft, method: str, num_paths: int, block_len: int, vocab: int,
+                 target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device):
+    """The decoder for this pair: :class:`~gbv.engine.tree_decoder.TreeDecoder` on the lean engine
+    where both models support it, else the plain Hugging Face :class:`Decoder`."""
+    if engine_for(target, draft) == "tree":
+        from gbv.engine.tree_decoder import TreeDecoder
+
+        return TreeDecoder(target, draft, method, num_paths, block_len, vocab, target_sampling, draft_sampling,
+                           seed, device)
+    return Decoder(target, draft, method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, device)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gbv.engine.decoder import AR, Decoder
+from gbv.engine.decoder import AR, make_decoder
 from gbv.engine.sampling import SamplingConfig
 from gbv.engine.stats import GenerationStats
 from gbv.errors import GbvError
@@ -204,7 +204,7 @@ def _run(pair, ids, method, num_paths, block_len, vocab, target_sampling, draft_
     tokenizer = pair.tokenizer
     draft = pair.draft if method != AR else None
     with torch.inference_mode():
-        decoder = Decoder(pair.target, draft, method, num_paths, block_len, vocab, target_sampling,
+        decoder = make_decoder(pair.target, draft, method, num_paths, block_len, vocab, target_sampling,
                           draft_sampling, seed, pair.device)
         decoder.prefill(ids)
     prompt_len = len(ids)

@@ -16,6 +16,9 @@ class GenerationStats:
     ``target_calls`` counts target forwards after the prefill (for ``ar`` it equals ``new_tokens``).
     ``accepted_lengths[i]`` is the verifier's accepted length ``tau`` at iteration ``i``;
     ``depth_accept_counts[d-1]`` is how many iterations accepted at least ``d`` tokens.
+    ``tree_nodes`` is the number of token-tree nodes the target scored over its ``tree_calls``
+    speculative calls (tree engine only; a node is one distinct drafted prefix or the pending token:
+    K paths of L tokens give at most K*L + 1, fewer where paths share prefixes).
     ``block_efficiency = new_tokens / target_calls``. ``time_other`` is everything not in the draft,
     target or verifier timers (prefill, cache surgery, bookkeeping, decoding text).
     Near the end of a generation the block is shortened so that no drafted token falls beyond
@@ -30,6 +33,8 @@ class GenerationStats:
     new_tokens: int = 0
     target_calls: int = 0
     draft_steps: int = 0
+    tree_calls: int = 0
+    tree_nodes: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     depth_accept_counts: list[int] = field(default_factory=list)
     stop_reason: str = ""
@@ -48,6 +53,10 @@ class GenerationStats:
         return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
 
     @property
+    def mean_tree_nodes(self) -> float:
+        return self.tree_nodes / self.tree_calls if self.tree_calls else 0.0
+
+    @property
     def time_other(self) -> float:
         return max(0.0, self.time_total - self.time_draft - self.time_target - self.time_verify)
 
@@ -63,6 +72,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(block_efficiency=self.block_efficiency, mean_accepted_length=self.mean_accepted_length,
+                   mean_tree_nodes=self.mean_tree_nodes,
                    time_other=self.time_other, tokens_per_second=self.tokens_per_second)
         return out
 

@@ -8,7 +8,9 @@ import torch
 
 import gbv
 import gbv.engine.generate as engine
+from gbv.engine.decoder import engine_for
 from gbv.engine.generate import Generation, all_methods, generate, shared_vocab
+from gbv.engine.tree_decoder import TreeDecoder
 from gbv.errors import GbvError
 from gbv.models.loading import ModelPair, check_tokenizers
 
@@ -94,45 +96,63 @@ def _next_logits_fresh(model, tokens):
         return model(input_ids=torch.tensor([tokens])).logits[0, -1]
 
 
-def _check_caches_after_generation(monkeypatch, arch, method, settings):
+def _cached_next_logits(dec, which: str, tokens: list[int]) -> torch.Tensor:
+    """Next-token logits after ``tokens`` from the decoder's cache of ``which`` model, feeding only
+    the tokens that cache has not seen (the pending one; for the draft, from ``draft_len`` on)."""
+    start = len(tokens) - 1 if which == "target" else dec.draft_len
+    with torch.inference_mode():  # the caches were made in inference mode
+        if isinstance(dec, TreeDecoder):
+            model, cache = (dec.target, dec.target_cache) if which == "target" else (dec.draft, dec.draft_cache)
+            return dec._chain(model, cache, tokens[start:], start)
+        model, cache = (dec.target, dec.target_cache) if which == "target" else (dec.draft, dec.draft_cache)
+        assert cache.get_seq_length() == start
+        return model(input_ids=torch.tensor([tokens[start:]]), cache=cache, use_cache=True).logits[0, -1]
+
+
+def _check_caches_after_generation(monkeypatch, arch, method, settings, engine_kind):
     decoders = []
+    real = engine.make_decoder
 
-    class Recording(engine.Decoder):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            decoders.append(self)
+    def recording(*args, **kwargs):
+        decoders.append(real(*args, **kwargs))
+        return decoders[-1]
 
-    monkeypatch.setattr(engine, "Decoder", Recording)
+    monkeypatch.setattr(engine, "make_decoder", recording)
     target, draft = hf_pair(arch, vocab=32, seed=5)
     pair = ModelPair(target, draft)
     for max_new, temperature, eos in settings:
         out = generate(pair, prompt_ids=PROMPT, method=method, num_paths=3, block_len=4, temperature=temperature,
                        max_new_tokens=max_new, eos_token_id=eos, seed=max_new)
         dec = decoders[-1]
+        assert isinstance(dec, TreeDecoder) == (engine_kind == "tree")
         tokens = dec.tokens
         assert tokens == PROMPT + out.token_ids
-        assert dec.target_cache.get_seq_length() == len(tokens) - 1
-        with torch.no_grad():
-            cached = target(input_ids=torch.tensor([tokens[-1:]]), cache=dec.target_cache, use_cache=True).logits[0, -1]
-        torch.testing.assert_close(cached, _next_logits_fresh(target, tokens), atol=1e-4, rtol=0)
+        torch.testing.assert_close(_cached_next_logits(dec, "target", tokens), _next_logits_fresh(target, tokens),
+                                   atol=1e-4, rtol=0)
         if method != "ar":
-            assert dec.draft_cache.get_seq_length() == dec.draft_len < len(tokens)
-            with torch.no_grad():
-                cached = draft(input_ids=torch.tensor([tokens[dec.draft_len:]]), cache=dec.draft_cache,
-                               use_cache=True).logits[0, -1]
-            torch.testing.assert_close(cached, _next_logits_fresh(draft, tokens), atol=1e-4, rtol=0)
+            assert dec.draft_len < len(tokens)
+            torch.testing.assert_close(_cached_next_logits(dec, "draft", tokens), _next_logits_fresh(draft, tokens),
+                                       atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_caches_equal_fresh_prefill(monkeypatch, method):
     # (max_new_tokens, temperature, eos): token limit, greedy, and stops on an EOS mid-block.
     _check_caches_after_generation(monkeypatch, "llama", method, [(17, 1.0, []), (9, 0.0, []), (23, 0.7, []),
-                                                                  (40, 1.0, [3, 5, 7])])
+                                                                  (40, 1.0, [3, 5, 7])], "tree")
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
 def test_caches_equal_fresh_prefill_architectures(monkeypatch, arch):
-    _check_caches_after_generation(monkeypatch, arch, "gbv", [(13, 1.0, []), (30, 1.0, [3, 5])])
+    kind = engine_for(*hf_pair(arch, vocab=32))
+    assert kind == ("tree" if arch in ("qwen2", "qwen3") else "hf")
+    _check_caches_after_generation(monkeypatch, arch, "gbv", [(13, 1.0, []), (30, 1.0, [3, 5])], kind)
+
+
+def test_plain_hf_path_on_llama(monkeypatch):
+    """The plain Hugging Face path stays correct for the Llama family too (GBV_ENGINE=hf)."""
+    monkeypatch.setenv("GBV_ENGINE", "hf")
+    _check_caches_after_generation(monkeypatch, "llama", "gbv", [(13, 1.0, []), (30, 1.0, [3, 5])], "hf")
 
 
 @pytest.mark.parametrize("method", ["block", "gbv"])

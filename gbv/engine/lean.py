@@ -1,0 +1,214 @@
+"""A lean forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) over a preallocated KV cache.
+
+Why: an eager transformers decode step of a small model is mostly framework work (about 1,750 aten
+ops for the bundled 8-layer target, of which matrix multiplies are 65% of the time; a 1-layer draft
+costs 1.2 ms for 0.03 ms of arithmetic). Speculative decoding runs many small forwards, so that
+overhead eats the gain. This module runs the same mathematics with the Hugging Face modules' own
+weights (no copy) in about 25 ops per layer, and gives tree verification what it needs:
+
+- a preallocated cache, one tensor pair per layer, shape (B, kv_heads, capacity, head_dim): new
+  entries are written into slots, rollback is a length change, and keeping the accepted path of a
+  draft tree is one gather/scatter of a few slots (:meth:`KVCache.move`); nothing copies the prefix;
+- arbitrary per-query ``positions`` and a boolean attention ``mask`` (B, 1, N, S), so that the nodes of
+  a token tree are scored in one pass over one shared prefix.
+
+The plain Hugging Face path (``gbv.engine.decoder``) stays for every other architecture and for
+configurations this module does not cover (:func:`lean_unsupported_reason` says why).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def lean_unsupported_reason(model) -> str | None:
+    """None when :class:`LeanCausalLM` can run ``model`` exactly; else why not (one phrase)."""
+    name = type(model).__name__
+    if name not in LEAN_ARCHITECTURES:
+        return f"architecture {name} (lean path: {', '.join(LEAN_ARCHITECTURES)})"
+    config = model.config
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        layer_types = getattr(config, "layer_types", None) or []
+        if name == "MistralForCausalLM" or "sliding_attention" in layer_types:
+            return "sliding-window attention"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    if getattr(config, "pretraining_tp", 1) not in (1, None):
+        return "tensor-parallel pretraining slices"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        return f"rope type {rope.get('rope_type')} (its frequencies depend on the sequence length)"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "unexpected module layout"
+    return None
+
+
+class KVCache:
+    """Preallocated keys and values: ``keys[l]``, ``values[l]`` are (B, kv_heads, capacity, head_dim).
+
+    The cache knows nothing of lengths: the decoder tracks which slots hold committed tokens and
+    masks the rest, so rolling back rejected tokens costs nothing.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to at least ``capacity`` slots, keeping the contents (amortised: at least doubles)."""
+        if capacity <= self.capacity:
+            return
+        capacity = max(capacity, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for layer, old in enumerate(store):
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[:, :, :old.shape[2]] = old
+                store[layer] = new
+
+    def move(self, src: Tensor, dst: Tensor, row: int = 0) -> None:
+        """Copy slots ``src`` to slots ``dst`` (1D long tensors of equal length) in batch row ``row``,
+        in every layer. The source is read whole before the destination is written."""
+        for store in (self.keys, self.values):
+            for tensor in store:
+                tensor[row, :, dst] = tensor[row, :, src]
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    """The weights of one decoder layer (references to the Hugging Face parameters)."""
+
+    def __init__(self, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm.weight
+        self.input_eps = layer.input_layernorm.variance_epsilon
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.post_eps = layer.post_attention_layernorm.variance_epsilon
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over the head dimension
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.scaling = attn.scaling
+        self.gate, self.up, self.down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        self.act = mlp.act_fn
+
+
+class LeanCausalLM:
+    """The forward pass of a Hugging Face Llama-family causal LM, over a :class:`KVCache`.
+
+    ``model`` must pass :func:`lean_unsupported_reason`. The Hugging Face model is kept (its weights
+    are used in place) and stays usable as it was.
+    """
+
+    def __init__(self, model) -> None:
+        reason = lean_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"no lean forward for this model: {reason}")
+        self.model = model
+        config = model.config.get_text_config()
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.norm = inner.norm.weight
+        self.norm_eps = inner.norm.variance_epsilon
+        self.lm_head = model.lm_head.weight
+        self.lm_bias = getattr(model.lm_head, "bias", None)
+        self.rotary = inner.rotary_emb
+        self.num_heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    def _rotary(self, positions: Tensor, upto: int) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (*positions.shape, head_dim), from a table computed by the model's own
+        rotary module (so every rope scaling type it supports is honoured)."""
+        if self._cos is None or self._cos.shape[0] < upto:
+            size = max(upto, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            if self.max_positions:
+                size = max(upto, min(size, self.max_positions))
+            ids = torch.arange(size, device=self.device)[None]
+            probe = torch.empty((), dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, ids)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions], self._sin[positions]
+
+    def forward(self, tokens: Tensor, positions: Tensor, start: int, cache: KVCache, mask: Tensor | None,
+                causal: bool = False, last_only: bool = False) -> Tensor:
+        """Run ``tokens`` and write their keys/values into slots ``start .. start+N-1`` of every row.
+
+        Args:
+            tokens: (B, N) long. positions: (B, N) long, the rotary positions.
+            start: first slot written (the same for every row).
+            mask: (B, 1, N, start+N) bool, True where a query may attend a slot; None means every
+                query attends every slot before ``start`` and itself and nothing after (a chain whose
+                queries are also causal among themselves when ``causal``; a single query otherwise).
+            last_only: return the logits of the last query only.
+        Returns:
+            (B, N, V) logits (N = 1 with ``last_only``), in the model's dtype.
+        """
+        batch, n = tokens.shape
+        end = start + n
+        if end > cache.capacity:
+            cache.grow(end)
+        cos, sin = self._rotary(positions, end)  # invariant: every position < end (positions <= slots)
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, D)
+        hidden = F.embedding(tokens, self.embed)
+        if mask is None and n > 1 and not causal:
+            raise ValueError("several queries need a mask or causal=True")
+        use_causal = mask is None and causal and start == 0
+        if mask is None and causal and start > 0:
+            slots = torch.arange(end, device=tokens.device)
+            mask = (slots[None, :] <= slots[start:end, None])[None, None]
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
+            q = layer.q(x).view(batch, n, self.num_heads, self.head_dim)
+            k = layer.k(x).view(batch, n, self.kv_heads, self.head_dim)
+            v = layer.v(x).view(batch, n, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = cache.keys[index], cache.values[index]
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
+            attn = F.scaled_dot_product_attention(
+                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, is_causal=use_causal,
+                scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
+            hidden = residual + layer.o(attn.transpose(1, 2).reshape(batch, n, -1))
+            residual = hidden
+            x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
+            hidden = residual + F.linear(layer.act(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+        if last_only:
+            hidden = hidden[:, -1:]
+        hidden = _rms_norm(hidden, self.norm, self.norm_eps)
+        return F.linear(hidden, self.lm_head, self.lm_bias)

@@ -1,0 +1,78 @@
+"""The token tree of one iteration: K drafted paths merged into a trie, with its attention mask.
+
+The target scores every distinct prefix of the K paths once (one tree node each), over one shared
+committed prefix. Node 0 is the root (the pending token); every other node is one distinct prefix
+``x^k_{1:i}``, numbered in order of first appearance (path index, then depth), so a parent always
+comes before its children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TokenTree:
+    """A trie over ``K`` paths of ``L`` tokens.
+
+    tokens: (N,) long, the token of each node (node 0: the pending token).
+    depth: (N,) long, 0 for the root.
+    path_nodes: (K, L+1) long, ``path_nodes[k, i]`` = node of the prefix ``x^k_{1:i}``.
+    path_nodes_list: the same as nested lists (host copy, for committing without a device read).
+    ancestors: (N, N) bool, ``ancestors[a, b]`` = node ``b`` is node ``a`` or one of its ancestors.
+    """
+
+    tokens: Tensor
+    depth: Tensor
+    path_nodes: Tensor
+    path_nodes_list: list[list[int]]
+    ancestors: Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def build_tree(root_token: int, paths: list[list[int]], device: torch.device | str = "cpu") -> TokenTree:
+    """Merge ``paths`` (K lists of L tokens, already on the host) under ``root_token``."""
+    node_tokens = [root_token]
+    parents = [0]
+    depths = [0]
+    children: dict[tuple[int, int], int] = {}
+    path_nodes = []
+    for path in paths:
+        node, row = 0, [0]
+        for token in path:
+            key = (node, token)
+            child = children.get(key)
+            if child is None:
+                child = children[key] = len(node_tokens)
+                node_tokens.append(token)
+                parents.append(node)
+                depths.append(depths[node] + 1)
+            node = child
+            row.append(node)
+        path_nodes.append(row)
+    n = len(node_tokens)
+    parent = torch.tensor(parents, dtype=torch.long, device=device)
+    # ancestors by pointer jumping: after d hops every node has marked its ancestors up to depth d.
+    ancestors = torch.eye(n, dtype=torch.bool, device=device)
+    rows = torch.arange(n, device=device)
+    hop = rows
+    for _ in range(max(depths)):
+        hop = parent[hop]
+        ancestors[rows, hop] = True
+    return TokenTree(tokens=torch.tensor(node_tokens, dtype=torch.long, device=device),
+                     depth=torch.tensor(depths, dtype=torch.long, device=device),
+                     path_nodes=torch.tensor(path_nodes, dtype=torch.long, device=device),
+                     path_nodes_list=path_nodes, ancestors=ancestors)
+
+
+def prefix_then(tree_mask: Tensor, prefix_len: int) -> Tensor:
+    """(Q, T) bool mask over tree slots -> (1, 1, Q, prefix_len + T): every query also sees the prefix."""
+    queries = tree_mask.shape[0]
+    seen = torch.ones(queries, prefix_len, dtype=torch.bool, device=tree_mask.device)
+    return torch.cat([seen, tree_mask], dim=1)[None, None]

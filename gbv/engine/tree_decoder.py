@@ -1,0 +1,204 @@
+"""Tree decoding over lean models: one shared prefix, a preallocated cache, rollback by index.
+
+Used for the Llama family (:mod:`gbv.engine.lean`); other architectures use
+:class:`gbv.engine.decoder.Decoder`. One iteration (docs/ENGINE.md):
+
+1. draft: the draft is fed the tokens it has not seen (the pending token, plus the last drafted token
+   after a fully accepted block) as a chain, and samples the first token of K paths; then each depth
+   runs one forward over the K current path tips, each tip attending the committed prefix and its own
+   path only (a tree mask over one cache row: nothing is copied per path);
+2. target: the K paths are merged into a trie (:mod:`gbv.engine.tree`); one forward scores every
+   distinct node once over the shared prefix, and ``p`` (K, L+1, V) is gathered from the nodes;
+3. verify with the method's verifier;
+4. commit: the accepted path's cache slots are moved next to the prefix (a few slots per layer);
+   everything after the committed length is dead and simply overwritten later.
+
+Both caches hold the committed tokens but the pending one in slots ``0 .. len-1``; the draft may lag
+one token behind (``draft_len``). The per-phase timers synchronise the device before reading the
+clock; on CUDA they run only when ``profile`` is set, since each sync stalls the pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from gbv.engine.lean import LeanCausalLM
+from gbv.engine.sampling import SamplingConfig, process_logits, sample
+from gbv.engine.stats import GenerationStats
+from gbv.engine.tree import build_tree, prefix_then
+from gbv.verify import TorchRandom, get_verifier, is_multi_path
+
+AR = "ar"
+# Room added to the prompt length when a cache is first allocated; it grows (doubling) when needed.
+_INITIAL_ROOM = 512
+
+_LEAN: "weakref.WeakKeyDictionary[torch.nn.Module, LeanCausalLM]" = weakref.WeakKeyDictionary()
+
+
+def lean_model(model) -> LeanCausalLM:
+    """The (cached) lean view of a Hugging Face model; it shares the model's weights."""
+    lean = _LEAN.get(model)
+    if lean is None:
+        lean = _LEAN[model] = LeanCausalLM(model)
+    return lean
+
+
+class TreeDecoder:
+    """The decoding state of one sequence over lean models; the same interface as ``Decoder``
+    (``prefill``, ``step``, ``truncate``, ``tokens``, ``draft_len``, ``stats``)."""
+
+    def __init__(self, target, draft, method: str, num_paths: int, block_len: int, vocab: int,
+                 target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device,
+                 profile: bool | None = None) -> None:
+        self.method = method
+        self.verifier = None if method == AR else get_verifier(method)
+        self.num_paths = 0 if method == AR else (num_paths if is_multi_path(method) else 1)
+        self.block_len = 0 if method == AR else block_len
+        self.vocab = vocab
+        self.target_sampling = target_sampling
+        self.draft_sampling = draft_sampling
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.rng = TorchRandom(self.generator)
+        self.target = lean_model(target)
+        self.draft = lean_model(draft) if self.verifier is not None else None
+        self.target_cache = None
+        self.draft_cache = None
+        self.tokens: list[int] = []
+        self.draft_len = 0
+        self.profile = self.device.type == "cpu" if profile is None else profile
+        self.stats = GenerationStats(method=method, num_paths=self.num_paths, block_len=self.block_len,
+                                     depth_accept_counts=[0] * self.block_len)
+
+    # -------------------------------------------------------------------------------- helpers
+    def _clock(self) -> float:
+        """A clock reading after the device has finished the queued work (only when profiling)."""
+        if self.profile and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+
+    def _positions(self, start: int, count: int) -> torch.Tensor:
+        return torch.arange(start, start + count, device=self.device)[None]
+
+    def _chain(self, model: LeanCausalLM, cache, ids: Sequence[int], start: int):
+        """Feed ``ids`` at slots (= positions) ``start ..``; the last position's logits (V',)."""
+        logits = model.forward(self._ids(ids), self._positions(start, len(ids)), start, cache, None,
+                               causal=True, last_only=True)
+        return logits[0, -1, :self.vocab]
+
+    # -------------------------------------------------------------------------------- decoding
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        """Feed every prompt token but the last to both models."""
+        start = self._clock()
+        self.tokens = list(prompt_ids)
+        capacity = len(self.tokens) + _INITIAL_ROOM + self.num_paths * (self.block_len + 1)
+        self.target_cache = self.target.new_cache(1, capacity)
+        if self.draft is not None:
+            self.draft_cache = self.draft.new_cache(1, capacity)
+        if len(self.tokens) > 1:
+            self._chain(self.target, self.target_cache, self.tokens[:-1], 0)
+            if self.draft is not None:
+                self._chain(self.draft, self.draft_cache, self.tokens[:-1], 0)
+        self.draft_len = len(self.tokens) - 1
+        self.stats.prompt_tokens = len(self.tokens)
+        self.stats.time_prefill += self._clock() - start
+
+    def step(self, block_len: int | None = None) -> list[int]:
+        """One iteration; returns the newly committed tokens (the last one is the new pending token).
+        ``block_len`` (<= the configured one) shortens this iteration's block; 0 = a plain target step."""
+        block = self.block_len if block_len is None else min(block_len, self.block_len)
+        if block <= 0:
+            return self._target_step()
+        stats = self.stats
+        greedy = self.draft_sampling.greedy
+        # A greedy draft makes K identical paths: draft one (any K is lossless; this one is cheapest).
+        rows = 1 if greedy else self.num_paths
+        committed = len(self.tokens) - 1  # slots of the committed prefix; the pending token goes next
+        base = committed + 1  # first slot of the drafted nodes
+
+        # 1. draft: the unseen chain, then one forward per depth over the K path tips.
+        start = self._clock()
+        q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
+        drafted = torch.empty(rows, block, dtype=torch.long, device=self.device)
+        q_first = process_logits(self._chain(self.draft, self.draft_cache, self.tokens[self.draft_len:],
+                                             self.draft_len), self.draft_sampling)
+        q[:, 0] = q_first
+        drafted[:, 0] = sample(q_first.expand(rows, -1), self.generator, greedy)
+        if block > 1:
+            # Node of path k at depth i (tokens x_1..x_{L-1}) sits in slot base + (i-1)*rows + k.
+            slot_path = torch.arange((block - 1) * rows, device=self.device) % rows
+            own = slot_path[None, :] == torch.arange(rows, device=self.device)[:, None]
+            mask = prefix_then(own, base)
+            for i in range(1, block):
+                width = base + i * rows
+                logits = self.draft.forward(drafted[:, i - 1][None], torch.full((1, rows), committed + i,
+                                            device=self.device), base + (i - 1) * rows, self.draft_cache,
+                                            mask[..., :width])
+                q_i = process_logits(logits[0, :, :self.vocab], self.draft_sampling)
+                q[:, i] = q_i
+                drafted[:, i] = sample(q_i, self.generator, greedy)
+        stats.draft_steps += block
+        t_draft = self._clock()
+        stats.time_draft += t_draft - start
+
+        # 2. target: the trie of the paths in one forward over the shared prefix.
+        paths = drafted.tolist()  # the one read of the drafts: the trie is built on the host
+        tree = build_tree(self.tokens[-1], paths, self.device)
+        logits = self.target.forward(tree.tokens[None], (committed + tree.depth)[None], committed,
+                                     self.target_cache, prefix_then(tree.ancestors, committed))
+        p_nodes = process_logits(logits[0, :, :self.vocab], self.target_sampling)
+        p = p_nodes[tree.path_nodes]  # (K, L+1, V)
+        stats.target_calls += 1
+        stats.tree_calls += 1
+        stats.tree_nodes += tree.num_nodes
+        t_target = self._clock()
+        stats.time_target += t_target - t_draft
+
+        # 3. verify.
+        result = self.verifier(drafted, q, p, self.rng)
+        t_verify = self._clock()
+        stats.time_verify += t_verify - t_target
+        path, tau = result.path, result.accepted_len
+        stats.record_accept(tau)
+
+        # 4. commit: move the accepted nodes next to the prefix (the root is already in place).
+        new = paths[path][:tau] + [int(result.next_token)]
+        self.tokens.extend(new)
+        nodes = tree.path_nodes_list[path][1:tau + 1]
+        if any(node != depth for depth, node in enumerate(nodes, start=1)):
+            self.target_cache.move(torch.tensor(nodes, device=self.device) + committed,
+                                   torch.arange(base, base + tau, device=self.device))
+        kept = min(tau, block - 1)  # the draft never ran on x_L
+        if rows > 1 and kept > 0 and (path > 0 or kept > 1):
+            src = base + torch.arange(kept, device=self.device) * rows + path
+            dst = torch.arange(base, base + kept, device=self.device)
+            self.draft_cache.move(src, dst)
+        self.draft_len = base + kept
+        return new
+
+    def _target_step(self) -> list[int]:
+        start = self._clock()
+        position = len(self.tokens) - 1
+        logits = self._chain(self.target, self.target_cache, self.tokens[-1:], position)
+        probs = process_logits(logits, self.target_sampling)
+        token = int(sample(probs[None], self.generator, self.target_sampling.greedy)[0])
+        self.stats.target_calls += 1
+        self.stats.time_target += self._clock() - start
+        self.tokens.append(token)
+        return [token]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` committed tokens (after an EOS / stop string / token limit).
+        Rolling back is free: slots past the committed length are never attended."""
+        if length >= len(self.tokens):
+            return
+        del self.tokens[length:]
+        self.draft_len = min(self.draft_len, length - 1)
