@@ -1,0 +1,117 @@
+"""The tree engine (lean forward, token trie, tree masks): exact logits, exact laws, node counts.
+
+The chi-square laws here run through :class:`gbv.engine.tree_decoder.TreeDecoder` on a tiny random
+Llama pair (the ``TableLM`` toy of test_exactness.py runs on the plain Hugging Face path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gbv.engine.tree_decoder as tree_decoder
+from gbv.engine.decoder import engine_for
+from gbv.engine.generate import generate
+from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason
+from gbv.engine.tree import TokenTree, build_tree, prefix_then
+from gbv.models.loading import ModelPair
+from gbv.verify import METHODS
+
+from engine_toy import ARCHITECTURES, hf_pair, sharpen
+from test_exactness import check
+
+RUNS = 1200
+
+
+def test_build_tree_merges_shared_prefixes():
+    tree = build_tree(9, [[1, 2, 3], [1, 2, 4], [5, 2, 3], [1, 2, 3]])
+    # root, 1, 1-2, 1-2-3, 1-2-4, 5, 5-2, 5-2-3
+    assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 5, 2, 3]
+    assert tree.depth.tolist() == [0, 1, 2, 3, 3, 1, 2, 3]
+    assert tree.path_nodes.tolist() == [[0, 1, 2, 3], [0, 1, 2, 4], [0, 5, 6, 7], [0, 1, 2, 3]]
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    for node, chain in enumerate([[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 4], [0, 5], [0, 5, 6],
+                                  [0, 5, 6, 7]]):
+        expected[node, chain] = True
+    assert torch.equal(tree.ancestors, expected)
+    mask = prefix_then(tree.ancestors, 3)
+    assert mask.shape == (1, 1, 8, 11) and bool(mask[..., :3].all())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tree_pass_logits_equal_plain_sequences(arch):
+    """Every node of a tree scored over a cached prefix has the logits of prefix + its own path."""
+    if arch not in ARCHITECTURES:
+        pytest.skip("no Qwen3 in this transformers")
+    target, _ = hf_pair(arch, vocab=32, seed=1)
+    assert lean_unsupported_reason(target) is None
+    lean = LeanCausalLM(target)
+    prefix = [3, 1, 4, 1, 5]
+    paths = [[9, 2, 6], [9, 2, 7], [8, 8, 8]]
+    tree = build_tree(prefix[-1], paths)
+    with torch.inference_mode():
+        cache = lean.new_cache(1, 4)  # too small on purpose: the cache grows
+        lean.forward(torch.tensor([prefix[:-1]]), torch.arange(4)[None], 0, cache, None, causal=True)
+        logits = lean.forward(tree.tokens[None], (4 + tree.depth)[None], 4, cache, prefix_then(tree.ancestors, 4))[0]
+        for k, path in enumerate(paths):
+            full = target(input_ids=torch.tensor([prefix + path])).logits[0, len(prefix) - 1:]
+            torch.testing.assert_close(logits[tree.path_nodes[k]], full, atol=1e-5, rtol=0)
+        # The check can fail: laid out as one flat causal sequence, nodes also see their cousins.
+        flat = torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
+        wrong = lean.forward(tree.tokens[None], (4 + tree.depth)[None], 4, cache, prefix_then(flat, 4))[0]
+        assert (wrong - logits).abs().max() > 1e-3
+
+
+def test_unsupported_models_fall_back_to_hf():
+    for arch in ("gpt2", "opt"):
+        assert engine_for(*hf_pair(arch, vocab=32)) == "hf"
+    assert engine_for(*hf_pair("llama", vocab=32)) == "tree"
+
+
+@pytest.fixture(scope="module")
+def llama_toy():
+    target, draft = hf_pair("llama", vocab=5, seed=3, target_size=(16, 1), draft_size=(8, 1))
+    sharpen(target, scale=25.0)
+    sharpen(draft, scale=15.0)
+    return ModelPair(target, draft)
+
+
+FAST_METHODS = ("block", "gbv", "traversal")  # one path, greedy selection, trie traversal; the rest are slow
+
+
+@pytest.mark.parametrize("method", [m if m in FAST_METHODS else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in ("ar", *METHODS)])
+def test_tree_engine_law(llama_toy, method):
+    assert engine_for(llama_toy.target, llama_toy.draft) == "tree"
+    stat, threshold = check(llama_toy, RUNS, 1.0, method=method, num_paths=3, block_len=3)
+    assert stat < threshold, f"{method}: chi2 {stat:.1f} >= {threshold:.1f}"
+
+
+def test_tree_engine_law_low_temperature_top_k(llama_toy):
+    stat, threshold = check(llama_toy, RUNS, 0.4, top_k=3, method="gbv", num_paths=3, block_len=3)
+    assert stat < threshold, f"chi2 {stat:.1f} >= {threshold:.1f}"
+
+
+def test_negative_control_off_by_one_node_gather_is_caught(llama_toy, monkeypatch):
+    """Hand the verifier each position's parent node (an off-by-one in the p gather): the law breaks."""
+    real = tree_decoder.build_tree
+
+    def shifted(root, paths, device):
+        tree = real(root, paths, device)
+        nodes = torch.cat([tree.path_nodes[:, :1], tree.path_nodes[:, :-1]], dim=1)
+        return TokenTree(tree.tokens, tree.depth, nodes, tree.path_nodes_list, tree.ancestors)
+
+    monkeypatch.setattr(tree_decoder, "build_tree", shifted)
+    stat, threshold = check(llama_toy, RUNS, 1.0, method="gbv", num_paths=3, block_len=3)
+    assert stat > threshold, f"broken gather not detected: chi2 {stat:.1f} < {threshold:.1f}"
+
+
+def test_shared_prefixes_are_scored_once(llama_toy):
+    """At a low temperature most paths coincide: the target scores far fewer than K(L+1) nodes."""
+    out = generate(llama_toy, prompt_ids=[1, 2], method="gbv", num_paths=4, block_len=3, temperature=0.2,
+                   max_new_tokens=40, eos_token_id=[], seed=0)
+    stats = out.stats
+    assert stats.tree_calls > 0 and 1 <= stats.mean_tree_nodes < 0.6 * 4 * (3 + 1)
+    hot = generate(llama_toy, prompt_ids=[1, 2], method="gbv", num_paths=4, block_len=3, temperature=3.0,
+                   max_new_tokens=40, eos_token_id=[], seed=0).stats
+    assert hot.mean_tree_nodes > stats.mean_tree_nodes
