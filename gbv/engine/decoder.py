@@ -19,6 +19,15 @@ from gbv.verify import TorchRandom, get_verifier, is_multi_path
 AR = "ar"
 
 
+def set_method(decoder, method: str, num_paths: int, block_len: int) -> None:
+    """Set what the next iterations of ``decoder`` run (both decoder kinds; ``auto`` switches per
+    iteration): ``ar`` drafts nothing, single-path verifiers draft one path."""
+    decoder.method = method
+    decoder.verifier = None if method == AR else get_verifier(method)
+    decoder.num_paths = 0 if method == AR else (num_paths if is_multi_path(method) else 1)
+    decoder.block_len = 0 if method == AR else block_len
+
+
 class Decoder:
     """The decoding state of one sequence and one iteration step. Used by :func:`generate`; tests use
     it to inspect the caches (``target_cache`` holds ``tokens[:-1]``, ``draft_cache`` holds
@@ -28,10 +37,7 @@ class Decoder:
                  target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device) -> None:
         self.target = target
         self.draft = draft
-        self.method = method
-        self.verifier = None if method == AR else get_verifier(method)
-        self.num_paths = 0 if method == AR else (num_paths if is_multi_path(method) else 1)
-        self.block_len = 0 if method == AR else block_len
+        set_method(self, method, num_paths, block_len)
         self.vocab = vocab
         self.target_sampling = target_sampling
         self.draft_sampling = draft_sampling
@@ -157,7 +163,24 @@ def engine_for(target, draft) -> str:
 def make_decoder(target, draft, method: str, num_paths: int, block_len: int, vocab: int,
                  target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device):
     """The decoder for this pair: :class:`~gbv.engine.tree_decoder.TreeDecoder` on the lean engine
-    where both models support it, else the plain Hugging Face :class:`Decoder`."""
+    where both models support it, else the plain Hugging Face :class:`Decoder`; for ``auto``, either
+    one wrapped in :class:`~gbv.engine.auto.AutoDecoder` (``num_paths`` / ``block_len`` are then
+    ignored: the policy's arms set them per iteration)."""
+    if method == "auto":
+        from gbv.engine import auto
+
+        arms = auto.default_arms(draft_sampling.greedy, draft is not None)
+        key = (target_sampling, draft_sampling, vocab)
+        policy = auto.policy_for(target, draft, key, arms)
+        speculative = [arm for arm in arms if arm.method != AR]
+        if not speculative:
+            return auto.AutoDecoder(make_decoder(target, None, AR, 1, 1, vocab, target_sampling, draft_sampling,
+                                                 seed, device), policy)
+        first = speculative[0]
+        base = make_decoder(target, draft, first.method, max(a.num_paths for a in speculative),
+                            max(a.block_len for a in speculative), vocab, target_sampling, draft_sampling, seed,
+                            device)
+        return auto.AutoDecoder(base, policy)
     if engine_for(target, draft) == "tree":
         from gbv.engine.tree_decoder import TreeDecoder
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from gbv.engine.auto import AUTO
 from gbv.engine.decoder import AR, make_decoder
 from gbv.engine.sampling import SamplingConfig
 from gbv.engine.stats import GenerationStats
@@ -38,8 +39,9 @@ from gbv.verify import METHODS
 
 
 def all_methods() -> tuple[str, ...]:
-    """Every method :func:`generate` accepts: ``ar`` then the registered verifiers."""
-    return (AR, *METHODS)
+    """Every method :func:`generate` accepts: ``ar``, ``auto`` (chooses per iteration), then the
+    registered verifiers."""
+    return (AR, AUTO, *METHODS)
 
 
 @dataclass
@@ -124,7 +126,7 @@ def _validate(pair, prompt, prompt_ids, method, num_paths, block_len, temperatur
               top_p, max_new_tokens) -> list[int]:
     if method not in all_methods():
         raise GbvError(f"unknown method {method!r}; choose one of: {', '.join(all_methods())}")
-    if method != AR and pair.draft is None:
+    if method not in (AR, AUTO) and pair.draft is None:
         raise GbvError(f"method {method!r} needs a draft model (load one, or use method 'ar')")
     if isinstance(num_paths, bool) or not isinstance(num_paths, int) or num_paths < 1:
         raise GbvError(f"num_paths must be an integer >= 1, got {num_paths!r}")

@@ -19,6 +19,7 @@ class GenerationStats:
     ``tree_nodes`` is the number of token-tree nodes the target scored over its ``tree_calls``
     speculative calls (tree engine only; a node is one distinct drafted prefix or the pending token:
     K paths of L tokens give at most K*L + 1, fewer where paths share prefixes).
+    ``auto_arms`` counts the iterations of each (method, K, L) that ``method="auto"`` chose.
     ``block_efficiency = new_tokens / target_calls``. ``time_other`` is everything not in the draft,
     target or verifier timers (prefill, cache surgery, bookkeeping, decoding text).
     Near the end of a generation the block is shortened so that no drafted token falls beyond
@@ -38,6 +39,7 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     depth_accept_counts: list[int] = field(default_factory=list)
     stop_reason: str = ""
+    auto_arms: dict[str, int] = field(default_factory=dict)
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_target: float = 0.0

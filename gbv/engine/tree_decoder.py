@@ -26,13 +26,12 @@ from collections.abc import Sequence
 
 import torch
 
+from gbv.engine.decoder import set_method
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.sampling import SamplingConfig, process_logits, sample
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import build_tree, prefix_then
-from gbv.verify import TorchRandom, get_verifier, is_multi_path
-
-AR = "ar"
+from gbv.verify import TorchRandom
 # Room added to the prompt length when a cache is first allocated; it grows (doubling) when needed.
 _INITIAL_ROOM = 512
 
@@ -54,10 +53,7 @@ class TreeDecoder:
     def __init__(self, target, draft, method: str, num_paths: int, block_len: int, vocab: int,
                  target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device,
                  profile: bool | None = None) -> None:
-        self.method = method
-        self.verifier = None if method == AR else get_verifier(method)
-        self.num_paths = 0 if method == AR else (num_paths if is_multi_path(method) else 1)
-        self.block_len = 0 if method == AR else block_len
+        set_method(self, method, num_paths, block_len)
         self.vocab = vocab
         self.target_sampling = target_sampling
         self.draft_sampling = draft_sampling

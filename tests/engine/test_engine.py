@@ -123,7 +123,7 @@ def _check_caches_after_generation(monkeypatch, arch, method, settings, engine_k
     for max_new, temperature, eos in settings:
         out = generate(pair, prompt_ids=PROMPT, method=method, num_paths=3, block_len=4, temperature=temperature,
                        max_new_tokens=max_new, eos_token_id=eos, seed=max_new)
-        dec = decoders[-1]
+        dec = getattr(decoders[-1], "base", decoders[-1])  # auto wraps a base decoder
         assert isinstance(dec, TreeDecoder) == (engine_kind == "tree")
         tokens = dec.tokens
         assert tokens == PROMPT + out.token_ids

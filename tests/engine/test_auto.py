@@ -1,0 +1,65 @@
+"""``method="auto"``: lossless while it switches arms, and it settles on the fastest arm."""
+
+from __future__ import annotations
+
+import pytest
+
+import gbv.engine.auto as auto
+from gbv.engine.auto import Arm, AutoPolicy
+from gbv.engine.generate import generate
+from gbv.models.loading import ModelPair
+
+from engine_toy import hf_pair, sharpen, table_pair
+from test_exactness import check
+
+# Short arms only: the law test generates 3 tokens, so longer blocks would never fit.
+SHORT_ARMS = [Arm("ar", 0, 0), Arm("block", 1, 1), Arm("block", 1, 2), Arm("gbv", 2, 2), Arm("traversal", 3, 2)]
+
+
+@pytest.fixture
+def short_arms(monkeypatch):
+    monkeypatch.setattr(auto, "default_arms", lambda greedy, has_draft: SHORT_ARMS)
+
+
+@pytest.mark.parametrize("engine", ["tree", "hf"])
+def test_auto_is_lossless(short_arms, engine):
+    if engine == "tree":
+        target, draft = hf_pair("llama", vocab=5, seed=3, target_size=(16, 1), draft_size=(8, 1))
+        sharpen(target, scale=25.0)
+        sharpen(draft, scale=15.0)
+    else:
+        target, draft = table_pair(vocab=6)
+    pair = ModelPair(target, draft)
+    stat, threshold = check(pair, 1200, 1.0, method="auto")
+    assert stat < threshold, f"auto ({engine}): chi2 {stat:.1f} >= {threshold:.1f}"
+    policy = next(iter(auto._POLICIES[target].values()))
+    assert all(runs >= 2 for runs in policy.runs), "every arm should have run"
+
+
+def test_auto_greedy_equals_target_greedy(short_arms):
+    target, draft = hf_pair("llama", vocab=32, seed=7)
+    sharpen(target, draft)
+    pair = ModelPair(target, draft)
+    reference = generate(pair, prompt_ids=[1, 2, 3], method="ar", temperature=0.0, max_new_tokens=30,
+                         eos_token_id=[]).token_ids
+    for seed in range(3):
+        out = generate(pair, prompt_ids=[1, 2, 3], method="auto", temperature=0.0, max_new_tokens=30,
+                       eos_token_id=[], seed=seed)
+        assert out.token_ids == reference
+        assert out.stats.method == "auto" and sum(out.stats.auto_arms.values()) > 0
+
+
+def test_policy_explores_then_exploits_the_fastest_arm():
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 4), Arm("block", 1, 8)]
+    speed = {0: 100.0, 1: 180.0, 2: 140.0}  # tokens per second of each arm
+    policy = AutoPolicy(arms)
+    chosen = []
+    for _ in range(400):
+        index = policy.choose()
+        chosen.append(index)
+        policy.record(index, 3, 3 / speed[index])
+    assert all(runs >= 2 for runs in policy.runs)
+    assert chosen[-100:].count(1) >= 90
+    assert policy.best() == arms[1]
+    # Near the end only short blocks fit: the cap is honoured.
+    assert policy.arms[policy.choose(max_block=0)].method == "ar"
