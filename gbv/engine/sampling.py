@@ -50,7 +50,12 @@ def process_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator | None, greedy: bool = False) -> Tensor:
-    """One draw per row of (N, V) ``probs`` -> (N,) long. Greedy rows take the argmax (no randomness)."""
+    """One draw per row of (N, V) ``probs`` -> (N,) long. Greedy rows take the argmax (no randomness).
+
+    Exponential race: ``argmax_v probs_v / E_v`` with i.i.d. ``E_v ~ Exp(1)`` is ``v`` with probability
+    ``probs_v / sum(probs)``; unlike ``torch.multinomial`` it never reads anything back to the host.
+    """
     if greedy:
         return probs.argmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)

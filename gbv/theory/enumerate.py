@@ -27,7 +27,8 @@ SAMPLE_SUM_TOLERANCE = 1e-9
 
 class ReplayRandom:
     """Random source that follows ``script`` (branch indices) and then always takes branch 0,
-    recording the options of every new decision so the caller can visit the others."""
+    recording the options of every new decision so the caller can visit the others. The vectorised
+    primitives (``coins``, ``draw``) replay every joint outcome the same way, one decision each."""
 
     def __init__(self, script: list[int]) -> None:
         self.script = script
@@ -50,6 +51,14 @@ class ReplayRandom:
     def accept(self, prob: float) -> bool:
         prob = min(1.0, max(0.0, float(prob)))
         return self._choose([prob, 1.0 - prob]) == 0
+
+    def coins(self, probs: Tensor) -> Tensor:
+        """Independent coins: one decision per coin (the deterministic ones, p in {0, 1}, branch once)."""
+        outcomes = [self.accept(prob) for prob in probs.reshape(-1).tolist()]
+        return torch.tensor(outcomes, dtype=torch.bool, device=probs.device).reshape(probs.shape)
+
+    def draw(self, dist: Tensor) -> Tensor:
+        return torch.tensor(self.sample(dist), dtype=torch.long, device=dist.device)
 
     def sample(self, dist: Tensor) -> int:
         dist = dist.double()

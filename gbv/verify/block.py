@@ -10,42 +10,54 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, on_path_probs, residual
+from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs,
+                               residual_on_device)
 
 
-def block_verify_path(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource) -> tuple[int, int]:
-    """BV on one path.
+def block_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource
+                           ) -> tuple[Tensor, Tensor]:
+    """BV on one path, as tensor code without host reads.
 
     Args:
         tokens: (L,) drafted tokens.
         q_path: (L, V) the law each token was drawn from, given the path so far.
         p_path: (L+1, V) target distributions along the path.
     Returns:
-        ``(accepted_len, next_token)``.
+        ``(accepted_len, next_token)`` as 0-d long tensors on the inputs' device.
+
+    The stopping rule "for i = L .. 1, stop at i with probability h_i" is drawn as L independent
+    coins at once, ``tau`` = the largest index whose coin came up (0 if none): the same law, since
+    ``P(tau = i) = h_i * prod_{j > i} (1 - h_j)`` either way.
     """
     block_len = tokens.shape[0]
-    ratios = (on_path_probs(p_path[:block_len], tokens) / on_path_probs(q_path, tokens)).tolist()
-    # w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), w_0 = 1.
-    weights = [1.0]
-    for ratio in ratios:
-        weights.append(min(1.0, weights[-1] * ratio))
-    w = torch.tensor(weights, dtype=p_path.dtype, device=p_path.device)
-    # Residual mass r_i = sum_x (w_i p_i(x) - q_i(x))+ for 1 <= i < L, all positions at once.
-    r = (w[1:block_len, None] * p_path[1:block_len] - q_path[1:block_len]).clamp_min(0.0).sum(-1).tolist()
-    stop_probs = [0.0] * (block_len + 1)  # h_i, index i = 1..L
-    stop_probs[block_len] = weights[block_len]
-    for i in range(1, block_len):
-        # r + (1 - w), not r + 1 - w: with w = 1 this gives exactly r / r = 1 (no 1 - 2e-16 branch).
-        denom = r[i - 1] + (1.0 - weights[i])
-        stop_probs[i] = 1.0 if denom <= 0.0 else r[i - 1] / denom
-    accepted_len = 0
-    for i in range(block_len, 0, -1):
-        if rng.accept(stop_probs[i]):
-            accepted_len = i
-            break
-    if accepted_len == block_len:
-        return accepted_len, rng.sample(p_path[block_len])
-    return accepted_len, rng.sample(residual(p_path[accepted_len], q_path[accepted_len], weights[accepted_len]))
+    ratios = on_path_probs(p_path[:block_len], tokens).double() / on_path_probs(q_path, tokens).double()
+    # w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), w_0 = 1, one step at a time so that w is exactly 1
+    # wherever the running product reaches 1 (a cumulative closed form would round there).
+    weights = [torch.ones((), dtype=torch.float64, device=p_path.device)]
+    for i in range(block_len):
+        weights.append(torch.clamp(weights[-1] * ratios[i], max=1.0))
+    w = torch.stack(weights)  # (L+1,)
+    # Residual masses r_i = sum_x (w_i p_i(x) - q_i(x))+ for 1 <= i < L, all positions at once.
+    w_cast = w.to(p_path.dtype)
+    r = (w_cast[1:block_len, None] * p_path[1:block_len] - q_path[1:block_len]).clamp_min(0.0).sum(-1).double()
+    # h_i = r / (r + (1 - w)): with w = 1 this is exactly r / r = 1 (no 1 - 2e-16 branch); 1 on 0 / 0.
+    denom = r + (1.0 - w[1:block_len])
+    h = torch.where(denom > 0, r / torch.where(denom > 0, denom, 1.0), 1.0)
+    stop_probs = torch.cat([h, w[block_len:]])  # h_1 .. h_L
+    depths = torch.arange(1, block_len + 1, device=p_path.device)
+    accepted_len = torch.where(rng.coins(stop_probs), depths, 0).max()
+    # Next token: p_L after a full block, else norm((w_tau p_tau - q_tau)+); the q row is zeroed at tau = L.
+    p_tau = p_path[accepted_len]
+    q_tau = q_path[accepted_len.clamp(max=block_len - 1)] * (accepted_len < block_len)
+    next_token = rng.draw(residual_on_device(p_tau, q_tau, w_cast[accepted_len]))
+    return accepted_len, next_token
+
+
+def block_verify_path(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource) -> tuple[int, int]:
+    """:func:`block_verify_on_device` with its result read back: ``(accepted_len, next_token)`` ints."""
+    accepted_len, next_token = block_verify_on_device(tokens, q_path, p_path, rng)
+    tau, token = host_ints(accepted_len, next_token)
+    return tau, token
 
 
 def verify_block(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:

@@ -39,6 +39,15 @@ class RandomSource(Protocol):
         """Draw one index from the normalised probability vector ``dist`` (shape (V,))."""
         ...
 
+    def coins(self, probs: Tensor) -> Tensor:
+        """Independent coins: a bool tensor shaped like ``probs``, True with probability ``probs``
+        (elementwise, clipped to [0, 1]); on the device, without reading anything back to the host."""
+        ...
+
+    def draw(self, dist: Tensor) -> Tensor:
+        """Like :meth:`sample`, but returns a 0-d long tensor on the device (no host read)."""
+        ...
+
 
 class TorchRandom:
     """Production random source backed by a seeded ``torch.Generator``."""
@@ -64,6 +73,17 @@ class TorchRandom:
             dist = dist.to(self.generator.device)
         return int(torch.multinomial(dist.float() if dist.dtype in (torch.float16, torch.bfloat16) else dist,
                                      1, generator=self.generator).item())
+
+    def coins(self, probs: Tensor) -> Tensor:
+        u = torch.rand(probs.shape, generator=self.generator, device=self.generator.device, dtype=torch.float64)
+        return u.to(probs.device) < probs
+
+    def draw(self, dist: Tensor) -> Tensor:
+        # Exponential race: argmax_v dist_v / E_v with E_v ~ Exp(1) i.i.d. is v with probability
+        # dist_v / sum(dist), and needs no host read (torch.multinomial checks its input on the host).
+        race = torch.empty(dist.shape, dtype=torch.float64, device=self.generator.device)
+        race.exponential_(generator=self.generator)
+        return torch.argmax(dist.double() / race.to(dist.device))
 
 
 Verifier = Callable[[Tensor, Tensor, Tensor, RandomSource], VerifyResult]
@@ -97,6 +117,19 @@ def normalize_or(dist: Tensor, fallback: Tensor) -> Tensor:
 def residual(p: Tensor, q: Tensor, scale: float | Tensor = 1.0) -> Tensor:
     """``norm((scale * p - q)+)`` along the last axis, falling back to ``p``. Shape (V,)."""
     return normalize_or((scale * p - q).clamp_min(0.0), p)
+
+
+def residual_on_device(p: Tensor, q: Tensor, scale: Tensor | float = 1.0) -> Tensor:
+    """:func:`residual` without a host read: ``norm((scale * p - q)+)``, or ``p`` where that has no mass
+    (a branch of probability 0 in exact arithmetic; the fallback only absorbs round-off). (V,)."""
+    dist = (scale * p - q).clamp_min(0.0)
+    total = dist.sum()
+    return torch.where(total > 0, dist / torch.where(total > 0, total, 1.0), p)
+
+
+def host_ints(*values: Tensor | int) -> list[int]:
+    """Read several 0-d device tensors back to the host at once: the one host read of a verify call."""
+    return [int(v) for v in torch.stack([torch.as_tensor(v).reshape(()) for v in values]).tolist()]
 
 
 def on_path_probs(dist: Tensor, tokens: Tensor) -> Tensor:

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, on_path_probs, residual
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs, residual_on_device
 
 
 def verify_token(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
-    """(K, L) tokens, (K, L, V) q, (K, L+1, V) p -> result on path 0."""
+    """(K, L) tokens, (K, L, V) q, (K, L+1, V) p -> result on path 0. One host read.
+
+    The L accept/reject decisions are drawn as independent coins at once; the accepted length is the
+    number of leading accepted coins (coins after the first rejection are never looked at, so the
+    law is that of the sequential rule).
+    """
     _, block_len, _ = check_shapes(draft_tokens, q, p)
     tokens, q0, p0 = draft_tokens[0], q[0], p[0]
     # Drafted tokens have q > 0, so the ratio is finite; a one-hot p (temperature 0) gives 0 or 1.
-    accept_probs = (on_path_probs(p0[:block_len], tokens) / on_path_probs(q0, tokens)).clamp(max=1.0).tolist()
-    for i in range(block_len):
-        if not rng.accept(accept_probs[i]):
-            return VerifyResult(0, i, rng.sample(residual(p0[i], q0[i])))
-    return VerifyResult(0, block_len, rng.sample(p0[block_len]))
+    accept_probs = (on_path_probs(p0[:block_len], tokens) / on_path_probs(q0, tokens)).clamp(max=1.0)
+    accepted_len = rng.coins(accept_probs).long().cumprod(0).sum()
+    # After a rejection at tau: norm((p_tau - q_tau)+); after a full block: p_L (q row zeroed).
+    q_tau = q0[accepted_len.clamp(max=block_len - 1)] * (accepted_len < block_len)
+    next_token = rng.draw(residual_on_device(p0[accepted_len], q_tau))
+    tau, token = host_ints(accepted_len, next_token)
+    return VerifyResult(0, tau, token)

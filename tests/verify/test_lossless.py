@@ -212,6 +212,6 @@ def test_master_check_catches_monkeypatched_production_block(monkeypatch):
     """The production BV with its correction drawn from the unscaled residual (weight ignored)."""
     import gbv.verify.block as block_module
 
-    real_residual = block_module.residual
-    monkeypatch.setattr(block_module, "residual", lambda p, q, scale=1.0: real_residual(p, q))
+    real_residual = block_module.residual_on_device
+    monkeypatch.setattr(block_module, "residual_on_device", lambda p, q, scale=1.0: real_residual(p, q))
     assert master_check_fails(get_verifier("block"))

@@ -1,0 +1,90 @@
+"""Host reads (device -> host synchronisations on a GPU) per verify call and per engine iteration.
+
+On CPU nothing waits, but every ``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)`` of a
+tensor is a place where a GPU pipeline would stall; they are counted by wrapping those methods.
+Budget (issue 8): at most 1 per verify call, at most L + 3 per iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from gbv.engine.generate import generate
+from gbv.models.loading import ModelPair
+from gbv.verify import TorchRandom, get_verifier
+
+from engine_toy import hf_pair, sharpen
+
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    counter = {"n": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(original):
+        def counted(self, *args, **kwargs):
+            counter["n"] += 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _inputs(num_paths=1, block_len=8, vocab=1000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(num_paths, block_len, vocab, generator=gen), -1)
+    p = torch.softmax(torch.randn(num_paths, block_len + 1, vocab, generator=gen), -1)
+    tokens = torch.stack([torch.multinomial(q[k], 1, generator=gen).squeeze(-1) for k in range(num_paths)])
+    return tokens, q, p
+
+
+def test_counter_counts():
+    with count_host_reads() as reads:
+        torch.ones(3).sum().item()
+        bool(torch.tensor(True))
+    assert reads["n"] == 2
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_verify_call_reads_the_host_once(method):
+    tokens, q, p = _inputs()
+    verifier = get_verifier(method)
+    rng = TorchRandom(seed=0)
+    for _ in range(5):
+        with count_host_reads() as reads:
+            verifier(tokens, q, p, rng)
+        assert reads["n"] <= 1, f"{method}: {reads['n']} host reads in one verify call"
+
+
+@pytest.mark.parametrize("method,num_paths", [("ar", 1), ("token", 1), ("block", 1)])
+def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
+    """A whole tree-engine iteration (draft, trie, target pass, verify, commit) stays within L + 3."""
+    import gbv.engine.tree_decoder as tree_decoder
+
+    target, draft = hf_pair("llama", vocab=64, seed=2)
+    sharpen(target, draft, scale=3.0)
+    block_len = 4
+    counts = []
+    real_step = tree_decoder.TreeDecoder.step
+
+    def counted_step(self, *args, **kwargs):
+        with count_host_reads() as reads:
+            out = real_step(self, *args, **kwargs)
+        counts.append(reads["n"])
+        return out
+
+    monkeypatch.setattr(tree_decoder.TreeDecoder, "step", counted_step)
+    generate(ModelPair(target, draft), prompt_ids=[1, 2, 3], method=method, num_paths=num_paths,
+             block_len=block_len, max_new_tokens=40, eos_token_id=[], seed=0)
+    assert counts and max(counts) <= block_len + 3, counts
