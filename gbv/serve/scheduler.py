@@ -122,6 +122,9 @@ class Scheduler:
             with self._lock:
                 gone = [job for job in self._active if job.cancelled.is_set()]
                 self._active = [job for job in self._active if not job.cancelled.is_set()]
+            for job in gone:
+                job.iterator.close()  # frees its caches now rather than at garbage collection
+            with self._lock:
                 while not self._stopping and not self._active and not self._waiting:
                     self._wake.wait()
                 if self._stopping:
@@ -129,8 +132,6 @@ class Scheduler:
                 while self._waiting and len(self._active) < self.max_batch:
                     self._active.append(self._waiting.popleft())
                 rows = list(self._active)
-            for job in gone:
-                job.iterator.close()  # frees its caches now rather than at garbage collection
             finished = self._step_active(rows)
             self.iterations += 1
             if finished:
