@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gbv.engine.generate import GenerationOutput, all_methods, stream_generate
 from gbv.errors import GbvError
 from gbv.serve.prompts import chat_prompt_ids
-from gbv.serve.scheduler import Job, QueueFull, Scheduler
+from gbv.serve.scheduler import Event, Job, QueueFull, Scheduler
 from gbv.serve.schemas import ApiError, Defaults, SamplingRequest, bad, parse_request
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -139,14 +139,14 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
         return ids
 
     def make_job(req: SamplingRequest, ids: list[int]) -> Job:
+        params = dict(prompt_ids=ids, method=req.method, num_paths=req.num_paths, block_len=req.block_len,
+                      temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
+                      eos_token_id=[] if req.ignore_eos else None, stop_strings=req.stop or None, seed=req.seed)
         try:
-            iterator = stream_generate(
-                pair, prompt_ids=ids, method=req.method, num_paths=req.num_paths, block_len=req.block_len,
-                temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
-                eos_token_id=[] if req.ignore_eos else None, stop_strings=req.stop or None, seed=req.seed)
+            iterator = stream_generate(pair, **params)  # validates now; decodes on the worker thread
         except GbvError as exc:
             raise bad(None, str(exc)) from None
-        return Job(iterator=iterator, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        return Job(iterator=iterator, loop=asyncio.get_running_loop(), events=asyncio.Queue(), params=params)
 
     def submit(job: Job) -> None:
         try:
@@ -162,6 +162,7 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 scheduler.cancel(job)
+                job.events.put_nowait(Event("cancelled", None))  # wakes the handler waiting on the job
                 return
 
     async def handle(request: Request, chat: bool):
@@ -183,6 +184,8 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
                 event = await job.events.get()
                 if event.kind == "error":
                     raise _engine_error(event.data)
+                if event.kind == "cancelled":  # the client is gone: nobody reads an answer
+                    raise ApiError(499, "client closed the request", type_="client_closed_request")
                 if event.kind == "done":
                     break
         finally:
@@ -223,6 +226,8 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
                     if req.include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(output, prompt_tokens)})
                     break
+                elif event.kind == "cancelled":
+                    return
                 else:
                     yield _sse(_engine_error(event.data).body())
                     break

@@ -101,5 +101,6 @@ def run(args: argparse.Namespace) -> int:
                      api_key=args.api_key, model_name=model_name)
     print(f"gbv serve: {model_name} on http://{args.host}:{args.port} (max batch {args.max_batch}, "
           f"queue {args.max_queue}{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # On SIGINT/SIGTERM, open streams get 5 s to end before the process exits.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

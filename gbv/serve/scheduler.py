@@ -36,7 +36,8 @@ class QueueFull(Exception):
 class Event:
     """What the worker tells a handler. ``kind``: ``chunk`` (``data`` = text or token ids committed
     since the previous chunk), ``done`` (``data`` = the engine's GenerationOutput) or ``error``
-    (``data`` = the exception; a GbvError is bad input, anything else a server error)."""
+    (``data`` = the exception; a GbvError is bad input, anything else a server error). The app's
+    disconnect watcher adds ``cancelled`` itself, to wake a handler whose client went away."""
 
     kind: str
     data: Any
@@ -44,11 +45,14 @@ class Event:
 
 @dataclass
 class Job:
-    """One request: the engine iterator that decodes it and the way back to its handler."""
+    """One request: the engine iterator that decodes it and the way back to its handler. ``params``
+    are the keyword arguments the iterator was made with (``prompt_ids``, ``method``, ``num_paths``,
+    ``block_len``, sampling settings, ``seed``...): what a batched decoder needs to build its row."""
 
     iterator: Iterator[Any]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    params: dict[str, Any] = field(default_factory=dict)
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -93,10 +93,12 @@ def test_16_concurrent_streams_complete_and_equal_offline(server, pair):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     with ThreadPoolExecutor(16) as pool:
-        texts = list(pool.map(stream, prompts, timeout=60))
+        futures = [pool.submit(stream, p) for p in prompts]
+        references = [offline(pair, p, 8) for p in prompts]  # meanwhile, in this process
+        texts = [f.result(timeout=60) for f in futures]
     done.set()
     watcher.join(5)
-    assert texts == [offline(pair, p, 8) for p in prompts]
+    assert texts == references
     assert peak["active"] >= 2
 
 
@@ -111,6 +113,13 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     assert wait_until(lambda: server.health()["active"] == 0 and server.health()["queued"] == 0, timeout_s=10)
     again = api.completions.create(model=MODEL, prompt="Question: 1 + 1?\nAnswer:", max_tokens=3, temperature=0)
     assert again.usage.completion_tokens >= 1
+
+
+def test_abandoned_non_streaming_request_frees_the_slot(server):
+    body = {"prompt": "Question: count to a thousand.\nAnswer:", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=1.0))
+    assert wait_until(lambda: server.health()["active"] == 0, timeout_s=10)
 
 
 LONG_PROMPT = "hello " * 2000  # far beyond the bundled pair's 1024 positions
