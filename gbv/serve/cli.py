@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
                      allow_download=args.allow_download)
     if pair.tokenizer is None:
         raise GbvError(f"model {pair.names[0]!r} has no tokenizer files; gbv serve needs one")
-    model_name = args.model_name or ("gbv-bundled" if target == "bundled" else f"gbv-{os.path.basename(pair.names[0].rstrip('/'))}")
+    target_name = "bundled" if target == "bundled" else os.path.basename(pair.names[0].rstrip("/"))
+    model_name = args.model_name or f"gbv-{target_name}"
     defaults = Defaults(method=args.method, num_paths=args.num_paths, block_len=args.block_len,
                         max_tokens=args.max_tokens)
     app = create_app(pair, defaults=defaults, max_batch=args.max_batch, max_queue=args.max_queue,
