@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("gbv.engine.cli", "sample text from a target model, drafted and verified losslessly"),
     "bench": ("gbv.bench.cli", "measure block efficiency and tokens/s over methods, K, L, temperature"),
     "bound": ("gbv.theory.cli", "exact accepted lengths of every verifier and the LP optimum on a tiny instance"),
+    "serve": ("gbv.serve.cli", "an OpenAI-compatible HTTP server with iteration-level batching"),
 }
 
 
