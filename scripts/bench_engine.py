@@ -1,164 +1,264 @@
-"""Benchmark the engine: tokens/s and block efficiency per method, against HF generation, one run.
+"""Engine benchmark on the bundled pair: every method against ``ar`` and transformers, in one run.
 
-    python scripts/bench_engine.py                      # synthetic random Llama pair (below)
-    python scripts/bench_engine.py --bundled            # also the bundled pair on a GSM8K prompt
+    python scripts/bench_engine.py                                  # 20 GSM8K + 20 HumanEval prompts, 128 tokens
+    python scripts/bench_engine.py --dtype float32,bfloat16 --temperature 0.2,1.0 --out docs/results/engine.md
 
-Synthetic pair (nothing trained, nothing downloaded): target = random Llama, hidden 256 x 8 layers,
-vocab 2048, untied head scaled by 3 (so its next-token law is not uniform: mean entropy about 7.2 nats
-against 7.6 for uniform); draft = a truncated copy of the target (its embeddings, first layer, final
-norm and head: 256 x 1), which agrees with the target only partly (token-level acceptance about 0.5).
-Prompt: 64 random token ids. Methods run round-robin within each repeat; besides wall-clock tokens/s
-the table gives tokens per CPU-second of this process (fairer when the machine is shared). Every method samples ``--max-new-tokens`` tokens at temperature 1 with
-the same seeds; HF assisted generation uses the same draft with ``num_assistant_tokens = L`` (constant
-schedule) and ``do_sample=True``; HF plain is ``target.generate(do_sample=True)``. HF's target calls
-are counted with a forward hook (HF's first call covers the prompt and yields a token, so it counts;
-our prefill stops before the last prompt token and yields nothing, so it does not). Reported: medians over ``--repeats`` runs (seeds 0..repeats-1),
-``torch.set_num_threads(1)``. Block efficiency = new tokens / target calls (prefill not counted).
+Rows (all in one process, 1 torch thread, EOS off so every row makes exactly ``--max-new-tokens``
+tokens per prompt; prompts run round-robin over the rows so that load drift on a shared machine hits
+every row alike):
+
+- ours: ``ar``, ``token``/``block`` (one path), the multi-path verifiers at K = 3, and ``auto``
+  (its policy learns over the prompts of the run, as it would in a server process; its exploration
+  is included in its time);
+- ``hf-assisted L=4``: transformers' assisted generation with a constant block of 4 (threshold off);
+- ``hf-assisted default``: assisted generation with its own defaults (dynamic block length,
+  confidence threshold), what a user gets without tuning;
+- ``hf-plain``: ``target.generate``.
+
+Reported per (dtype, temperature): pooled tokens/s (total tokens / total seconds) and its ratio to
+``ar``, block efficiency, mean target tree nodes per call, the share of wall time spent in the draft
+and target phases (model forwards plus sampling), and one-off micro-measurements: a draft forward, a
+1-token target step against the time of its matrix multiplies alone, a 25-token tree pass against a
+1-token step, and the bandwidth ``ar`` achieves (target bytes x tokens/s) against the machine's read
+bandwidth. Medians over ``--repeats`` micro-runs; everything noisy on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
+from gbv.data import load_prompts
 from gbv.engine.generate import generate
-from gbv.models.loading import ModelPair
+from gbv.engine.tree_decoder import lean_model
+from gbv.models.loading import load_pair
+from gbv.verify import METHODS
 
 
-def synthetic_pair(seed: int = 0, head_scale: float = 3.0) -> ModelPair:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def config(layers: int) -> LlamaConfig:
-        return LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                           tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-    torch.manual_seed(seed)
-    target = LlamaForCausalLM(config(8)).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(head_scale)
-    draft = LlamaForCausalLM(config(1)).eval()
-    draft.model.embed_tokens = target.model.embed_tokens
-    draft.model.layers[0] = target.model.layers[0]
-    draft.model.norm = target.model.norm
-    draft.lm_head = target.lm_head
-    return ModelPair(target, draft, names=("random-llama-256x8", "truncated-copy-256x1"))
+def rows_for(include_hf: bool) -> list[tuple[str, str, int, int]]:
+    """(label, method, K, L)."""
+    rows = [("ar", "ar", 1, 1), ("token L=4", "token", 1, 4), ("block L=4", "block", 1, 4),
+            ("block L=8", "block", 1, 8)]
+    multi = [m for m in ("gbv", "gbv-adaptive", "traversal", "specinfer", "spectr") if m in METHODS]
+    for method in multi:
+        for length in (4, 8):
+            if method in ("specinfer", "spectr") and length == 8:
+                continue
+            rows.append((f"{method} K=3 L={length}", method, 3, length))
+    rows.append(("auto", "auto", 0, 0))
+    if include_hf:
+        rows += [("hf-assisted L=4", "hf-assisted", 0, 4), ("hf-assisted default", "hf-default", 0, 0),
+                 ("hf-plain", "hf-plain", 0, 0)]
+    return rows
 
 
-class CallCounter:
-    def __init__(self, model) -> None:
-        self.calls = 0
-        self.handle = model.register_forward_hook(self._hook)
-
-    def _hook(self, *args) -> None:
-        self.calls += 1
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
-def run_ours(pair, prompt_ids, method, k, block_len, max_new, seed, temperature) -> dict:
-    cpu = time.process_time()
-    out = generate(pair, prompt_ids=prompt_ids, method=method, num_paths=k, block_len=block_len,
-                   temperature=temperature, max_new_tokens=max_new, eos_token_id=[], seed=seed)
-    cpu = time.process_time() - cpu
-    s = out.stats
-    return {"tokens/s": s.tokens_per_second, "tokens/cpu-s": s.new_tokens / cpu, "block eff.": s.block_efficiency,
-            "draft s": s.time_draft, "target s": s.time_target, "verify s": s.time_verify, "other s": s.time_other}
-
-
-def run_hf(pair, prompt_ids, block_len, max_new, seed, temperature, assisted: bool) -> dict:
+def run_hf(pair, ids: list[int], kind: str, block_len: int, max_new: int, temperature: float, seed: int) -> dict:
     target, draft = pair.target, pair.draft
-    ids = torch.tensor([prompt_ids])
-    kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new,
-                  min_new_tokens=max_new, pad_token_id=0)
-    if assisted:
+    input_ids = torch.tensor([ids], device=pair.device)
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                  do_sample=temperature > 0, top_k=0, top_p=1.0, pad_token_id=0)
+    if temperature > 0:
+        kwargs["temperature"] = temperature
+    saved = {k: getattr(draft.generation_config, k, None) for k in
+             ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+    if kind == "hf-assisted":
         draft.generation_config.num_assistant_tokens = block_len
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
+    if kind in ("hf-assisted", "hf-default"):
         kwargs["assistant_model"] = draft
-    torch.manual_seed(seed)
-    counter = CallCounter(target)
+    calls = [0]
+    handle = target.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     try:
-        start, cpu = time.perf_counter(), time.process_time()
+        torch.manual_seed(seed)
+        _sync(pair.device)
+        start = time.perf_counter()
         with torch.inference_mode():
-            out = target.generate(ids, **kwargs)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            out = target.generate(input_ids, **kwargs)
+        _sync(pair.device)
+        elapsed = time.perf_counter() - start
     finally:
-        counter.handle.remove()
-    new = out.shape[1] - ids.shape[1]
-    # HF's first call covers the prompt and yields a token, so it counts.
-    return {"tokens/s": new / elapsed, "tokens/cpu-s": new / cpu, "block eff.": new / max(1, counter.calls)}
+        handle.remove()
+        for k, v in saved.items():
+            setattr(draft.generation_config, k, v)
+    return {"tokens": int(out.shape[1] - input_ids.shape[1]), "seconds": elapsed, "target_calls": calls[0]}
 
 
-def run(pair, prompt_ids, args, title: str) -> str:
-    k, block_len = args.num_paths, args.block_len
-    configs = {"ar": ("ar", 1)}
-    for method in ("token", "block", "specinfer", "spectr", "traversal", "gbv"):
-        paths = 1 if method in ("token", "block") else k
-        configs[f"{method} (K={paths}, L={block_len})"] = (method, k)
-    labels = list(configs) + [f"HF assisted (L={block_len})", "HF plain generate"]
-    rows: dict[str, list[dict]] = {label: [] for label in labels}
-    # Warm-up (first calls pay for lazy initialisation).
-    generate(pair, prompt_ids=prompt_ids, method="gbv", num_paths=2, block_len=2, max_new_tokens=8, eos_token_id=[])
-    # Round-robin over methods within each repeat, so that load drifts on a shared machine hit all alike.
-    for seed in range(args.repeats):
-        for label, (method, paths) in configs.items():
-            rows[label].append(run_ours(pair, prompt_ids, method, paths, block_len, args.max_new_tokens, seed,
-                                        args.temperature))
-        rows[labels[-2]].append(run_hf(pair, prompt_ids, block_len, args.max_new_tokens, seed, args.temperature, True))
-        rows[labels[-1]].append(run_hf(pair, prompt_ids, block_len, args.max_new_tokens, seed, args.temperature, False))
-        print(f"  repeat {seed + 1}/{args.repeats} done", file=sys.stderr)
-    med = {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in rows.items()}
-    base_wall, base_cpu = med["ar"]["tokens/s"], med["ar"]["tokens/cpu-s"]
-    lines = [f"**{title}** ({args.max_new_tokens} new tokens, temperature {args.temperature}, "
-             f"median of {args.repeats}, one thread)", "",
-             "| method | tokens/s | vs ar | tokens/CPU-s | vs ar (CPU) | block efficiency | draft s | target s | verify s | other s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for label, row in med.items():
-        extra = " | ".join(f"{row[c]:.3f}" if c in row else "-" for c in ("draft s", "target s", "verify s", "other s"))
-        lines.append(f"| {label} | {row['tokens/s']:.1f} | {row['tokens/s'] / base_wall:.2f}x | "
-                     f"{row['tokens/cpu-s']:.1f} | {row['tokens/cpu-s'] / base_cpu:.2f}x | {row['block eff.']:.2f} | {extra} |")
+def run_ours(pair, ids: list[int], method: str, k: int, length: int, max_new: int, temperature: float,
+             seed: int) -> dict:
+    out = generate(pair, prompt_ids=ids, method=method, num_paths=max(k, 1), block_len=max(length, 1),
+                   temperature=temperature, max_new_tokens=max_new, eos_token_id=[], seed=seed)
+    s = out.stats
+    return {"tokens": s.new_tokens, "seconds": s.time_total, "target_calls": s.target_calls,
+            "phases": s.time_draft + s.time_target, "tree_nodes": s.tree_nodes, "tree_calls": s.tree_calls,
+            "arms": s.auto_arms}
+
+
+def _median_ms(fn, repeats: int, inner: int = 50, device="cpu") -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / inner * 1e3)
+    return statistics.median(times)
+
+
+def micro(pair, repeats: int) -> dict:
+    """One-off per-call costs of the lean models (prefix of 128 cached tokens)."""
+    out = {}
+    dev = torch.device(pair.device)
+    torch.set_default_device(dev)  # the probe tensors below
+    try:
+        return _micro(pair, repeats, dev, out)
+    finally:
+        torch.set_default_device("cpu")
+
+
+def _micro(pair, repeats: int, dev, out: dict) -> dict:
+    def median_ms(fn, inner: int = 50) -> float:
+        return _median_ms(fn, repeats, inner, dev)
+
+    with torch.inference_mode():
+        for name, model in (("draft", pair.draft), ("target", pair.target)):
+            lean = lean_model(model)
+            cache = lean.new_cache(1, 512)
+            prefix = 128
+            lean.forward(torch.arange(prefix)[None] % 100, torch.arange(prefix)[None], 0, cache, None, causal=True)
+            one = torch.tensor([[7]])
+            pos = torch.tensor([[prefix]])
+            out[f"{name}_step_ms"] = median_ms(lambda: lean.forward(one, pos, prefix, cache, None))
+            tree = torch.full((1, 25), 7)
+            tree_pos = prefix + torch.arange(25)[None]
+            tree_mask = torch.ones(1, 1, 25, prefix + 25, dtype=torch.bool)
+            out[f"{name}_25_nodes_ms"] = median_ms(lambda: lean.forward(tree, tree_pos, prefix, cache, tree_mask))
+            x = torch.zeros(1, 1, model.config.hidden_size, dtype=lean.dtype)
+
+            def matmuls():
+                for layer in lean.layers:
+                    for weight, bias in layer.qkv.parts:
+                        F.linear(x, weight, bias)
+                    F.linear(x, layer.o)
+                    gate_up = [F.linear(x, w, b) for w, b in layer.gate_up.parts]
+                    F.linear(gate_up[0][..., :layer.down.shape[1]], layer.down)
+                F.linear(x, lean.lm_head)
+
+            out[f"{name}_matmuls_ms"] = median_ms(matmuls)
+        out["target_bytes"] = sum(p.numel() * p.element_size() for p in pair.target.parameters())
+        big = torch.ones(64 * 1024 * 1024 // 4 * 4, dtype=torch.float32)  # 256 MiB
+        seconds = median_ms(lambda: big.sum(), inner=3) / 1e3
+        out["read_bandwidth_gb_s"] = big.numel() * 4 / seconds / 1e9
+    return out
+
+
+def bench(args) -> dict:
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    report = {"args": vars(args), "results": {}}
+    for dtype in args.dtype.split(","):
+        pair = load_pair("bundled", dtype=dtype, device=args.device)
+        ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
+        report["results"][dtype] = {"micro": micro(pair, args.repeats), "temperatures": {}}
+        rows = rows_for(not args.no_hf)
+        for temperature in [float(t) for t in args.temperature.split(",")]:
+            totals = {label: [] for label, *_ in rows}
+            generate(pair, prompt_ids=ids[0], method="gbv", num_paths=2, block_len=2, max_new_tokens=8,
+                     eos_token_id=[])  # warm-up
+            for index, prompt_ids in enumerate(ids):
+                for label, method, k, length in rows:
+                    if method.startswith("hf-"):
+                        result = run_hf(pair, prompt_ids, method, length, args.max_new_tokens, temperature, index)
+                    else:
+                        result = run_ours(pair, prompt_ids, method, k, length, args.max_new_tokens, temperature,
+                                          index)
+                    totals[label].append(result)
+                print(f"  {dtype} T={temperature}: prompt {index + 1}/{len(ids)}", file=sys.stderr)
+            report["results"][dtype]["temperatures"][str(temperature)] = totals
+    return report
+
+
+def _sum(results: list[dict], key: str) -> float:
+    return sum(r.get(key) or 0 for r in results)
+
+
+def markdown(report: dict) -> str:
+    args = report["args"]
+    lines = [f"Command: `python scripts/bench_engine.py --prompts {args['prompts']} --max-new-tokens "
+             f"{args['max_new_tokens']} --temperature {args['temperature']} --dtype {args['dtype']}`; "
+             f"{2 * args['prompts']} prompts ({args['prompts']} GSM8K + {args['prompts']} HumanEval), "
+             f"{args['threads']} thread(s), EOS off.", ""]
+    for dtype, res in report["results"].items():
+        m = res["micro"]
+        lines += [f"**{dtype}**: draft forward {m['draft_step_ms']:.2f} ms; target 1-token step "
+                  f"{m['target_step_ms']:.2f} ms = {m['target_step_ms'] / m['target_matmuls_ms']:.2f}x its matrix "
+                  f"multiplies ({m['target_matmuls_ms']:.2f} ms); 25-node tree pass = "
+                  f"{m['target_25_nodes_ms'] / m['target_step_ms']:.2f}x a 1-token step; target/draft step ratio "
+                  f"{m['target_step_ms'] / m['draft_step_ms']:.1f}.", ""]
+        for temperature, totals in res["temperatures"].items():
+            ar_rate = _sum(totals["ar"], "tokens") / _sum(totals["ar"], "seconds")
+            bandwidth = m["target_bytes"] * ar_rate / 1e9
+            lines += [f"*{dtype}, T = {temperature}*: `ar` reads the target's {m['target_bytes'] / 1e6:.1f} MB per "
+                      f"token, {bandwidth:.1f} GB/s achieved against {m['read_bandwidth_gb_s']:.1f} GB/s measured "
+                      f"read bandwidth ({bandwidth / m['read_bandwidth_gb_s']:.0%}).", "",
+                      "| method | tokens/s | vs ar | block efficiency | tree nodes / call | draft+target share |",
+                      "|---|---|---|---|---|---|"]
+            best_fixed = max((label for label in totals if label not in ("ar", "auto") and not label.startswith("hf")),
+                             key=lambda label: _sum(totals[label], "tokens") / _sum(totals[label], "seconds"))
+            for label, results in totals.items():
+                tokens, seconds = _sum(results, "tokens"), _sum(results, "seconds")
+                rate = tokens / seconds
+                calls = _sum(results, "target_calls")
+                nodes = _sum(results, "tree_nodes") / _sum(results, "tree_calls") if _sum(results, "tree_calls") else 0
+                share = _sum(results, "phases") / seconds if results[0].get("phases") is not None else None
+                lines.append(f"| {label}{' (best fixed)' if label == best_fixed else ''} | {rate:.1f} | "
+                             f"{rate / ar_rate:.2f}x | {tokens / calls:.2f} | {f'{nodes:.1f}' if nodes else '-'} | "
+                             f"{f'{share:.0%}' if share is not None else '-'} |")
+            arms: dict[str, int] = {}
+            for r in totals["auto"]:
+                for arm, count in (r.get("arms") or {}).items():
+                    arms[arm] = arms.get(arm, 0) + count
+            top = sorted(arms.items(), key=lambda kv: -kv[1])[:3]
+            best_rate = _sum(totals[best_fixed], "tokens") / _sum(totals[best_fixed], "seconds")
+            auto_rate = _sum(totals["auto"], "tokens") / _sum(totals["auto"], "seconds")
+            lines += ["", f"`auto` = {auto_rate / best_rate:.2f}x the best fixed row ({best_fixed}); its most "
+                      f"chosen arms: {', '.join(f'{a} ({n})' for a, n in top)}.", ""]
     return "\n".join(lines)
-
-
-def gsm8k_prompt(tokenizer) -> list[int]:
-    text = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
-            "in May. How many clips did Natalia sell altogether in April and May?\nAnswer:")
-    try:  # a prompt from the packaged GSM8K set when available
-        from gbv.data import load_prompts
-
-        text = load_prompts("gsm8k", limit=1)[0]
-    except Exception:  # noqa: BLE001 - fall back to the built-in GSM8K question
-        pass
-    return tokenizer(text)["input_ids"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-paths", type=int, default=3)
-    parser.add_argument("--block-len", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=20, help="prompts per data set (GSM8K and HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--head-scale", type=float, default=3.0,
-                        help="scale of the synthetic target's head (lower = closer to uniform = more agreement)")
-    parser.add_argument("--bundled", action="store_true", help="also run the bundled pair on a GSM8K prompt")
-    parser.add_argument("--skip-synthetic", action="store_true")
+    parser.add_argument("--temperature", default="0.2,1.0")
+    parser.add_argument("--dtype", default="float32", help="comma-separated, e.g. float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of each micro-measurement")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    parser.add_argument("--out", default=None, help="write the markdown table here (and FILE.json)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    if not args.skip_synthetic:
-        pair = synthetic_pair(head_scale=args.head_scale)
-        prompt = torch.randint(0, 2048, (64,), generator=torch.Generator().manual_seed(1)).tolist()
-        print(run(pair, prompt, args, "Synthetic pair: random Llama 256x8 target (head x"
-                  f"{args.head_scale:g}), truncated-copy 256x1 draft, vocab 2048"))
-        print()
-    if args.bundled:
-        from gbv.models.loading import load_pair
-
-        pair = load_pair("bundled")
-        print(run(pair, gsm8k_prompt(pair.tokenizer), args, "Bundled pair, GSM8K prompt"))
+    report = bench(args)
+    text = markdown(report)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

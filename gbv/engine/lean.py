@@ -79,12 +79,19 @@ class KVCache:
                 new[:, :, :old.shape[2]] = old
                 store[layer] = new
 
-    def move(self, src: Tensor, dst: Tensor, row: int = 0) -> None:
-        """Copy slots ``src`` to slots ``dst`` (1D long tensors of equal length) in batch row ``row``,
-        in every layer. The source is read whole before the destination is written."""
+    def move(self, src: Tensor, dst: Tensor, row: int | Tensor = 0) -> None:
+        """Copy slots ``src`` to slots ``dst`` (1D long tensors of equal length) in batch row ``row``
+        (an int, or a 1D tensor giving each pair's row), in every layer. The source is read whole
+        before the destination is written."""
         for store in (self.keys, self.values):
             for tensor in store:
                 tensor[row, :, dst] = tensor[row, :, src]
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` slots of row ``src`` to row ``dst`` (compacting a batch)."""
+        for store in (self.keys, self.values):
+            for tensor in store:
+                tensor[dst, :, :length] = tensor[src, :, :length]
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -189,8 +196,9 @@ class LeanCausalLM:
         return self._cos[positions], self._sin[positions]
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, cache: KVCache, mask: Tensor | None,
-                causal: bool = False, last_only: bool = False) -> Tensor:
-        """Run ``tokens`` and write their keys/values into slots ``start .. start+N-1`` of every row.
+                causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:
+        """Run ``tokens`` and write their keys/values into slots ``start .. start+N-1`` of cache rows
+        ``first_row .. first_row+B-1`` (views of the cache: nothing is gathered or copied).
 
         Args:
             tokens: (B, N) long. positions: (B, N) long, the rotary positions.
@@ -227,7 +235,8 @@ class LeanCausalLM:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            keys, values = cache.keys[index], cache.values[index]
+            keys = cache.keys[index][first_row:first_row + batch]
+            values = cache.values[index][first_row:first_row + batch]
             keys[:, :, start:end] = k
             values[:, :, start:end] = v
             attn = F.scaled_dot_product_attention(

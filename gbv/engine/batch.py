@@ -1,0 +1,271 @@
+"""Many sequences at once on the lean tree engine: one draft forward per depth and one target forward
+per iteration for all rows, each row with its own length, tree, method, sampling and generator.
+
+Layout (both models): one preallocated cache of ``max_rows`` rows; the active rows are the leading
+rows ``0 .. n-1`` (a finished row is replaced by the last one, so every forward works on views).
+Row ``b`` keeps its committed tokens in slots ``0 .. len_b - 1``. An iteration writes its new nodes
+for all rows from one common slot ``start = max_b len_b``; row ``b`` masks out its dead slots
+``len_b .. start - 1``, and at commit its pending token and accepted nodes are moved down to
+``len_b ..`` (a few slots per row, all rows in one indexed copy per layer). Positions are per row,
+so a row's logits are those of its own sequence: the per-row law is exactly the single-sequence
+one, whatever the neighbours (tests/engine/test_batch.py).
+
+Where batched and single-sequence outputs can still differ: a matrix multiply over B rows may sum in
+another order than over 1 row, so logits can differ in the last bits; sampled tokens then differ only
+when a draw lands within that rounding of a boundary, and greedy ties are affected likewise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from gbv.engine.decoder import AR, set_method
+from gbv.engine.sampling import SamplingConfig, process_logits, sample
+from gbv.engine.stats import GenerationStats
+from gbv.engine.tree import build_tree
+from gbv.engine.tree_decoder import lean_model
+from gbv.verify import TorchRandom
+
+_ROOM = 512
+
+
+@dataclass
+class BatchRow:
+    """The state of one sequence of a batch (what :class:`~gbv.engine.tree_decoder.TreeDecoder`
+    keeps for one sequence; the caches are the batch's)."""
+
+    tokens: list[int]
+    method: str
+    num_paths: int
+    block_len: int
+    target_sampling: SamplingConfig
+    draft_sampling: SamplingConfig
+    generator: torch.Generator
+    rng: TorchRandom
+    verifier: object = None
+    draft_len: int = 0
+    stats: GenerationStats = field(default=None)
+
+
+class BatchTreeDecoder:
+    """Rows are added (prefilled) and removed between iterations; :meth:`step` advances the given rows
+    by one iteration each, all in the same forwards."""
+
+    @torch.inference_mode()
+    def __init__(self, target, draft, vocab: int, device, max_rows: int) -> None:
+        self.target = lean_model(target)
+        self.draft = lean_model(draft) if draft is not None else None
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self.max_rows = max_rows
+        self.rows: list[BatchRow] = []
+        self.target_cache = self.target.new_cache(max_rows, _ROOM)
+        self.draft_cache = self.draft.new_cache(max_rows, _ROOM) if self.draft is not None else None
+
+    # ------------------------------------------------------------------------------ rows
+    @torch.inference_mode()
+    def add_row(self, prompt_ids: list[int], method: str, num_paths: int, block_len: int,
+                target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int) -> BatchRow:
+        """Prefill a new row (every prompt token but the last) and return it."""
+        if len(self.rows) >= self.max_rows:
+            raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        if method != AR and self.draft is None:
+            raise ValueError(f"method {method!r} needs a draft model")
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        row = BatchRow(tokens=list(prompt_ids), method=method, num_paths=num_paths, block_len=block_len,
+                       target_sampling=target_sampling, draft_sampling=draft_sampling, generator=generator,
+                       rng=TorchRandom(generator))
+        set_method(row, method, num_paths, block_len)
+        row.stats = GenerationStats(method=method, num_paths=row.num_paths, block_len=row.block_len,
+                                    depth_accept_counts=[0] * row.block_len, prompt_tokens=len(row.tokens))
+        index = len(self.rows)
+        head = row.tokens[:-1]
+        need = len(row.tokens) + (row.num_paths + 1) * (row.block_len + 2)
+        for model, cache in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
+            if model is None:
+                continue
+            if cache.capacity < need:
+                cache.grow(need)
+            if head:
+                model.forward(torch.tensor([head], device=self.device), torch.arange(len(head), device=self.device)[None],
+                              0, cache, None, causal=True, last_only=True, first_row=index)
+        row.draft_len = len(head)
+        self.rows.append(row)
+        return row
+
+    @torch.inference_mode()
+    def remove_row(self, row: BatchRow) -> None:
+        """Drop ``row``; the last row moves into its cache slot."""
+        index = self.rows.index(row)
+        last = len(self.rows) - 1
+        if index != last:
+            moved = self.rows[last]
+            self.target_cache.copy_row(last, index, len(moved.tokens) - 1)
+            if self.draft_cache is not None:
+                self.draft_cache.copy_row(last, index, moved.draft_len)
+            self.rows[index] = moved
+        self.rows.pop()
+
+    # ------------------------------------------------------------------------------ one iteration
+    @torch.inference_mode()
+    def step(self, blocks: dict[int, int]) -> dict[int, list[int]]:
+        """Advance the rows ``id(row) -> block`` (block <= the row's block_len; 0 = a plain target step)
+        by one iteration; returns ``id(row) -> newly committed tokens``. Rows not named wait."""
+        rows = self.rows
+        n = len(rows)
+        block = [min(blocks.get(id(r), -1), r.block_len) if id(r) in blocks else -1 for r in rows]
+        drafting = [b > 0 for b in block]
+        lens = [len(r.tokens) - 1 for r in rows]  # committed slots of each row
+        dev = self.device
+
+        # 1. draft: the unseen chain, then the K tips of every drafting row, depth by depth.
+        width = max([r.num_paths if not r.draft_sampling.greedy else 1 for r, d in zip(rows, drafting) if d],
+                    default=0)
+        depth_max = max([b for b, d in zip(block, drafting) if d], default=0)
+        drafted = torch.zeros(n, max(width, 1), max(depth_max, 1), dtype=torch.long, device=dev)
+        qs: list[Tensor | None] = [None] * n
+        tips_k = [0] * n  # paths drafted per row
+        chain_moves: list[tuple[int, list[int], list[int]]] = []
+        tip_base = 0
+        if depth_max > 0:
+            chains = [r.tokens[r.draft_len:] if d else [] for r, d in zip(rows, drafting)]
+            m_max = max(len(c) for c in chains)
+            # Over all rows: a row that does not draft now must not get garbage below its draft length.
+            d_start = max(r.draft_len for r in rows)
+            ids = torch.zeros(n, m_max, dtype=torch.long)
+            pos = torch.zeros(n, m_max, dtype=torch.long)
+            mask = torch.zeros(n, m_max, d_start + m_max, dtype=torch.bool)
+            last = [0] * n
+            for b, (row, chain) in enumerate(zip(rows, chains)):
+                for j in range(m_max):
+                    mask[b, j, d_start + j] = True  # every query sees itself (padding too)
+                if not chain:
+                    continue
+                ids[b, :len(chain)] = torch.tensor(chain)
+                pos[b, :len(chain)] = torch.arange(row.draft_len, row.draft_len + len(chain))
+                mask[b, :len(chain), :row.draft_len] = True
+                for j in range(len(chain)):
+                    mask[b, j, d_start:d_start + j + 1] = True
+                last[b] = len(chain) - 1
+                chain_moves.append((b, list(range(d_start, d_start + len(chain))),
+                                    list(range(row.draft_len, row.draft_len + len(chain)))))
+            logits = self.draft.forward(ids.to(dev), pos.to(dev), d_start, self.draft_cache, mask[:, None].to(dev))
+            tip_base = d_start + m_max
+            first = logits[torch.arange(n, device=dev), torch.tensor(last, device=dev), :self.vocab]
+            for b, row in enumerate(rows):
+                if not drafting[b]:
+                    continue
+                k = 1 if row.draft_sampling.greedy else row.num_paths
+                tips_k[b] = k
+                q_first = process_logits(first[b], row.draft_sampling)
+                qs[b] = torch.empty(k, block[b], self.vocab, dtype=torch.float32, device=dev)
+                qs[b][:, 0] = q_first
+                drafted[b, :k, 0] = sample(q_first.expand(k, -1), row.generator, row.draft_sampling.greedy)
+            for i in range(1, depth_max):
+                start = tip_base + (i - 1) * width
+                end = start + width
+                mask = torch.zeros(n, width, end, dtype=torch.bool)
+                pos = torch.zeros(n, width, dtype=torch.long)
+                for b, row in enumerate(rows):
+                    for k in range(width):
+                        mask[b, k, start + k] = True
+                    if not drafting[b] or block[b] <= i:
+                        continue
+                    mask[b, :, :row.draft_len] = True
+                    for j in range(len(chains[b])):
+                        mask[b, :, d_start + j] = True
+                    for k in range(tips_k[b]):
+                        mask[b, k, tip_base + k:end:width] = True  # its own path's earlier tips
+                    pos[b] = lens[b] + i
+                logits = self.draft.forward(drafted[:, :, i - 1], pos.to(dev), start, self.draft_cache,
+                                            mask[:, None].to(dev))
+                for b, row in enumerate(rows):
+                    if not drafting[b] or block[b] <= i:
+                        continue
+                    k = tips_k[b]
+                    q_i = process_logits(logits[b, :k, :self.vocab], row.draft_sampling)
+                    qs[b][:, i] = q_i
+                    drafted[b, :k, i] = sample(q_i, row.generator, row.draft_sampling.greedy)
+        drafted_host = drafted.tolist()  # the one read of the drafts: the tries are built on the host
+
+        # 2. target: every row's trie (a lone root for plain steps) in one forward.
+        trees = []
+        for b, row in enumerate(rows):
+            if block[b] < 0:
+                trees.append(None)
+                continue
+            paths = [p[:block[b]] for p in drafted_host[b][:tips_k[b]]]
+            trees.append(build_tree(row.tokens[-1], paths, dev))
+        n_nodes = max([t.num_nodes for t in trees if t is not None], default=1)
+        t_start = max(lens)
+        ids = torch.zeros(n, n_nodes, dtype=torch.long, device=dev)
+        pos = torch.zeros(n, n_nodes, dtype=torch.long, device=dev)
+        mask = torch.zeros(n, n_nodes, t_start + n_nodes, dtype=torch.bool, device=dev)
+        mask[:, torch.arange(n_nodes), t_start + torch.arange(n_nodes)] = True
+        for b, tree in enumerate(trees):
+            if tree is None:
+                continue
+            m = tree.num_nodes
+            ids[b, :m] = tree.tokens
+            pos[b, :m] = lens[b] + tree.depth
+            mask[b, :m, :lens[b]] = True
+            mask[b, :m, t_start:t_start + m] = tree.ancestors
+        logits = self.target.forward(ids, pos, t_start, self.target_cache, mask[:, None])
+
+        # 3. verify each row, 4. commit: collect every row's slot moves, then one copy per layer.
+        out: dict[int, list[int]] = {}
+        t_moves: tuple[list[int], list[int], list[int]] = ([], [], [])
+        d_moves: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for b, src, dst in chain_moves:
+            _extend(d_moves, b, src, dst)
+        for b, (row, tree) in enumerate(zip(rows, trees)):
+            if tree is None:
+                continue
+            stats = row.stats
+            stats.target_calls += 1
+            if not drafting[b]:
+                probs = process_logits(logits[b, 0, :self.vocab], row.target_sampling)
+                token = int(sample(probs[None], row.generator, row.target_sampling.greedy)[0])
+                _extend(t_moves, b, [t_start], [lens[b]])
+                row.tokens.append(token)
+                out[id(row)] = [token]
+                continue
+            k = tips_k[b]
+            p_nodes = process_logits(logits[b, :tree.num_nodes, :self.vocab], row.target_sampling)
+            result = row.verifier(drafted[b, :k, :block[b]], qs[b], p_nodes[tree.path_nodes], row.rng)
+            path, tau = result.path, result.accepted_len
+            stats.draft_steps += block[b]
+            stats.tree_calls += 1
+            stats.tree_nodes += tree.num_nodes
+            stats.record_accept(tau)
+            nodes = tree.path_nodes_list[path][:tau + 1]
+            _extend(t_moves, b, [t_start + node for node in nodes], list(range(lens[b], lens[b] + tau + 1)))
+            kept = min(tau, block[b] - 1)
+            src = [tip_base + (i - 1) * width + path for i in range(1, kept + 1)]
+            _extend(d_moves, b, src, list(range(lens[b] + 1, lens[b] + 1 + kept)))
+            row.draft_len = lens[b] + 1 + kept
+            new = drafted_host[b][path][:tau] + [int(result.next_token)]
+            row.tokens.extend(new)
+            out[id(row)] = new
+        for cache, moves in ((self.target_cache, t_moves), (self.draft_cache, d_moves)):
+            rows_idx, src, dst = moves
+            if cache is not None and any(s != d for s, d in zip(src, dst)):
+                cache.move(torch.tensor(src, device=dev), torch.tensor(dst, device=dev),
+                           torch.tensor(rows_idx, device=dev))
+        return out
+
+    def truncate(self, row: BatchRow, length: int) -> None:
+        """Keep the first ``length`` tokens of ``row`` (rollback by index)."""
+        if length < len(row.tokens):
+            del row.tokens[length:]
+            row.draft_len = min(row.draft_len, length - 1)
+
+
+def _extend(moves: tuple[list[int], list[int], list[int]], row: int, src: list[int], dst: list[int]) -> None:
+    moves[0].extend([row] * len(src))
+    moves[1].extend(src)
+    moves[2].extend(dst)
