@@ -128,10 +128,21 @@ class _Projections:
         return [F.linear(x, weight, bias) for weight, bias in self.parts]
 
 
-class _Layer:
-    """The weights of one decoder layer; with ``fuse``, 4 matrix multiplies per layer instead of 7."""
+def _interleave_rotary_rows(weight: Tensor, head_dim: int) -> Tensor:
+    """Reorder the output rows of a q or k projection, head by head, from Hugging Face's rotary layout
+    (dimension ``i`` pairs with ``i + head_dim/2``) to interleaved pairs ``(2i, 2i+1)``, so that the
+    rotation is one complex multiply. q and k get the same order, so ``q . k`` is unchanged."""
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    rows = weight.reshape(-1, head_dim, *weight.shape[1:])
+    return rows[:, order.to(weight.device)].reshape(weight.shape)
 
-    def __init__(self, layer, fuse: bool) -> None:
+
+class _Layer:
+    """The weights of one decoder layer; with ``fuse``, 4 matrix multiplies per layer instead of 7,
+    and (``interleave``) q/k rows in interleaved rotary order for :func:`_rotate_complex`."""
+
+    def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.input_eps = layer.input_layernorm.variance_epsilon
@@ -141,6 +152,17 @@ class _Layer:
         self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
         self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over the head dimension
         self.k_norm = getattr(attn, "k_norm", None)
+        self.interleaved = interleave
+        if interleave:  # the fused copy is ours to reorder; q and k rows (and biases), not v
+            weight, bias = self.qkv.parts[0]
+            qk = self.qkv.sizes[0] + self.qkv.sizes[1]
+            weight = torch.cat([_interleave_rotary_rows(weight[:qk], head_dim), weight[qk:]])
+            if bias is not None:
+                bias = torch.cat([_interleave_rotary_rows(bias[:qk], head_dim), bias[qk:]])
+            self.qkv.parts = [(weight, bias)]
+            if self.q_norm is not None:  # RMS is order-free; its per-dimension weight follows the rows
+                self.q_norm_weight = _interleave_rotary_rows(self.q_norm.weight, head_dim)
+                self.k_norm_weight = _interleave_rotary_rows(self.k_norm.weight, head_dim)
         self.scaling = attn.scaling
         self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse)
         self.down = mlp.down_proj.weight
@@ -165,7 +187,10 @@ class LeanCausalLM:
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
         # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory).
         fuse = sum(p.numel() for p in model.parameters()) <= FUSE_MAX_PARAMETERS
-        self.layers = [_Layer(layer, fuse) for layer in inner.layers]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.
+        self.interleaved = fuse and model.model.embed_tokens.weight.dtype in (torch.float32, torch.float64)
+        self.layers = [_Layer(layer, fuse, self.interleaved, head_dim) for layer in inner.layers]
         self.norm = inner.norm.weight
         self.norm_eps = inner.norm.variance_epsilon
         self.lm_head = model.lm_head.weight
@@ -178,6 +203,7 @@ class LeanCausalLM:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
+        self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -193,7 +219,30 @@ class LeanCausalLM:
             probe = torch.empty((), dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(probe, ids)
             self._cos, self._sin = cos[0], sin[0]
+            if self.interleaved:  # e^{i theta} per frequency (HF repeats each frequency twice)
+                half = self.head_dim // 2
+                self._rot = torch.complex(self._cos[:, :half], self._sin[:, :half])
+        if self.interleaved:
+            return self._rot[positions], None
         return self._cos[positions], self._sin[positions]
+
+    def _qkv_interleaved(self, layer: _Layer, x: Tensor, rot: Tensor, batch: int, n: int):
+        """q, k, v as (B, heads, N, D) with the rotation applied to q and k together: one complex
+        multiply instead of six ops each (rows in interleaved rotary order, see _interleave_rotary_rows)."""
+        weight, bias = layer.qkv.parts[0]
+        heads = self.num_heads + 2 * self.kv_heads
+        qkv = F.linear(x, weight, bias).view(batch, n, heads, self.head_dim)
+        qk = qkv[:, :, :self.num_heads + self.kv_heads]
+        if layer.q_norm is not None:
+            q_part = _rms_norm(qk[:, :, :self.num_heads], layer.q_norm_weight, layer.q_norm.variance_epsilon)
+            k_part = _rms_norm(qk[:, :, self.num_heads:], layer.k_norm_weight, layer.k_norm.variance_epsilon)
+            qk = torch.cat([q_part, k_part], dim=2)
+        rotated = torch.view_as_real(torch.view_as_complex(
+            qk.reshape(batch, n, -1, self.head_dim // 2, 2)) * rot).flatten(-2)
+        q = rotated[:, :, :self.num_heads].transpose(1, 2)
+        k = rotated[:, :, self.num_heads:].transpose(1, 2)
+        v = qkv[:, :, self.num_heads + self.kv_heads:].transpose(1, 2)
+        return q, k, v
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, cache: KVCache, mask: Tensor | None,
                 causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:
@@ -215,7 +264,10 @@ class LeanCausalLM:
         if end > cache.capacity:
             cache.grow(end)
         cos, sin = self._rotary(positions, end)  # invariant: every position < end (positions <= slots)
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, D)
+        if self.interleaved:
+            rot = cos[:, :, None]  # (B, N, 1, D/2) complex
+        else:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, D)
         hidden = F.embedding(tokens, self.embed)
         if mask is None and n > 1 and not causal:
             raise ValueError("several queries need a mask or causal=True")
@@ -226,15 +278,18 @@ class LeanCausalLM:
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
-            q, k, v = layer.qkv(x)
-            q = q.reshape(batch, n, self.num_heads, self.head_dim)
-            k = k.reshape(batch, n, self.kv_heads, self.head_dim)
-            v = v.reshape(batch, n, self.kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            if layer.interleaved:
+                q, k, v = self._qkv_interleaved(layer, x, rot, batch, n)
+            else:
+                q, k, v = layer.qkv(x)
+                q = q.reshape(batch, n, self.num_heads, self.head_dim)
+                k = k.reshape(batch, n, self.kv_heads, self.head_dim)
+                v = v.reshape(batch, n, self.kv_heads, self.head_dim)
+                if layer.q_norm is not None:
+                    q, k = layer.q_norm(q), layer.k_norm(k)
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
             keys = cache.keys[index][first_row:first_row + batch]
             values = cache.values[index][first_row:first_row + batch]
             keys[:, :, start:end] = k
