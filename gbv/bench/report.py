@@ -17,17 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-
-# ---------------------------------------------------------------------- atomic-ish writes
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+from gbv.atomic import atomic_write_text  # noqa: F401 - re-exported for the bench CLI
 
 
 class JsonlWriter:
