@@ -132,6 +132,11 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_nested(value: Any) -> bool:
+    """A prompt inside a batch: a list / tuple / tensor (not a string)."""
+    return isinstance(value, (Sequence, torch.Tensor)) and not isinstance(value, (str, bytes))
+
+
 def _token_list(values: Any, where: str) -> list[int]:
     """One prompt's token ids from a list/tuple of ints or a 1D integer tensor; GbvError otherwise."""
     if isinstance(values, torch.Tensor):
@@ -191,7 +196,7 @@ def _prompt_batch(pair, prompt, prompt_ids, prompts) -> tuple[list[list[int]], b
     if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, Sequence):  # numpy arrays
         prompt_ids = prompt_ids.tolist()
     if isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, (str, bytes)) and prompt_ids \
-            and not _is_token(prompt_ids[0]):
+            and _is_nested(prompt_ids[0]):
         if any(_is_token(v) for v in prompt_ids):
             raise GbvError("prompt_ids mixes token ids and lists: give one list of ids, or a list of such lists")
         return [_token_list(ids, f"prompt_ids[{i}]") for i, ids in enumerate(prompt_ids)], True
