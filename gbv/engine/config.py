@@ -6,10 +6,11 @@ CLI can reject a bad value (exit 2) before paying for the heavy imports.
 
 Caps (why these numbers): every iteration holds ``K x L`` draft distributions and ``K x (L+1)``
 target distributions over the whole vocabulary, plus K copies of both KV caches. At K = 16, L = 32 and
-a 128k vocabulary the probabilities alone take about 0.5 GB in float32, and past that point the
-acceptance gain per extra path or token is tiny (the measured block efficiency flattens by K = 4 and
-L = 8, docs/RESULTS.md). Larger values only ever exhausted memory (``--num-paths 100000`` was killed
-by the OOM killer after 24 GB), so they are refused with the allowed range in the message.
+a 128k vocabulary the probabilities alone take about 0.5 GB in float32, while the gain per extra
+path is already small at K = 4 (GBV's block efficiency 3.11 -> 3.15 from K = 3 to 4 at T = 1, L = 8,
+docs/RESULTS.md). Larger values only ever exhausted memory (``--num-paths 100000`` was killed by the
+OOM killer after 24 GB), so they are refused with the allowed range in the message; within the caps,
+:func:`gbv.engine.generate.memory_estimate` refuses a generation that would not fit.
 """
 
 from __future__ import annotations

@@ -231,10 +231,64 @@ def _prepare(pair, ids: list[int], config: GenerationConfig) -> _Job:
             raise GbvError(f"prompt has {len(ids)} tokens; the model context is {limit} positions "
                            "(shorten the prompt)")
         max_new_tokens = min(max_new_tokens, limit - len(ids))
+    _check_memory(pair, config, vocab, len(ids) + max_new_tokens)
     if config.stop_strings and pair.tokenizer is None:
         raise GbvError("stop_strings need a tokenizer; this model pair has none")
     eos = _default_eos(pair) if config.eos_token_id is None else config.eos_token_id
     return _Job(ids, config, vocab, limit, max_new_tokens, frozenset(eos))
+
+
+def _kv_bytes_per_position(model) -> int:
+    """Bytes one cached position takes in ``model`` (keys and values of every layer); 0 if unknown."""
+    cfg = model.config.get_text_config()
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden)):
+        return 0
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    weight = next(model.parameters(), None)
+    element = weight.element_size() if weight is not None else 4
+    return 2 * layers * kv_heads * head_dim * element
+
+
+def memory_estimate(pair, config: GenerationConfig, vocab: int, positions: int) -> int:
+    """Rough bytes one generation allocates beyond the weights: K copies of both KV caches over
+    ``positions`` tokens, and per iteration the draft's (K, L, V) and the target's (K, L+1, V)
+    distributions plus the target logits (float32)."""
+    if not config.needs_draft:
+        return positions * _kv_bytes_per_position(pair.target) + 2 * vocab * 4
+    rows, block = config.num_paths, config.block_len
+    caches = rows * (positions + block) * (_kv_bytes_per_position(pair.target) + _kv_bytes_per_position(pair.draft))
+    return caches + rows * (3 * block + 2) * vocab * 4
+
+
+def _available_memory(device) -> int | None:
+    """Free bytes on ``device`` (CUDA: the allocator's view; CPU: MemAvailable), None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(pair, config: GenerationConfig, vocab: int, positions: int) -> None:
+    """Refuse, before allocating anything, a generation whose estimate exceeds the free memory."""
+    available = _available_memory(pair.device)
+    needed = memory_estimate(pair, config, vocab, positions)
+    if available is not None and needed > available:
+        raise GbvError(f"this generation needs about {needed / 2**30:.1f} GiB (K={config.num_paths}, "
+                       f"L={config.block_len}, {positions} positions, vocabulary {vocab}) but "
+                       f"{available / 2**30:.1f} GiB are free on {pair.device}; lower num_paths, block_len "
+                       "or max_new_tokens")
 
 
 def _make_decoder(pair, config: GenerationConfig, vocab: int) -> Decoder:

@@ -187,3 +187,15 @@ def test_stop_strings_stay_exact_with_incremental_text(pair):
         end = base.text.index(stop) + len(stop)
         assert out.text == base.text[:end] == "".join(chunks) and out.stats.stop_reason == "stop_string"
         assert stop not in pair.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_memory_estimate_refuses_before_allocating(pair, monkeypatch):
+    import gbv.engine.generate as engine
+
+    small = engine.memory_estimate(pair, GenerationConfig(num_paths=1, block_len=1), 32, 100)
+    large = engine.memory_estimate(pair, GenerationConfig(num_paths=16, block_len=32), 32, 100)
+    assert 0 < small < large
+    monkeypatch.setattr(engine, "_available_memory", lambda device: small)
+    generate(pair, prompt_ids=[1], num_paths=1, block_len=1, max_new_tokens=99, eos_token_id=[])
+    with pytest.raises(GbvError, match="GiB are free"):
+        generate(pair, prompt_ids=[1], num_paths=16, block_len=32, max_new_tokens=99, eos_token_id=[])
