@@ -62,7 +62,7 @@ def compare(records: list[dict], method: str, against: list[str], metric: str = 
     min_k = 1 if is_single_path(method) else 2  # K = 1 of a multi-path method is its single-path version
     keys = sorted({(k[3], k[2], k[1]) for k in table if k[0] == method and k[1] >= min_k})
     names = {"block": "BV"}
-    lines = [f"| T | L | K | " + " | ".join(f"{method} / {names.get(o, o)}" for o in against) + " |",
+    lines = ["| T | L | K | " + " | ".join(f"{method} / {names.get(o, o)}" for o in against) + " |",
              "|---|---|---|" + "---|" * len(against)]
     n_prompts = 0
     for temp, block_len, k in keys:

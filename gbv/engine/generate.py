@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gbv.engine.config import AR, GenerationConfig, all_methods
+from gbv.engine.config import GenerationConfig, all_methods  # noqa: F401 - all_methods re-exported
 from gbv.engine.decoder import Decoder
 from gbv.engine.detokenize import IncrementalText
 from gbv.engine.stats import GenerationStats
