@@ -11,7 +11,10 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from gbv.errors import GbvError
 
@@ -36,11 +39,46 @@ class _StderrLine(logging.Handler):
         print(f"gbv: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
 
 
-def _install_warning_handler() -> None:
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """While a command runs, the ``gbv`` logger's warnings are one stderr line each (and not a second
+    copy through a root handler); the logger is restored afterwards."""
     logger = logging.getLogger("gbv")
-    if not any(isinstance(h, _StderrLine) for h in logger.handlers):
-        logger.addHandler(_StderrLine(logging.WARNING))
-    logger.propagate = False  # one line, not a second copy from a root handler
+    handler, propagate = _StderrLine(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _exit_on_interrupt(signum, frame) -> None:
+    """Ctrl-C: one line and exit 130 at once. A KeyboardInterrupt raised inside an import (torch,
+    transformers, scipy take seconds to import) can leave a half-imported module that transformers'
+    lazy loader then reports as an unrelated ImportError traceback, so nothing is raised. Commands
+    that must clean up (``gbv bench`` summarising what it finished) restore
+    ``signal.default_int_handler`` around their work loop."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os.write(2, b"gbv: interrupted\n")
+    os._exit(130)
+
+
+@contextmanager
+def _interrupt_exits() -> Iterator[None]:
+    try:
+        previous = signal.signal(signal.SIGINT, _exit_on_interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -64,16 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit code: 0 ok, 2 bad input (one line on stderr), 130 Ctrl-C
     (also during start-up: imports and model loading), 141 when stdout is closed early (``| head``)."""
     try:
-        argv = sys.argv[1:] if argv is None else argv
-        parser = build_parser(argv)
-        args = parser.parse_args(argv)
-        if getattr(args, "func", None) is None:
-            parser.print_help()
-            return 2
-        _install_warning_handler()
-        code = int(args.func(args) or 0)
-        sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit flush
-        return code
+        with _interrupt_exits():
+            argv = sys.argv[1:] if argv is None else argv
+            parser = build_parser(argv)
+            args = parser.parse_args(argv)
+            if getattr(args, "func", None) is None:
+                parser.print_help()
+                return 2
+            with _warnings_as_lines():
+                code = int(args.func(args) or 0)
+            sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit flush
+            return code
     except GbvError as exc:
         print(f"gbv: error: {exc}", file=sys.stderr)
         return 2

@@ -273,7 +273,10 @@ def _run_models(args: argparse.Namespace, cfg: dict, command: str) -> int:
     # every setting are summarised.
     budget_s = None if args.max_minutes is None else 60.0 * args.max_minutes
     stopped = ""
+    # Ctrl-C and SIGTERM in the loop stop it and summarise the complete prompts (gbv.cli exits at once
+    # on Ctrl-C elsewhere).
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with _progress(total, args.no_progress, "bench") as bar:
             for index in range(max(len(p) for p in prompts.values())):
@@ -296,6 +299,7 @@ def _run_models(args: argparse.Namespace, cfg: dict, command: str) -> int:
         stopped = "interrupted"
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         writer.close()
     records = _complete_prompts(writer.records, len(settings))
     if stopped:
