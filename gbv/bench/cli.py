@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(out: Path, rows: list[dict], csv_columns: tuple[str, ...], markdown: str) -> None:
-    from gbv.bench.report import atomic_write_text, to_csv
+    from gbv.atomic import atomic_write_text
+    from gbv.bench.report import to_csv
 
     atomic_write_text(out / "summary.csv", to_csv(rows, csv_columns))
     atomic_write_text(out / "summary.md", markdown)
@@ -200,7 +201,8 @@ def _write_outputs(out: Path, rows: list[dict], csv_columns: tuple[str, ...], ma
 
 def _run_exact(args: argparse.Namespace, cfg: dict, command: str) -> int:
     from gbv.bench import exact, plots
-    from gbv.bench.report import JsonlWriter, atomic_write_text
+    from gbv.atomic import atomic_write_text
+    from gbv.bench.report import JsonlWriter
 
     started = time.time()
     total = exact.count_exact_jobs(cfg["block_len"], cfg["num_paths"], cfg["temperature"], cfg["methods"],
@@ -239,7 +241,8 @@ def _run_exact(args: argparse.Namespace, cfg: dict, command: str) -> int:
 def _run_models(args: argparse.Namespace, cfg: dict, command: str) -> int:
     import gbv
     from gbv.bench import runner
-    from gbv.bench.report import JsonlWriter, atomic_write_text
+    from gbv.atomic import atomic_write_text
+    from gbv.bench.report import JsonlWriter
 
     started = time.time()
     runner.quiet_transformers()
@@ -352,7 +355,8 @@ def write_model_report(out: Path, records: list[dict], title: str, command: str 
 def _run_merge(args: argparse.Namespace) -> int:
     """``--merge A,B``: one report from earlier runs (e.g. split by temperature), over the prompts that
     are complete in every run; nothing is re-run."""
-    from gbv.bench.report import JsonlWriter, atomic_write_text, read_jsonl
+    from gbv.atomic import atomic_write_text
+    from gbv.bench.report import JsonlWriter, read_jsonl
 
     sources = [Path(d) for d in grid.parse_list(args.merge, "merge", str)]
     for src in sources:

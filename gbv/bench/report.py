@@ -1,4 +1,4 @@
-"""Aggregation and output files: results.jsonl, summary.csv, summary.md (written tmp-then-rename).
+"""Aggregation and output files: results.jsonl, summary.csv, summary.md (written with gbv.atomic).
 
 Definitions (SPEC section 0): **block efficiency** = generated tokens / target forward calls;
 **accepted length** = drafted tokens accepted per iteration (block efficiency - 1 in expectation).
@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-
-from gbv.atomic import atomic_write_text  # noqa: F401 - re-exported for the bench CLI
 
 
 class JsonlWriter:

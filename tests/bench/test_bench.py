@@ -163,6 +163,29 @@ def test_time_budget_stops_after_complete_prompts(tiny_pair, tmp_path, capsys):
     assert "stopped early" in (out / "summary.md").read_text()
 
 
+def test_ctrl_c_in_the_loop_summarises_complete_prompts(tiny_pair, tmp_path, capsys, monkeypatch):
+    from gbv.bench import runner
+
+    target, draft = tiny_pair
+    calls = []
+    original = runner.run_one
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # warm-up, prompt 0 (ar, block), then Ctrl-C in prompt 1
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_one", interrupted)
+    out = tmp_path / "stopped"
+    code = main(["bench", "--target", target, "--draft", draft, "--dataset", "gsm8k", "--prompts", "2",
+                 "--methods", "ar,block", "--block-len", "2", "--temperature", "1", "--max-new-tokens", "4",
+                 "--out", str(out), "--no-progress"])
+    assert code == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert json.loads((out / "meta.json").read_text())["prompts_completed"] == {"gsm8k": 1}
+
+
 def test_out_with_results_needs_resume_or_overwrite(tmp_path, capsys):
     """A second run into a results folder is refused (exit 2, nothing touched); --overwrite replaces
     it, and a plot the new run does not draw (one temperature) does not survive from the old run."""
