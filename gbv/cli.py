@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from gbv.errors import GbvError
 
@@ -28,8 +33,60 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+class _StderrLine(logging.Handler):
+    """Library warnings (the ``gbv`` logger) as one ``gbv: warning: ...`` line on the current stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"gbv: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+
+
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """While a command runs, the ``gbv`` logger's warnings are one stderr line each (and not a second
+    copy through a root handler); the logger is restored afterwards."""
+    logger = logging.getLogger("gbv")
+    handler, propagate = _StderrLine(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _exit_on_interrupt(signum, frame) -> None:
+    """Ctrl-C: one line and exit 130 at once. A KeyboardInterrupt raised inside an import (torch,
+    transformers, scipy take seconds to import) can leave a half-imported module that transformers'
+    lazy loader then reports as an unrelated ImportError traceback, so nothing is raised. Commands
+    that must clean up (``gbv bench`` summarising what it finished) restore
+    ``signal.default_int_handler`` around their work loop."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os.write(2, b"gbv: interrupted\n")
+    os._exit(130)
+
+
+@contextmanager
+def _interrupt_exits() -> Iterator[None]:
+    try:
+        previous = signal.signal(signal.SIGINT, _exit_on_interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    from gbv import __version__
+
     parser = _Parser(prog="gbv", description="Lossless multi-path speculative sampling (GBV and baselines).")
+    parser.add_argument("--version", action="version", version=f"gbv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     # Register only the named subcommand when there is one, all of them for --help.
     named = [a for a in argv if a in SUBCOMMANDS][:1] or list(SUBCOMMANDS)
@@ -43,20 +100,33 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
+    """Run one command; returns the exit code: 0 ok, 2 bad input (one line on stderr), 130 Ctrl-C
+    (also during start-up: imports and model loading), 141 when stdout is closed early (``| head``)."""
     try:
-        return int(args.func(args) or 0)
+        with _interrupt_exits():
+            argv = sys.argv[1:] if argv is None else argv
+            parser = build_parser(argv)
+            args = parser.parse_args(argv)
+            if getattr(args, "func", None) is None:
+                parser.print_help()
+                return 2
+            with _warnings_as_lines():
+                code = int(args.func(args) or 0)
+            sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit flush
+            return code
     except GbvError as exc:
         print(f"gbv: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gbv: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `gbv bound ... --json | head -1`): stop quietly. Point stdout at
+        # /dev/null so that the interpreter's final flush does not complain a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a tool killed by the signal reports
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gbv.bench.grid import NO_DRAFT, SINGLE_PATH
+from gbv.bench.grid import NO_DRAFT, is_single_path
 from gbv.bench.report import read_jsonl
 
 
@@ -32,35 +32,43 @@ def _table(records: list[dict]) -> dict[tuple, dict[tuple, tuple[float, float, f
 
 def paired_ratio(a: dict, b: dict, metric: str, resamples: int, rng: np.random.Generator
                  ) -> tuple[float, float, float, int]:
+    """Ratio of the pooled metric of ``a`` to ``b`` over their common prompts, with a 95% percentile
+    bootstrap interval (:func:`scipy.stats.bootstrap`, ``paired``: one resample of prompts serves both)."""
+    from scipy.stats import bootstrap
+
     common = sorted(set(a) & set(b))
     if not common:
         return float("nan"), float("nan"), float("nan"), 0
     x, y = np.array([a[c] for c in common]), np.array([b[c] for c in common])
     den = 1 if metric == "block_efficiency" else 2
 
-    def value(ix: np.ndarray) -> float:
-        return (x[ix, 0].sum() / x[ix, den].sum()) / (y[ix, 0].sum() / y[ix, den].sum())
+    def ratio(x_new, x_den, y_new, y_den, axis=-1):
+        return (x_new.sum(axis) / x_den.sum(axis)) / (y_new.sum(axis) / y_den.sum(axis))
 
-    point = value(np.arange(len(common)))
-    boots = [value(rng.integers(0, len(common), len(common))) for _ in range(resamples)]
-    lo, hi = np.percentile(boots, [2.5, 97.5])
-    return float(point), float(lo), float(hi), len(common)
+    data = (x[:, 0], x[:, den], y[:, 0], y[:, den])
+    point = float(ratio(*data))
+    if len(common) < 2:  # one prompt: nothing to resample
+        return point, point, point, 1
+    result = bootstrap(data, ratio, paired=True, vectorized=True, n_resamples=resamples, method="percentile",
+                       confidence_level=0.95, random_state=rng)
+    interval = result.confidence_interval
+    return point, float(interval.low), float(interval.high), len(common)
 
 
 def compare(records: list[dict], method: str, against: list[str], metric: str = "block_efficiency",
             resamples: int = 2000, seed: int = 0) -> str:
     table = _table(records)
     rng = np.random.default_rng(seed)
-    min_k = 1 if method in SINGLE_PATH else 2  # K = 1 of a multi-path method is its single-path version
+    min_k = 1 if is_single_path(method) else 2  # K = 1 of a multi-path method is its single-path version
     keys = sorted({(k[3], k[2], k[1]) for k in table if k[0] == method and k[1] >= min_k})
     names = {"block": "BV"}
-    lines = [f"| T | L | K | " + " | ".join(f"{method} / {names.get(o, o)}" for o in against) + " |",
+    lines = ["| T | L | K | " + " | ".join(f"{method} / {names.get(o, o)}" for o in against) + " |",
              "|---|---|---|" + "---|" * len(against)]
     n_prompts = 0
     for temp, block_len, k in keys:
         cells = []
         for other in against:
-            k_other = 1 if other in SINGLE_PATH or other in NO_DRAFT else k
+            k_other = 1 if is_single_path(other) or other in NO_DRAFT else k
             l_other = None if other in NO_DRAFT else block_len
             b = table.get((other, k_other, l_other, temp))
             if b is None:

@@ -1,7 +1,8 @@
 """The benchmark grid: parsing the comma-separated options, validating them, expanding settings.
 
 Everything here is cheap and imports no model code, so a bad argument is reported (one line,
-exit 2) before any model loads and before anything is written.
+exit 2) before any model loads and before anything is written. (Listing the methods imports the
+verifier registry, and with it torch.)
 """
 
 from __future__ import annotations
@@ -11,22 +12,48 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from gbv.data import DATASETS
+from gbv.engine.config import AR, MAX_BLOCK_LEN, MAX_NUM_PATHS
+from gbv.engine.config import all_methods as all_engine_methods
 from gbv.errors import GbvError
 
-DATASETS: tuple[str, ...] = ("gsm8k", "humaneval", "math500")
-# Methods driven by gbv.generate, plus the transformers peers.
-ENGINE_METHODS: tuple[str, ...] = ("ar", "token", "block", "specinfer", "spectr", "traversal", "gbv")
-HF_METHODS: tuple[str, ...] = ("hf-assisted", "hf-ar")
-ALL_METHODS: tuple[str, ...] = ENGINE_METHODS + HF_METHODS
-# Methods that draft one path: run once per L (K recorded as 1), not once per K.
-SINGLE_PATH: frozenset[str] = frozenset({"token", "block", "hf-assisted"})
-# Methods with no draft at all: run once per temperature (K = 1, L recorded as None).
-NO_DRAFT: frozenset[str] = frozenset({"ar", "hf-ar"})
-EXACT_METHODS: tuple[str, ...] = ("token", "block", "specinfer", "spectr", "traversal", "gbv")
+__all__ = ["DATASETS", "HF_METHODS", "MAX_BLOCK_LEN", "MAX_NUM_PATHS", "NO_DRAFT", "Setting", "all_methods",
+           "check_methods_available", "check_out_dir", "engine_methods", "exact_methods", "expand_settings",
+           "is_single_path", "parse_ints", "parse_list", "parse_names", "parse_temperatures", "positive_int"]
 
-MAX_NUM_PATHS = 16
-MAX_BLOCK_LEN = 64
+# The methods and data sets come from their registries (gbv.verify, gbv.data): a verifier added
+# there is benchmarked here with no change. Only the transformers peers are bench-only rows.
+HF_METHODS: tuple[str, ...] = ("hf-assisted", "hf-ar")
+# Methods with no draft at all: run once per temperature (K = 1, L recorded as None).
+NO_DRAFT: frozenset[str] = frozenset({AR, "hf-ar"})
 MAX_TEMPERATURE = 100.0
+
+
+def engine_methods() -> tuple[str, ...]:
+    """``ar`` and every verifier registered in :mod:`gbv.verify` (run through ``gbv.generate``)."""
+    return all_engine_methods()
+
+
+def all_methods() -> tuple[str, ...]:
+    """Every method ``gbv bench`` runs: the engine's, then the transformers peers."""
+    return engine_methods() + HF_METHODS
+
+
+def exact_methods() -> tuple[str, ...]:
+    """Every registered verifier (``--exact`` enumerates verifiers; ``ar`` has nothing to verify)."""
+    from gbv.verify import METHODS
+
+    return tuple(METHODS)
+
+
+def is_single_path(method: str) -> bool:
+    """Drafts one path whatever K is (``token``, ``block``, ``hf-assisted``): run once per L, K = 1."""
+    if method == "hf-assisted":
+        return True
+    from gbv.verify import METHODS, is_multi_path
+
+    return method in METHODS and not is_multi_path(method)
+
 
 T = TypeVar("T")
 
@@ -82,17 +109,39 @@ def positive_int(value: int | None, name: str, high: int | None = None) -> int:
     return value
 
 
-def check_out_dir(out: str) -> Path:
-    """The output folder must be a folder or creatable as one; nothing is created here."""
+# What a run writes into --out (plots by their pattern): a folder holding any of these holds results.
+RESULT_FILES: tuple[str, ...] = ("results.jsonl", ".results.jsonl.partial", "summary.csv", "summary.md", "meta.json")
+
+
+def existing_results(path: Path) -> list[Path]:
+    """The output files of an earlier run in ``path`` (results, tables, meta, plots)."""
+    if not path.is_dir():
+        return []
+    found = [path / name for name in RESULT_FILES if (path / name).exists()]
+    return found + sorted(path.glob("*.png"))
+
+
+def check_out_dir(out: str, resume: bool = False, overwrite: bool = False) -> Path:
+    """The output folder must be a folder or creatable as one, and must not hold an earlier run's
+    results unless ``resume`` (continue it) or ``overwrite`` (replace it); nothing is created here."""
     if not out:
         raise GbvError("--out must name an output folder")
+    if resume and overwrite:
+        raise GbvError("give --resume or --overwrite, not both")
     path = Path(out)
     if path.exists():
         if not path.is_dir():
             raise GbvError(f"--out {out!r} exists and is not a folder")
         if not os.access(path, os.W_OK):
             raise GbvError(f"--out {out!r} is not writable")
+        found = existing_results(path)
+        if found and not (resume or overwrite):
+            raise GbvError(f"--out {out!r} already holds results ({', '.join(p.name for p in found[:3])}"
+                           f"{', ...' if len(found) > 3 else ''}); pass --resume to continue that run or "
+                           "--overwrite to replace it, or choose another folder")
         return path
+    if resume:
+        raise GbvError(f"--resume: --out {out!r} does not exist (nothing to resume)")
     ancestor = path.absolute().parent
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -101,6 +150,14 @@ def check_out_dir(out: str) -> Path:
     if not os.access(ancestor, os.W_OK):
         raise GbvError(f"--out {out!r} cannot be created: {str(ancestor)!r} is not writable")
     return path
+
+
+def clear_outputs(path: Path, keep: tuple[str, ...] = ()) -> None:
+    """Delete an earlier run's outputs (but the names in ``keep``), so no stale table or plot can
+    sit beside the new ones."""
+    for file in existing_results(path):
+        if file.name not in keep:
+            file.unlink()
 
 
 def check_methods_available(methods: list[str]) -> None:
@@ -139,7 +196,7 @@ def expand_settings(methods: list[str], num_paths: list[int], block_lens: list[i
         for method in methods:
             if method in NO_DRAFT:
                 settings.append(Setting(method, 1, None, temp))
-            elif method in SINGLE_PATH:
+            elif is_single_path(method):
                 settings.extend(Setting(method, 1, block_len, temp) for block_len in block_lens)
             else:
                 settings.extend(Setting(method, k, block_len, temp) for block_len in block_lens for k in num_paths)

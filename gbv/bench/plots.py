@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gbv.atomic import atomic_path  # noqa: E402
+
 STYLE = {  # method -> (color, marker)
     "gbv": ("#d62728", "o"),
     "traversal": ("#1f77b4", "s"),
@@ -29,10 +31,11 @@ LINE_ONLY = {"block": "--", "token": ":", "hf-assisted": "-.", "ar": (0, (1, 3))
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=90, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def _grid(n_rows: int, n_cols: int):

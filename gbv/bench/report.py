@@ -1,4 +1,4 @@
-"""Aggregation and output files: results.jsonl, summary.csv, summary.md (written tmp-then-rename).
+"""Aggregation and output files: results.jsonl, summary.csv, summary.md (written with gbv.atomic).
 
 Definitions (SPEC section 0): **block efficiency** = generated tokens / target forward calls;
 **accepted length** = drafted tokens accepted per iteration (block efficiency - 1 in expectation).
@@ -16,18 +16,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-
-
-# ---------------------------------------------------------------------- atomic-ish writes
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class JsonlWriter:

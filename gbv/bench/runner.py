@@ -10,15 +10,13 @@ including the prefill, which also yields the first new token -- as in the engine
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from gbv.bench.grid import HF_METHODS, Setting
-from gbv.errors import GbvError
+from gbv.bench.grid import HF_METHODS, NO_DRAFT, Setting
 
 
 @dataclass
@@ -29,37 +27,12 @@ class Prompt:
     ids: list[int]
 
 
-def prompt_text(item: Any) -> str:
-    """Text of one item of ``gbv.data.load_prompts`` (a string, a dict, or an object with a prompt)."""
-    if isinstance(item, str):
-        return item
-    if isinstance(item, dict):
-        for key in ("prompt", "text", "question", "input"):
-            if isinstance(item.get(key), str):
-                return item[key]
-    for attr in ("prompt", "text"):
-        value = getattr(item, attr, None)
-        if isinstance(value, str):
-            return value
-    raise GbvError(f"cannot read the prompt text of a dataset item of type {type(item).__name__}")
-
-
 def load_dataset_prompts(dataset: str, limit: int, tokenizer: Any) -> list[Prompt]:
+    """The first ``limit`` prompts of ``dataset`` (strings, from :func:`gbv.data.load_prompts`), encoded."""
     from gbv.data import load_prompts
 
-    items = list(load_prompts(dataset, limit=limit))[:limit]
-    if not items:
-        raise GbvError(f"dataset {dataset!r} returned no prompts")
-    prompts = []
-    for index, item in enumerate(items):
-        text = prompt_text(item)
-        ids = tokenizer(text)["input_ids"]
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
-        prompts.append(Prompt(dataset, index, text, [int(t) for t in ids]))
-    return prompts
+    return [Prompt(dataset, index, text, list(tokenizer(text, verbose=False)["input_ids"]))
+            for index, text in enumerate(load_prompts(dataset, limit=limit))]
 
 
 def prompt_seed(seed: int, dataset_index: int, prompt_index: int) -> int:
@@ -67,42 +40,45 @@ def prompt_seed(seed: int, dataset_index: int, prompt_index: int) -> int:
     return (seed * 1_000_003 + dataset_index * 10_007 + prompt_index) % (2**31 - 1)
 
 
-def _eos_id(pair: Any) -> int | None:
-    tok = getattr(pair, "tokenizer", None)
-    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+def eos_id(pair: Any) -> int | None:
+    """The one EOS id both runners stop on (the tokenizer's, else the generation config's first)."""
+    eos = pair.tokenizer.eos_token_id
     if eos is None:
-        eos = getattr(getattr(pair.target, "generation_config", None), "eos_token_id", None)
+        eos = pair.target.generation_config.eos_token_id
     if isinstance(eos, (list, tuple)):
         eos = eos[0] if eos else None
     return eos
 
 
 # ---------------------------------------------------------------------- engine methods
+def engine_config(setting: Setting, max_new_tokens: int, seed: int, eos_token_id: int | None):
+    """The :class:`GenerationConfig` of one grid cell (``ar`` ignores K and L)."""
+    from gbv.engine.config import GenerationConfig
+
+    drafts = setting.method not in NO_DRAFT
+    return GenerationConfig(method=setting.method, num_paths=setting.num_paths if drafts else 1,
+                            block_len=setting.block_len if drafts else 1, temperature=setting.temperature,
+                            max_new_tokens=max_new_tokens, seed=seed,
+                            eos_token_id=() if eos_token_id is None else eos_token_id)
+
+
 def run_engine(pair: Any, prompt: Prompt, setting: Setting, max_new_tokens: int, seed: int,
                eos_token_id: int | None) -> dict:
     import gbv
 
-    kwargs: dict[str, Any] = dict(prompt_ids=prompt.ids, method=setting.method, temperature=setting.temperature,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=seed)
-    if setting.method != "ar":
-        kwargs.update(num_paths=setting.num_paths, block_len=setting.block_len)
-    out = gbv.generate(pair, **kwargs)
-    stats = out.stats.to_dict() if hasattr(out.stats, "to_dict") else dict(vars(out.stats))
-    new_tokens = int(stats.get("new_tokens", len(out.token_ids)))
-    calls = stats.get("target_calls")
-    accepted = stats.get("accepted_lengths")
-    time_total = stats.get("time_total")
+    out = gbv.generate(pair, prompt_ids=prompt.ids, config=engine_config(setting, max_new_tokens, seed, eos_token_id))
+    stats = out.stats
     return {
-        "new_tokens": new_tokens,
-        "target_calls": None if calls is None else int(calls),
-        "draft_steps": stats.get("draft_steps"),
-        "accepted_lengths": None if accepted is None else [int(a) for a in accepted],
-        "time_draft": stats.get("time_draft"),
-        "time_target": stats.get("time_target"),
-        "time_verify": stats.get("time_verify"),
-        "time_other": stats.get("time_other"),
-        "time_total": time_total,
-        "tokens_per_second": (new_tokens / time_total) if time_total else stats.get("tokens_per_second"),
+        "new_tokens": stats.new_tokens,
+        "target_calls": stats.target_calls,
+        "draft_steps": stats.draft_steps,
+        "accepted_lengths": list(stats.accepted_lengths),
+        "time_draft": stats.time_draft,
+        "time_target": stats.time_target,
+        "time_verify": stats.time_verify,
+        "time_other": stats.time_other,
+        "time_total": stats.time_total,
+        "tokens_per_second": stats.tokens_per_second,
     }
 
 
@@ -122,8 +98,7 @@ class _CallCounter:
 def run_hf(pair: Any, prompt: Prompt, setting: Setting, max_new_tokens: int, seed: int,
            eos_token_id: int | None) -> dict:
     target, draft = pair.target, pair.draft
-    device = getattr(pair, "device", None) or next(target.parameters()).device
-    input_ids = torch.tensor([prompt.ids], dtype=torch.long, device=device)
+    input_ids = torch.tensor([prompt.ids], dtype=torch.long, device=pair.device)
     kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                                   min_new_tokens=0, do_sample=setting.temperature > 0, top_k=0, top_p=1.0,
                                   num_beams=1, eos_token_id=eos_token_id,
@@ -156,8 +131,7 @@ def run_hf(pair: Any, prompt: Prompt, setting: Setting, max_new_tokens: int, see
         if saved_cfg is not None:
             for k, v in saved_cfg.items():
                 setattr(draft.generation_config, k, v)
-    sequences = out.sequences if hasattr(out, "sequences") else out
-    new_tokens = int(sequences.shape[1] - input_ids.shape[1])
+    new_tokens = int(out.shape[1] - input_ids.shape[1])
     return {
         "new_tokens": new_tokens,
         "target_calls": target_calls.calls,
@@ -183,13 +157,10 @@ def run_one(pair: Any, prompt: Prompt, setting: Setting, max_new_tokens: int, se
 
 
 def quiet_transformers() -> None:
-    try:
-        from transformers.utils import logging as hf_logging
+    """Only errors from transformers (its per-call generation notices would break the progress bar)."""
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-    except Exception:  # pragma: no cover - logging only
-        pass
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    hf_logging.set_verbosity_error()
 
 
 def warm_up(pair: Any, prompt: Prompt, settings: list[Setting], eos_token_id: int | None) -> None:

@@ -21,9 +21,8 @@ import math
 import weakref
 from dataclasses import dataclass
 
+from gbv.engine.config import AUTO
 from gbv.verify import METHODS
-
-AUTO = "auto"
 # Each observation's weight decays by this factor per later observation of the same arm: the
 # estimates follow a machine whose speed changes (another process starts), over ~100 iterations.
 _DECAY = 0.99

@@ -16,24 +16,36 @@ import sys
 from gbv.errors import GbvError
 
 
+class _MethodsHelp(str):
+    """The --method help text, listing the registered verifiers only when help is shown (importing
+    the registry imports torch, which a bad --num-paths must not wait for)."""
+
+    def __mod__(self, params):
+        from gbv.engine.config import all_methods
+
+        return f"ar (target only) or a verifier: {', '.join(all_methods()[1:])} (default gbv)"
+
+
 def register(subparsers) -> None:
-    from gbv.verify import METHODS
+    from gbv.engine.config import MAX_BLOCK_LEN, MAX_NUM_PATHS
 
     parser = subparsers.add_parser("generate", help="sample text from a target model, drafted and verified losslessly",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--target", default=None, help="target model: local directory or cached hub id (default: bundled)")
     parser.add_argument("--draft", default=None, help="draft model: local directory or cached hub id (default: bundled)")
-    parser.add_argument("--method", default="gbv", help=f"ar (target only) or a verifier: {', '.join(METHODS)} (default gbv)")
-    parser.add_argument("--num-paths", type=int, default=3, help="K, drafted paths per iteration (default 3)")
-    parser.add_argument("--block-len", type=int, default=8, help="L, drafted tokens per path (default 8)")
+    parser.add_argument("--method", default="gbv", help=_MethodsHelp("methods"))
+    parser.add_argument("--num-paths", type=int, default=3,
+                        help=f"K, drafted paths per iteration, 1 to {MAX_NUM_PATHS} (default 3)")
+    parser.add_argument("--block-len", type=int, default=8,
+                        help=f"L, drafted tokens per path, 1 to {MAX_BLOCK_LEN} (default 8)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
     parser.add_argument("--draft-temperature", type=float, default=None, help="default: --temperature")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same text")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16 (default: checkpoint's)")
     parser.add_argument("--allow-download", action="store_true", help="let transformers download missing models")
@@ -42,35 +54,35 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Cheap checks before loading any model, so bad input fails fast."""
-    from gbv.engine.generate import all_methods
+def config_from_args(args: argparse.Namespace):
+    """The :class:`GenerationConfig` of the flags; a bad value is a GbvError naming its flag."""
+    from gbv.engine.config import ConfigError, GenerationConfig
 
-    if args.method not in all_methods():
-        raise GbvError(f"unknown method {args.method!r}; choose one of: {', '.join(all_methods())}")
+    try:
+        return GenerationConfig(method=args.method, num_paths=args.num_paths, block_len=args.block_len,
+                                temperature=args.temperature, draft_temperature=args.draft_temperature,
+                                top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                stop_strings=tuple(args.stop or ()), seed=args.seed)
+    except ConfigError as exc:
+        if exc.field == "method":
+            raise
+        raise GbvError(f"--{exc.field.replace('_', '-')} {exc.detail}") from None
+
+
+def _check_args(args: argparse.Namespace):
+    """Cheap checks before loading any model, so bad input fails fast; returns the config."""
     if not args.prompt:
         raise GbvError("prompt is empty")
-    checks = [
-        (args.num_paths >= 1, f"--num-paths must be >= 1, got {args.num_paths}"),
-        (args.block_len >= 1, f"--block-len must be >= 1, got {args.block_len}"),
-        (args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}"),
-        (args.draft_temperature is None or args.draft_temperature >= 0,
-         f"--draft-temperature must be >= 0, got {args.draft_temperature}"),
-        (args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}"),
-        (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
-        (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise GbvError(message)
+    config = config_from_args(args)
     if args.target is None and args.draft is not None:
         raise GbvError("--draft needs --target (or give neither, for the bundled pair)")
     if args.target is not None and args.draft is None and args.method != "ar":
         raise GbvError(f"method {args.method!r} needs --draft with --target (or give neither, for the bundled pair)")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_args(args)
+    config = _check_args(args)
     from gbv.engine.generate import generate
     from gbv.models.loading import load_pair
 
@@ -85,10 +97,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     stream = show if args.stream and not args.json else None
-    out = generate(pair, prompt=args.prompt, method=args.method, num_paths=args.num_paths, block_len=args.block_len,
-                   temperature=args.temperature, draft_temperature=args.draft_temperature, top_k=args.top_k,
-                   top_p=args.top_p, max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
-                   stream=stream)
+    out = generate(pair, prompt=args.prompt, config=config, stream=stream)
     if args.json:
         print(json.dumps(out.to_dict()))
     else:

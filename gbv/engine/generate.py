@@ -15,33 +15,34 @@ One iteration (docs/SPEC.md section 9; both caches hold every committed token bu
 Where things live: logits processing and sampling in :mod:`gbv.engine.sampling`, cache surgery in
 :mod:`gbv.engine.cache`, counters in :mod:`gbv.engine.stats`, the loop here.
 
+Settings come as one :class:`gbv.engine.config.GenerationConfig` (validated there).
+
 Context length: the prompt must be shorter than the models' ``max_position_embeddings``;
-``max_new_tokens`` is clamped so that prompt + new tokens fit, and near the end (of ``max_new_tokens`` or
-of the context) the block is shortened, exactly as a fresh call with a smaller ``block_len`` would do
-(every iteration is lossless for any L).
+``max_new_tokens`` is cut so that prompt + new tokens fit (a generation that reaches that cut ends with
+``stop_reason == "context_limit"`` and one warning on the ``gbv`` logger), and near the end (of
+``max_new_tokens`` or of the context) the block is shortened, exactly as a fresh call with a smaller
+``block_len`` would do (every iteration is lossless for any L).
 """
 
 from __future__ import annotations
 
+import logging
+import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from gbv.engine.auto import AUTO
-from gbv.engine.decoder import AR, make_decoder
-from gbv.engine.sampling import SamplingConfig
+from gbv.engine.config import GenerationConfig, all_methods  # noqa: F401 - all_methods re-exported
+from gbv.engine.decoder import make_decoder
+from gbv.engine.detokenize import IncrementalText
 from gbv.engine.stats import GenerationStats
 from gbv.errors import GbvError
-from gbv.verify import METHODS
 
-
-def all_methods() -> tuple[str, ...]:
-    """Every method :func:`generate` accepts: ``ar``, ``auto`` (chooses per iteration), then the
-    registered verifiers."""
-    return (AR, AUTO, *METHODS)
+logger = logging.getLogger("gbv")
+SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(GenerationConfig))
 
 
 @dataclass
@@ -112,106 +113,211 @@ def _default_eos(pair) -> list[int]:
     return out
 
 
-def _eos_list(eos_token_id, pair) -> list[int]:
-    if eos_token_id is None:
-        return _default_eos(pair)
-    if isinstance(eos_token_id, int):
-        return [eos_token_id]
-    return [int(v) for v in eos_token_id]
 
 
-# ----------------------------------------------------------------------------------------------- API
+# ----------------------------------------------------------------------------------------------- prompts
 
-def _validate(pair, prompt, prompt_ids, method, num_paths, block_len, temperature, draft_temperature, top_k,
-              top_p, max_new_tokens) -> list[int]:
-    if method not in all_methods():
-        raise GbvError(f"unknown method {method!r}; choose one of: {', '.join(all_methods())}")
-    if method not in (AR, AUTO) and pair.draft is None:
-        raise GbvError(f"method {method!r} needs a draft model (load one, or use method 'ar')")
-    if isinstance(num_paths, bool) or not isinstance(num_paths, int) or num_paths < 1:
-        raise GbvError(f"num_paths must be an integer >= 1, got {num_paths!r}")
-    if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len < 1:
-        raise GbvError(f"block_len must be an integer >= 1, got {block_len!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GbvError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    for name, value in (("temperature", temperature), ("draft_temperature", draft_temperature)):
-        if value is not None and (not isinstance(value, (int, float)) or not value >= 0 or value == float("inf")):
-            raise GbvError(f"{name} must be a number >= 0 (0 = greedy), got {value!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise GbvError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise GbvError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
-    if (prompt is None) == (prompt_ids is None):
-        raise GbvError("give exactly one of prompt (text) or prompt_ids (token ids)")
+def _config(config: GenerationConfig | None, settings: dict[str, Any]) -> GenerationConfig:
+    """``config`` (default: the defaults) with the keyword ``settings`` applied; GbvError on a bad one."""
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise GbvError(f"unknown setting {unknown[0]!r}; the settings are: {', '.join(SETTINGS)}")
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise GbvError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    base = config if config is not None else GenerationConfig()
+    return base.replace(**settings) if settings else base
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_nested(value: Any) -> bool:
+    """A prompt inside a batch: a list / tuple / tensor (not a string)."""
+    return isinstance(value, (Sequence, torch.Tensor)) and not isinstance(value, (str, bytes))
+
+
+def _token_list(values: Any, where: str) -> list[int]:
+    """One prompt's token ids from a list/tuple of ints or a 1D integer tensor; GbvError otherwise."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise GbvError(f"{where} must be a 1D integer tensor, got shape {tuple(values.shape)} {values.dtype}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise GbvError(f"{where} must be a list of token ids, got {type(values).__name__}")
+    if not values:
+        raise GbvError(f"{where} is empty")
+    bad = next((v for v in values if not _is_token(v)), None)
+    if bad is not None:
+        raise GbvError(f"{where} must hold integer token ids only, got {bad!r} ({type(bad).__name__})")
+    return [int(v) for v in values]
+
+
+def _encode(pair, text: Any, where: str) -> list[int]:
+    if not isinstance(text, str):
+        raise GbvError(f"{where} must be a string, got {type(text).__name__}")
+    if not text:
+        raise GbvError(f"{where} is empty")
+    if pair.tokenizer is None:
+        raise GbvError("this model pair has no tokenizer: pass prompt_ids instead of prompt text")
+    # verbose=False: the tokenizer's own "sequence length is longer than..." warning would precede
+    # our one-line context error (the prompt length is checked against the model in _prepare).
+    ids = pair.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+    if not ids:
+        raise GbvError(f"{where} encodes to no tokens")
+    return list(ids)
+
+
+def _prompt_batch(pair, prompt, prompt_ids, prompts) -> tuple[list[list[int]], bool]:
+    """The token ids of every prompt, and whether the call is a batch (returns a list).
+
+    A batch is ``prompts=[text, ...]``, ``prompt_ids=[[ids], ...]`` (prompts may differ in length) or
+    a 2D tensor (one prompt per row; one row is still a batch of 1). A list that mixes ids and lists,
+    or nests deeper, is a GbvError, never flattened."""
+    given = [name for name, value in (("prompt", prompt), ("prompt_ids", prompt_ids), ("prompts", prompts))
+             if value is not None]
+    if len(given) != 1:
+        raise GbvError("give exactly one of prompt (text), prompt_ids (token ids) or prompts (a list of texts)"
+                       + (f"; got {' and '.join(given)}" if given else ""))
     if prompt is not None:
-        if not isinstance(prompt, str):
-            raise GbvError(f"prompt must be a string, got {type(prompt).__name__}")
-        if not prompt:
-            raise GbvError("prompt is empty")
-        if pair.tokenizer is None:
-            raise GbvError("this model pair has no tokenizer: pass prompt_ids instead of prompt text")
-        ids = pair.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not ids:
-            raise GbvError("prompt encodes to no tokens")
-    else:
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.reshape(-1).tolist()
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise GbvError("prompt_ids is empty")
-    return ids
+        return [_encode(pair, prompt, "prompt")], False
+    if prompts is not None:
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise GbvError("prompts must be a list of strings (use prompt= for one text)")
+        if not prompts:
+            raise GbvError("prompts is empty")
+        return [_encode(pair, text, f"prompts[{i}]") for i, text in enumerate(prompts)], True
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() == 2:
+            if prompt_ids.shape[0] == 0:
+                raise GbvError("prompt_ids is an empty batch (a 2D tensor with no rows)")
+            return [_token_list(row, f"prompt_ids[{i}]") for i, row in enumerate(prompt_ids)], True
+        return [_token_list(prompt_ids, "prompt_ids")], False
+    if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, Sequence):  # numpy arrays
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, (str, bytes)) and prompt_ids \
+            and _is_nested(prompt_ids[0]):
+        if any(_is_token(v) for v in prompt_ids):
+            raise GbvError("prompt_ids mixes token ids and lists: give one list of ids, or a list of such lists")
+        return [_token_list(ids, f"prompt_ids[{i}]") for i, ids in enumerate(prompt_ids)], True
+    return [_token_list(prompt_ids, "prompt_ids")], False
 
 
-def stream_generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.Tensor | None = None,
-                    method: str = "gbv", num_paths: int = 3, block_len: int = 8, temperature: float = 1.0,
-                    draft_temperature: float | None = None, top_k: int = 0, top_p: float = 1.0,
-                    max_new_tokens: int = 128, eos_token_id: int | Sequence[int] | None = None,
-                    stop_strings: str | Sequence[str] | None = None, seed: int = 0, _emit: bool = True,
-                    ) -> Iterator[str | list[int]]:
-    """Iterator form of :func:`generate`: validates now (GbvError), then returns an iterator that yields
-    text chunks (token-id lists without a tokenizer) as they are committed and returns the
-    :class:`GenerationOutput` (``StopIteration.value``; or use :class:`Generation`)."""
-    ids = _validate(pair, prompt, prompt_ids, method, num_paths, block_len, temperature, draft_temperature,
-                    top_k, top_p, max_new_tokens)
-    draft = pair.draft if method != AR else None
+# ----------------------------------------------------------------------------------------------- one job
+
+@dataclass
+class _Job:
+    """One prompt, checked against the pair and ready to run."""
+
+    ids: list[int]
+    config: GenerationConfig
+    vocab: int
+    limit: int | None  # the models' context length (positions), None = unknown
+    max_new_tokens: int  # config.max_new_tokens, cut so that prompt + new tokens fit the context
+    eos: frozenset[int]
+
+
+def _prepare(pair, ids: list[int], config: GenerationConfig) -> _Job:
+    if config.needs_draft and pair.draft is None:
+        raise GbvError(f"method {config.method!r} needs a draft model (load one, or use method 'ar')")
+    draft = pair.draft if config.uses_draft else None
     vocab = shared_vocab(pair.target, draft, pair.tokenizer)
     if max(ids) >= vocab or min(ids) < 0:
         raise GbvError(f"prompt token ids must be in [0, {vocab})")
     limit = _max_positions(pair.target, draft)
+    max_new_tokens = config.max_new_tokens
     if limit is not None:
         if len(ids) >= limit:
-            raise GbvError(f"prompt has {len(ids)} tokens; the model context is {limit} positions")
+            raise GbvError(f"prompt has {len(ids)} tokens; the model context is {limit} positions "
+                           "(shorten the prompt)")
         max_new_tokens = min(max_new_tokens, limit - len(ids))
-    if isinstance(stop_strings, str):
-        stop_strings = [stop_strings]
-    stop_strings = [s for s in (stop_strings or []) if s]
-    if stop_strings and pair.tokenizer is None:
+    _check_memory(pair, config, vocab, len(ids) + max_new_tokens)
+    if config.stop_strings and pair.tokenizer is None:
         raise GbvError("stop_strings need a tokenizer; this model pair has none")
-    eos = set(_eos_list(eos_token_id, pair))
-    target_sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))
-    draft_sampling = SamplingConfig(float(temperature if draft_temperature is None else draft_temperature),
-                                    int(top_k), float(top_p))
-
-    return _run(pair, ids, method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, limit,
-                max_new_tokens, eos, stop_strings, emit=_emit)
+    eos = _default_eos(pair) if config.eos_token_id is None else config.eos_token_id
+    return _Job(ids, config, vocab, limit, max_new_tokens, frozenset(eos))
 
 
-def _run(pair, ids, method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, limit,
-         max_new_tokens, eos, stop_strings, emit: bool) -> Iterator[str | list[int]]:
-    """The loop. Yields chunks when ``emit`` (then text is decoded every iteration); returns the output.
-    Model work runs under ``torch.inference_mode`` but never across a ``yield`` (so the caller's code
-    between chunks runs in its own mode), and time spent by the caller is not counted."""
+def _kv_bytes_per_position(model) -> int:
+    """Bytes one cached position takes in ``model`` (keys and values of every layer); 0 if unknown."""
+    cfg = model.config.get_text_config()
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden)):
+        return 0
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    weight = next(model.parameters(), None)
+    element = weight.element_size() if weight is not None else 4
+    return 2 * layers * kv_heads * head_dim * element
+
+
+def memory_estimate(pair, config: GenerationConfig, vocab: int, positions: int) -> int:
+    """Rough bytes one generation allocates beyond the weights: K copies of both KV caches over
+    ``positions`` tokens, and per iteration the draft's (K, L, V) and the target's (K, L+1, V)
+    distributions plus the target logits (float32)."""
+    if not config.uses_draft or pair.draft is None:
+        return positions * _kv_bytes_per_position(pair.target) + 2 * vocab * 4
+    rows, block = config.num_paths, config.block_len
+    caches = rows * (positions + block) * (_kv_bytes_per_position(pair.target) + _kv_bytes_per_position(pair.draft))
+    return caches + rows * (3 * block + 2) * vocab * 4
+
+
+def _available_memory(device) -> int | None:
+    """Free bytes on ``device`` (CUDA: the allocator's view; CPU: MemAvailable), None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(pair, config: GenerationConfig, vocab: int, positions: int) -> None:
+    """Refuse, before allocating anything, a generation whose estimate exceeds the free memory."""
+    available = _available_memory(pair.device)
+    needed = memory_estimate(pair, config, vocab, positions)
+    if available is not None and needed > available:
+        raise GbvError(f"this generation needs about {needed / 2**30:.1f} GiB (K={config.num_paths}, "
+                       f"L={config.block_len}, {positions} positions, vocabulary {vocab}) but "
+                       f"{available / 2**30:.1f} GiB are free on {pair.device}; lower num_paths, block_len "
+                       "or max_new_tokens")
+
+
+def _make_decoder(pair, config: GenerationConfig, vocab: int):
+    """The decoding state of one sequence (the one place that builds a decoder from a config):
+    the tree engine for the Llama family, the plain Hugging Face path otherwise (``make_decoder``)."""
+    draft = pair.draft if config.uses_draft else None
+    return make_decoder(pair.target, draft, config.method, config.num_paths, config.block_len, vocab,
+                   config.target_sampling, config.draft_sampling, config.seed, pair.device)
+
+
+def _run(pair, job: _Job, emit: bool) -> Iterator[str | list[int]]:
+    """The loop. Yields chunks when ``emit``; returns the :class:`GenerationOutput`. Text is decoded
+    incrementally (only the new tokens, :class:`IncrementalText`) when streaming or watching for stop
+    strings, and once in full at the end. Model work runs under ``torch.inference_mode`` but never
+    across a ``yield`` (so the caller's code between chunks runs in its own mode), and time spent by
+    the caller is not counted."""
     start = time.perf_counter()
     paused = 0.0
+    config, ids, limit, max_new_tokens, eos = job.config, job.ids, job.limit, job.max_new_tokens, job.eos
     tokenizer = pair.tokenizer
-    draft = pair.draft if method != AR else None
+    stops = list(config.stop_strings)
+    longest_stop = max((len(s) for s in stops), default=0)
     with torch.inference_mode():
-        decoder = make_decoder(pair.target, draft, method, num_paths, block_len, vocab, target_sampling,
-                          draft_sampling, seed, pair.device)
+        decoder = _make_decoder(pair, config, job.vocab)
         decoder.prefill(ids)
     prompt_len = len(ids)
     stats = decoder.stats
-    shown = 0  # characters (or tokens) already streamed
+    shown = 0  # tokens streamed (no tokenizer) / characters streamed (tokenizer)
+    incremental = IncrementalText(tokenizer) if tokenizer is not None and (emit or stops) else None
     text = None
     stop_reason = ""
     while not stop_reason:
@@ -228,7 +334,8 @@ def _run(pair, ids, method, num_paths, block_len, vocab, target_sampling, draft_
                 break
         if generated + keep >= max_new_tokens:
             keep = min(keep, max_new_tokens - generated)
-            stop_reason = stop_reason or "max_new_tokens"
+            if not stop_reason:
+                stop_reason = "max_new_tokens" if max_new_tokens == config.max_new_tokens else "context_limit"
         if keep < len(new):
             decoder.truncate(prompt_len + generated + keep)
         if tokenizer is None:
@@ -239,21 +346,35 @@ def _run(pair, ids, method, num_paths, block_len, vocab, target_sampling, draft_
                 yield chunk_ids
                 paused += time.perf_counter() - pause
             continue
-        if not (emit or stop_strings or stop_reason):
+        if incremental is None:
             continue
-        out_ids = decoder.tokens[prompt_len:]
-        text = tokenizer.decode(out_ids, skip_special_tokens=True)
-        if stop_strings:
-            hit = _first_stop(text, stop_strings)
-            if hit is not None:
-                decoder.truncate(prompt_len + _tokens_for_stop(tokenizer, out_ids, generated, stop_strings))
-                text = text[:hit]
-                stop_reason = "stop_string"
-        if emit and (stop_reason or not text.endswith("\ufffd")) and len(text) > shown:
-            chunk, shown = text[shown:], len(text)
+        searched = max(0, len(incremental.text) - longest_stop + 1)  # text before this was searched
+        clean_tokens = incremental.emitted_tokens  # their text holds no stop string
+        incremental.extend(decoder.tokens[prompt_len + len(incremental.ids):])
+        if stop_reason or (stops and any(s in incremental.text[searched:] for s in stops)):
+            # Exact, on full decodes (once per generation): cut after the fewest tokens whose text
+            # contains a stop string, and the text right after it.
+            out_ids = decoder.tokens[prompt_len:]
+            full = tokenizer.decode(out_ids, skip_special_tokens=True)
+            if stops and _first_stop(full, stops) is not None:
+                n = _tokens_for_stop(tokenizer, out_ids, clean_tokens, stops)
+                full = tokenizer.decode(out_ids[:n], skip_special_tokens=True)
+                decoder.truncate(prompt_len + n)
+                full, stop_reason = full[:_first_stop(full, stops)], "stop_string"
+            if stop_reason:
+                text = full
+        ready = text if stop_reason else incremental.text
+        if emit and len(ready) > shown:
+            chunk, shown = ready[shown:], len(ready)
             pause = time.perf_counter()
             yield chunk
             paused += time.perf_counter() - pause
+    if text is None and tokenizer is not None:  # not streamed and no stop strings: decode once
+        text = tokenizer.decode(decoder.tokens[prompt_len:], skip_special_tokens=True)
+    if stop_reason == "context_limit":
+        logger.warning("max_new_tokens=%d was cut to %d: the prompt (%d tokens) and the new tokens must fit "
+                       "the model context of %d positions (stop_reason 'context_limit')",
+                       config.max_new_tokens, max_new_tokens, prompt_len, limit)
     stats.stop_reason = stop_reason
     stats.new_tokens = len(decoder.tokens) - prompt_len
     stats.time_total = time.perf_counter() - start - paused
@@ -274,6 +395,37 @@ def _tokens_for_stop(tokenizer, ids: list[int], before: int, stop_strings: list[
     return len(ids)
 
 
+def _finish(iterator: Iterator[str | list[int]], stream: Callable[[str | list[int]], Any] | None
+            ) -> GenerationOutput:
+    while True:
+        try:
+            chunk = next(iterator)
+        except StopIteration as done:
+            return done.value
+        if stream is not None:
+            stream(chunk)
+
+
+def _generate_many(pair, jobs: list[_Job]) -> list[GenerationOutput]:
+    """Every prompt of a batch, one after another through the single-sequence path (a batched
+    scheduler can replace this function; each job already carries its own seed)."""
+    return [_finish(_run(pair, job, emit=False), None) for job in jobs]
+
+
+# ----------------------------------------------------------------------------------------------- API
+
+def stream_generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.Tensor | None = None, *,
+                    config: GenerationConfig | None = None, **settings: Any) -> Iterator[str | list[int]]:
+    """Iterator form of :func:`generate` for one prompt: validates now (GbvError), then returns an
+    iterator that yields text chunks (token-id lists without a tokenizer) as they are committed and
+    returns the :class:`GenerationOutput` (``StopIteration.value``; or use :class:`Generation`)."""
+    config = _config(config, settings)
+    batch, is_batch = _prompt_batch(pair, prompt, prompt_ids, None)
+    if is_batch:
+        raise GbvError("stream_generate takes one prompt; use generate(pair, prompts=[...]) for a batch")
+    return _run(pair, _prepare(pair, batch[0], config), emit=True)
+
+
 class Generation:
     """``for chunk in Generation(pair, prompt=...): ...`` then ``.output`` holds the GenerationOutput."""
 
@@ -286,30 +438,37 @@ class Generation:
         return self.output
 
 
-def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.Tensor | None = None,
-             method: str = "gbv", num_paths: int = 3, block_len: int = 8, temperature: float = 1.0,
-             draft_temperature: float | None = None, top_k: int = 0, top_p: float = 1.0,
-             max_new_tokens: int = 128, eos_token_id: int | Sequence[int] | None = None,
-             stop_strings: str | Sequence[str] | None = None, seed: int = 0,
-             stream: Callable[[str | list[int]], Any] | None = None) -> GenerationOutput:
+def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.Tensor | None = None, *,
+             prompts: Sequence[str] | None = None, config: GenerationConfig | None = None,
+             stream: Callable[[str | list[int]], Any] | None = None,
+             **settings: Any) -> GenerationOutput | list[GenerationOutput]:
     """Sample up to ``max_new_tokens`` tokens from ``pair.target`` (exactly its law), drafting with
     ``pair.draft`` and verifying with ``method`` (``ar`` = target only; or any of :data:`gbv.verify.METHODS`).
 
-    ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 are off; the draft uses
-    ``draft_temperature`` (default: ``temperature``) and the same top-k / top-p. ``eos_token_id``:
-    None = the tokenizer's / generation config's, ``[]`` = none. Generation stops after an EOS token
-    (kept), at ``max_new_tokens``, or when the text contains one of ``stop_strings`` (text and tokens
-    are cut right after it). ``stream`` receives text chunks (token-id lists without a tokenizer) as
-    they are committed. Same ``seed`` and settings -> the same tokens. Bad input raises GbvError.
+    Settings are the fields of :class:`GenerationConfig`, given as keywords (``method="gbv",
+    num_paths=3, block_len=8, temperature=1.0, draft_temperature=None, top_k=0, top_p=1.0,
+    max_new_tokens=128, eos_token_id=None, stop_strings=None, seed=0``) and/or as ``config=``
+    (keywords override it). ``num_paths`` is capped at 16 and ``block_len`` at 32 (see
+    :mod:`gbv.engine.config`). ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 are off; the
+    draft uses ``draft_temperature`` (default: ``temperature``) and the same top-k / top-p.
+    ``eos_token_id``: None = the tokenizer's / generation config's, ``[]`` = none. Generation stops
+    after an EOS token (kept), at ``max_new_tokens``, at the model context (``stop_reason``
+    ``context_limit``, one warning on the ``gbv`` logger), or when the text contains one of
+    ``stop_strings`` (text and tokens are cut right after it). ``stream`` receives text chunks
+    (token-id lists without a tokenizer) as they are committed. Same ``seed`` and settings -> the
+    same tokens. Bad input raises GbvError.
+
+    Batches: ``prompts=[text, ...]``, ``prompt_ids=[[ids], ...]`` or a 2D ``(batch, length)`` tensor
+    (one row is still a batch of 1) return a list of GenerationOutput, one per prompt, in order.
+    Prompt ``i`` is sampled with seed ``seed + i``, exactly as ``generate(pair, <prompt i>, seed=seed + i)``
+    would: its output does not depend on the other prompts, and a prompt repeated in a batch gives
+    independent samples. ``stream`` takes one prompt only.
     """
-    iterator = stream_generate(pair, prompt=prompt, prompt_ids=prompt_ids, method=method, num_paths=num_paths,
-                               block_len=block_len, temperature=temperature, draft_temperature=draft_temperature,
-                               top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                               stop_strings=stop_strings, seed=seed, _emit=stream is not None)
-    while True:
-        try:
-            chunk = next(iterator)
-        except StopIteration as done:
-            return done.value
-        if stream is not None:
-            stream(chunk)
+    config = _config(config, settings)
+    batch, is_batch = _prompt_batch(pair, prompt, prompt_ids, prompts)
+    if not is_batch:
+        return _finish(_run(pair, _prepare(pair, batch[0], config), emit=stream is not None), stream)
+    if stream is not None:
+        raise GbvError("stream works with one prompt; drop stream= or generate the prompts one by one")
+    jobs = [_prepare(pair, ids, config.replace(seed=config.seed + i)) for i, ids in enumerate(batch)]
+    return _generate_many(pair, jobs)

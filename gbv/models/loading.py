@@ -62,8 +62,19 @@ def _is_path_like(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
+def _in_hub_cache(name: str) -> bool:
+    """Whether the local hub cache holds ``name``'s config.json (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
 def _load_model(name: str, device: torch.device, dtype: torch.dtype | None, allow_download: bool):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     expanded = os.path.expanduser(name)
     if os.path.isdir(expanded):
@@ -74,7 +85,10 @@ def _load_model(name: str, device: torch.device, dtype: torch.dtype | None, allo
         raise GbvError(f"model path {name!r} is not a directory")
     elif _is_path_like(name):
         raise GbvError(f"model path {name!r} does not exist")
-    from transformers.utils import logging as hf_logging
+    elif not allow_download and not _in_hub_cache(name):
+        # Say what happened: nothing was looked up online, so quote no connection error.
+        raise GbvError(f"model {name!r} is not a local directory and not in the local hub cache; nothing is "
+                       "downloaded without --allow-download (allow_download=True in Python)")
 
     kwargs: dict[str, Any] = {"local_files_only": not allow_download}
     if dtype is not None:
@@ -83,10 +97,9 @@ def _load_model(name: str, device: torch.device, dtype: torch.dtype | None, allo
     hf_logging.disable_progress_bar()  # "Loading weights" bars would break one-line CLI output
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    except (OSError, ValueError, EnvironmentError) as exc:
-        hint = "" if allow_download else " (not a local directory and not in the local hub cache; nothing is downloaded unless allowed)"
+    except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise GbvError(f"cannot load model {name!r}{hint}: {first}") from None
+        raise GbvError(f"cannot load model {name!r}: {first}") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -113,20 +126,10 @@ def check_tokenizers(target_tok, draft_tok) -> None:
 
 
 def _bundled() -> tuple[str, str]:
-    try:
-        from gbv.models.bundled import bundled_paths
-    except ImportError as exc:
-        raise GbvError(f"the bundled model pair is not available in this install ({exc})") from None
-    paths = bundled_paths()
-    if isinstance(paths, dict):
-        target, draft = paths["target"], paths["draft"]
-    else:
-        target, draft = paths
-    target, draft = str(target), str(draft)
-    for path in (target, draft):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise GbvError(f"bundled model files are missing under {path!r}")
-    return target, draft
+    from gbv.models.bundled import bundled_paths  # raises GbvError naming any missing file
+
+    target, draft = bundled_paths()
+    return str(target), str(draft)
 
 
 def load_pair(target: str | None = "bundled", draft: str | None = None, device: str = "cpu",

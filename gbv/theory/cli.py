@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from gbv.atomic import atomic_write_text
 from gbv.errors import GbvError
 from gbv.theory.enumerate import exact_analysis
 from gbv.theory.instance import (DISTRIBUTION_KINDS, MAX_DRAFT_TUPLES, InstanceError, TinyInstance, load_instance,
@@ -89,18 +88,9 @@ def _load(args: argparse.Namespace) -> TinyInstance:
 
 def save_instance(inst: TinyInstance, path: str | Path) -> None:
     """Write ``inst`` as JSON atomically (temporary file in the same folder, then rename)."""
-    path = Path(path)
-    text = json.dumps(inst.to_json(), indent=1) + "\n"
-    folder = path.parent if str(path.parent) else Path(".")
-    tmp_name = None
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp_name, path)
+        atomic_write_text(path, json.dumps(inst.to_json(), indent=1) + "\n")
     except OSError as exc:
-        if tmp_name is not None and os.path.exists(tmp_name):
-            os.unlink(tmp_name)
         raise GbvError(f"cannot write instance file {str(path)!r}: {exc.strerror or exc}") from None
 
 

@@ -69,8 +69,9 @@ def test_smoke_run_writes_well_formed_outputs(tiny_pair, tmp_path, capsys):
                  "--out", str(out), "--no-progress"])
     assert code == 0, capsys.readouterr().err
     for name in ("results.jsonl", "summary.csv", "summary.md", "meta.json", "block_efficiency_vs_K.png",
-                 "tokens_per_s_vs_K.png", "block_efficiency_vs_temperature.png"):
+                 "tokens_per_s_vs_K.png"):
         assert (out / name).is_file(), name
+    assert not (out / "block_efficiency_vs_temperature.png").exists()  # one temperature: no empty plot
     assert not list(out.glob(".*")), "temporary files left behind"
 
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -111,7 +112,7 @@ def test_smoke_run_writes_well_formed_outputs(tiny_pair, tmp_path, capsys):
     assert "block eff. (tokens/target call)" in md and "mean accepted length" in md
     table = _md_table_rows(md)
     assert len({len(r) for r in table}) == 1 and len(table) == 3 * (1 + 4)  # header + 4 rows per table
-    for name in ("block_efficiency_vs_K.png", "tokens_per_s_vs_K.png", "block_efficiency_vs_temperature.png"):
+    for name in ("block_efficiency_vs_K.png", "tokens_per_s_vs_K.png"):
         assert _png_ok(out / name), name
 
     # --merge rebuilds the same report from results.jsonl without running anything.
@@ -122,6 +123,32 @@ def test_smoke_run_writes_well_formed_outputs(tiny_pair, tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", "--merge", str(tmp_path / "nothing"), "--out", str(merged)]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+    # --resume after an interruption: the 5 finished results are kept (a cut-off sixth line dropped),
+    # only the other 11 run again, and the run ends with every result once.
+    lines = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").unlink()
+    (out / ".results.jsonl.partial").write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])
+    from gbv.bench import runner
+
+    calls = []
+    original = runner.run_one
+    runner.run_one = lambda *a, **k: calls.append(a[2]) or original(*a, **k)
+    try:
+        argv = ["bench", "--target", target, "--draft", draft, "--dataset", "gsm8k,humaneval", "--prompts", "2",
+                "--methods", "ar,gbv,hf-assisted", "--num-paths", "1,2", "--block-len", "3", "--temperature", "1.0",
+                "--max-new-tokens", "8", "--seed", "1", "--threads", "1", "--out", str(out), "--no-progress"]
+        assert main(argv + ["--resume"]) == 0, capsys.readouterr().err
+    finally:
+        runner.run_one = original
+    assert len(calls) - 2 == 16 - 5  # after 2 warm-up runs (engine, hf-assisted)
+    resumed = (out / "results.jsonl").read_text().splitlines()
+    assert resumed[:5] == lines[:5] and len(resumed) == 16 and not (out / ".results.jsonl.partial").exists()
+    capsys.readouterr()
+    other_seed = list(argv)
+    other_seed[other_seed.index("--seed") + 1] = "2"
+    assert main(other_seed + ["--resume"]) == 2  # another seed: not this run's results
+    assert "would not produce" in capsys.readouterr().err
 
 
 def test_time_budget_stops_after_complete_prompts(tiny_pair, tmp_path, capsys):
@@ -134,6 +161,76 @@ def test_time_budget_stops_after_complete_prompts(tiny_pair, tmp_path, capsys):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["stopped_early"] and meta["prompts_completed"] == {"gsm8k": 1, "math500": 1}
     assert "stopped early" in (out / "summary.md").read_text()
+
+
+def test_ctrl_c_in_the_loop_summarises_complete_prompts(tiny_pair, tmp_path, capsys, monkeypatch):
+    from gbv.bench import runner
+
+    target, draft = tiny_pair
+    calls = []
+    original = runner.run_one
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # warm-up, prompt 0 (ar, block), then Ctrl-C in prompt 1
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_one", interrupted)
+    out = tmp_path / "stopped"
+    code = main(["bench", "--target", target, "--draft", draft, "--dataset", "gsm8k", "--prompts", "2",
+                 "--methods", "ar,block", "--block-len", "2", "--temperature", "1", "--max-new-tokens", "4",
+                 "--out", str(out), "--no-progress"])
+    assert code == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert json.loads((out / "meta.json").read_text())["prompts_completed"] == {"gsm8k": 1}
+
+
+def test_out_with_results_needs_resume_or_overwrite(tmp_path, capsys):
+    """A second run into a results folder is refused (exit 2, nothing touched); --overwrite replaces
+    it, and a plot the new run does not draw (one temperature) does not survive from the old run."""
+    out = tmp_path / "exact"
+    argv = ["bench", "--exact", "--vocab", "2", "--block-len", "1", "--num-paths", "1,2", "--instances", "1",
+            "--methods", "block,gbv", "--out", str(out), "--no-progress"]
+    assert main(argv + ["--temperature", "0.5,1"]) == 0
+    assert (out / "accepted_vs_temperature.png").is_file()
+    before = (out / "summary.csv").read_text()
+    capsys.readouterr()
+    assert main(argv + ["--temperature", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "already holds results" in err and "--overwrite" in err
+    assert (out / "summary.csv").read_text() == before
+    assert main(argv + ["--temperature", "1", "--resume"]) == 2  # an exact run is recomputed, not resumed
+    assert main(argv + ["--temperature", "1", "--overwrite"]) == 0
+    assert (out / "summary.csv").read_text() != before
+    assert not (out / "accepted_vs_temperature.png").exists() and (out / "accepted_vs_K.png").is_file()
+    assert main(["bench", "--exact", "--resume", "--out", str(tmp_path / "new"), "--no-progress"]) == 2
+
+
+def test_a_registered_verifier_is_benchmarked_without_bench_changes(tmp_path, monkeypatch, capsys):
+    """Methods come from gbv.verify's registry: a new entry (with a hyphen) is accepted, listed, run
+    as a multi-path method, and appears in the tables."""
+    import gbv.verify as verify
+    from gbv.bench import grid
+
+    registry = dict(verify._REGISTRY, **{"gbv-adaptive": ("gbv.verify.gbv", "verify_gbv", True)})
+    monkeypatch.setattr(verify, "_REGISTRY", registry)
+    monkeypatch.setattr(verify, "METHODS", tuple(registry))
+    assert "gbv-adaptive" in grid.all_methods() and "gbv-adaptive" in grid.exact_methods()
+    assert not grid.is_single_path("gbv-adaptive") and grid.is_single_path("block")
+    assert len([s for s in expand_settings(["gbv-adaptive"], [1, 2], [4], [1.0])]) == 2
+    out = tmp_path / "exact"
+    assert main(["bench", "--exact", "--vocab", "2", "--block-len", "1", "--num-paths", "1,2", "--instances", "1",
+                 "--temperature", "1", "--methods", "block,gbv-adaptive", "--out", str(out), "--no-progress"]) == 0
+    rows = list(csv.DictReader(open(out / "summary.csv", newline="")))
+    assert {(r["method"], r["K"]) for r in rows} >= {("gbv-adaptive", "1"), ("gbv-adaptive", "2")}
+
+
+def test_progress_label_has_no_block_len_for_ar():
+    from gbv.bench.cli import _progress_label
+
+    assert _progress_label("gsm8k", 3, Setting("ar", 1, None, 1.0)) == "gsm8k #3 ar T=1"
+    assert _progress_label("gsm8k", 3, Setting("gbv", 2, 8, 0.5)) == "gsm8k #3 gbv K=2 L=8 T=0.5"
 
 
 def test_exact_tables_are_below_the_lp(tmp_path, capsys):
@@ -181,6 +278,10 @@ BAD_ARGS = [
     ["--exact", "--vocab", "50"],
     ["--exact", "--vocab", "4", "--block-len", "3", "--num-paths", "1,3"],
     ["--exact", "--instances", "0"],
+    ["--num-paths", "17"],
+    ["--block-len", "33"],
+    ["--resume"],  # nothing to resume
+    ["--resume", "--overwrite"],
 ]
 
 

@@ -46,8 +46,9 @@ def test_load_pair_errors(tmp_path, model_dirs):
         load_pair(target=str(tmp_path), draft=model_dirs[1])
     with pytest.raises(GbvError, match="dtype"):
         load_pair(target=model_dirs[0], draft=model_dirs[1], dtype="float7")
-    with pytest.raises(GbvError, match="cannot load"):
+    with pytest.raises(GbvError, match="nothing is downloaded without --allow-download") as exc:
         load_pair(target="no-such-org/no-such-model", draft=model_dirs[1])
+    assert "connect" not in str(exc.value).lower()  # no lookup happened, so no connection error is quoted
 
 
 def test_cli_json_and_text(capsys, model_dirs):
@@ -65,7 +66,9 @@ def test_cli_json_and_text(capsys, model_dirs):
 @pytest.mark.parametrize("extra, match", [
     (["--method", "nope"], "unknown method"),
     (["--num-paths", "0"], "num-paths"),
+    (["--num-paths", "17"], "--num-paths must be an integer from 1 to 16"),
     (["--block-len", "0"], "block-len"),
+    (["--block-len", "33"], "--block-len must be an integer from 1 to 32"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top-p"),
     (["--top-p", "1.5"], "top-p"),
@@ -101,6 +104,31 @@ def test_cli_subprocess_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gbv", "generate", "hi", "--target", str(tmp_path / "a"),
                            "--draft", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr
+
+
+@pytest.mark.skipif(not BUNDLED.is_file(), reason="bundled models not present")
+def test_over_long_prompt_is_one_line(capsys):
+    """The tokenizer's own 'sequence length is longer than...' warning must not precede our error
+    (it goes through transformers' logger, whose own handler prints it: listen there)."""
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    listener = Records()
+    logging.getLogger("transformers").addHandler(listener)
+    try:
+        rc = main(["generate", "x " * 1500])
+    finally:
+        logging.getLogger("transformers").removeHandler(listener)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "context" in err, err
+    assert not [m for m in listener.messages if "sequence length" in m], listener.messages
 
 
 @pytest.mark.skipif(not BUNDLED.is_file(), reason="bundled models not present")

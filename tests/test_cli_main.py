@@ -1,0 +1,77 @@
+"""The ``gbv`` command as a process: --version, exit codes, Ctrl-C during start-up, a closed stdout,
+``dir(gbv)``. Each error is one line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gbv
+from gbv.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gbv(*argv: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this tree's gbv, whatever is installed
+    return subprocess.Popen([sys.executable, "-m", "gbv", *argv], cwd=ROOT, env=env, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def test_version(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    assert capsys.readouterr().out.strip() == f"gbv {gbv.__version__}"
+
+
+def test_caps_fail_fast_with_the_allowed_range():
+    """A value past the caps is refused before torch is even imported (exit 2, the range in the text)."""
+    for flag, value, allowed in (("--num-paths", "100000", "from 1 to 16"), ("--block-len", "1000", "from 1 to 32")):
+        proc = _gbv("generate", "hi", flag, value, stdout=subprocess.PIPE)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and err.count("\n") == 1 and flag in err and allowed in err, err
+    probe = subprocess.run([sys.executable, "-c", "import sys; from gbv.cli import main; main(['generate', 'hi', "
+                            "'--num-paths', '0']) == 2 and print('torch' in sys.modules)"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "False", probe.stderr
+
+
+@pytest.mark.parametrize("delay", [0.6, 2.0])
+def test_ctrl_c_during_start_up_exits_130_with_one_line(delay):
+    """Early (importing torch / transformers) or later (loading, generating): one line, exit 130."""
+    proc = _gbv("generate", "Question: 1 + 1?", "--max-new-tokens", "100000", stdout=subprocess.DEVNULL)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "gbv: interrupted\n", err
+
+
+def test_closed_stdout_exits_quietly():
+    """``gbv bound ... --json | head -c 0``: the reader is gone before the output is written."""
+    read, write = os.pipe()
+    os.close(read)
+    proc = _gbv("bound", "--random", "--vocab", "2", "--block-len", "1", "--num-paths", "2", "--json", stdout=write)
+    os.close(write)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == "", err
+
+
+def test_bound_json_is_still_printed(capsys):
+    assert main(["bound", "--random", "--vocab", "2", "--block-len", "1", "--num-paths", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_paths"] == 2
+
+
+def test_dir_lists_lazy_names():
+    names = dir(gbv)
+    for name in ("generate", "load_pair", "GenerationConfig", "GbvError", "__version__"):
+        assert name in names
+    assert gbv.GenerationConfig().num_paths == 3  # and each resolves
