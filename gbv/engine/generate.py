@@ -29,19 +29,21 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from gbv.engine.config import GenerationConfig, all_methods  # noqa: F401 - all_methods re-exported
-from gbv.engine.decoder import make_decoder
+from gbv.engine.decoder import engine_for, make_decoder
 from gbv.engine.detokenize import IncrementalText
 from gbv.engine.stats import GenerationStats
 from gbv.errors import GbvError
 
 logger = logging.getLogger("gbv")
+DEFAULT_BATCH_SIZE = 8  # rows decoded together by generate(prompts=[...]) on the tree engine
+MAX_BATCH_SIZE = 256
 SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(GenerationConfig))
 
 
@@ -299,21 +301,50 @@ def _make_decoder(pair, config: GenerationConfig, vocab: int):
                    config.target_sampling, config.draft_sampling, config.seed, pair.device)
 
 
+@dataclass(frozen=True)
+class Step:
+    """What a row loop yields when it needs one decoder iteration: ``block`` caps the block length
+    (0 = a plain target step). The driver runs it and sends back the newly committed tokens."""
+
+    block: int
+
+
 def _run(pair, job: _Job, emit: bool) -> Iterator[str | list[int]]:
-    """The loop. Yields chunks when ``emit``; returns the :class:`GenerationOutput`. Text is decoded
+    """One sequence: drive :func:`row_loop` with its own decoder. Yields chunks when ``emit``;
+    returns the :class:`GenerationOutput`. Model work runs under ``torch.inference_mode`` but never
+    across a ``yield`` (so the caller's code between chunks runs in its own mode)."""
+    with torch.inference_mode():
+        decoder = _make_decoder(pair, job.config, job.vocab)
+        decoder.prefill(job.ids)
+    loop = row_loop(pair, job, emit, decoder)
+    reply = None
+    while True:
+        try:
+            item = loop.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(item, Step):
+            with torch.inference_mode():
+                reply = decoder.step(item.block)
+        else:
+            reply = None
+            yield item
+
+
+def row_loop(pair, job: _Job, emit: bool, decoder) -> Generator[Step | str | list[int], list[int] | None,
+                                                                GenerationOutput]:
+    """The stop / truncate / stream logic of one sequence, apart from the models: it yields a
+    :class:`Step` whenever it needs an iteration (and receives the committed tokens), and text chunks
+    when ``emit``; returns the :class:`GenerationOutput`. ``decoder`` has ``tokens``, ``stats`` and
+    ``truncate`` (a single-sequence decoder, or one row of a batch, already prefilled). Text is decoded
     incrementally (only the new tokens, :class:`IncrementalText`) when streaming or watching for stop
-    strings, and once in full at the end. Model work runs under ``torch.inference_mode`` but never
-    across a ``yield`` (so the caller's code between chunks runs in its own mode), and time spent by
-    the caller is not counted."""
+    strings, and once in full at the end. Time spent by the caller on chunks is not counted."""
     start = time.perf_counter()
     paused = 0.0
     config, ids, limit, max_new_tokens, eos = job.config, job.ids, job.limit, job.max_new_tokens, job.eos
     tokenizer = pair.tokenizer
     stops = list(config.stop_strings)
     longest_stop = max((len(s) for s in stops), default=0)
-    with torch.inference_mode():
-        decoder = _make_decoder(pair, config, job.vocab)
-        decoder.prefill(ids)
     prompt_len = len(ids)
     stats = decoder.stats
     shown = 0  # tokens streamed (no tokenizer) / characters streamed (tokenizer)
@@ -324,8 +355,7 @@ def _run(pair, job: _Job, emit: bool) -> Iterator[str | list[int]]:
         generated = len(decoder.tokens) - prompt_len
         remaining = max_new_tokens - generated
         room = (limit - len(decoder.tokens)) if limit is not None else remaining
-        with torch.inference_mode():
-            new = decoder.step(min(remaining - 1, room))
+        new = yield Step(min(remaining - 1, room))
         # Stop conditions on the newly committed tokens.
         keep = len(new)
         for i, token in enumerate(new):
@@ -406,10 +436,126 @@ def _finish(iterator: Iterator[str | list[int]], stream: Callable[[str | list[in
             stream(chunk)
 
 
-def _generate_many(pair, jobs: list[_Job]) -> list[GenerationOutput]:
-    """Every prompt of a batch, one after another through the single-sequence path (a batched
-    scheduler can replace this function; each job already carries its own seed)."""
-    return [_finish(_run(pair, job, emit=False), None) for job in jobs]
+def _generate_many(pair, jobs: list[_Job], batch_size: int = DEFAULT_BATCH_SIZE) -> list[GenerationOutput]:
+    """Every prompt of a batch. On the tree engine (Llama family) up to ``batch_size`` rows decode
+    together (one draft forward per depth and one target forward per iteration for all of them; a
+    finished row is replaced by the next prompt between iterations); elsewhere, one after another.
+    Each job carries its own seed and generator, so a row's output does not depend on the others."""
+    if batch_size <= 1 or len(jobs) == 1 or engine_for(pair.target, pair.draft) != "tree":
+        return [_finish(_run(pair, job, emit=False), None) for job in jobs]
+    from gbv.engine.batch import BatchTreeDecoder
+
+    rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, jobs[0].vocab, pair.device,
+                                            min(batch_size, len(jobs))))
+    results: list[GenerationOutput | None] = [None] * len(jobs)
+    waiting = list(enumerate(jobs))[::-1]
+    while waiting or rows.active:
+        while waiting and rows.has_room():
+            index, job = waiting.pop()
+            rows.add(index, job, emit=False)
+        for key, event, value in rows.step():
+            if event == "done":
+                results[key] = value
+    return results
+
+
+class _BatchRowView:
+    """One row of a :class:`~gbv.engine.batch.BatchTreeDecoder` with the single-decoder interface that
+    :func:`row_loop` uses (``tokens``, ``stats``, ``truncate``)."""
+
+    def __init__(self, batch, row) -> None:
+        self.batch, self.row = batch, row
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.row.tokens
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.row.stats
+
+    def truncate(self, length: int) -> None:
+        self.batch.truncate(self.row, length)
+
+
+class BatchRows:
+    """The rows of a batch being decoded together, each driven by its own :func:`row_loop`; the one
+    scheduler behind ``generate(prompts=...)`` and ``gbv serve``. ``add`` prefills a job into a free
+    row; ``step`` runs one iteration for every active row and returns ``(key, event, value)`` with
+    event ``"chunk"`` (streamed text), ``"done"`` (the GenerationOutput; the row is freed) or
+    ``"error"`` (an exception; the row is freed); ``cancel`` frees a row at once."""
+
+    def __init__(self, pair, batch) -> None:
+        self.pair = pair
+        self.batch = batch
+        self.active: dict[Any, tuple[Any, Any, Step]] = {}  # key -> (row, loop, pending step)
+
+    def has_room(self) -> bool:
+        return len(self.active) < self.batch.max_rows
+
+    def add(self, key, job: _Job, emit: bool) -> list[tuple[Any, str, Any]]:
+        config = job.config
+        method, num_paths, block_len = config.method, config.num_paths, config.block_len
+        if method == "auto":  # batched rows keep one arm: the best one measured so far in this process
+            method, num_paths, block_len = _batched_auto_arm(self.pair, config, job.vocab)
+        with torch.inference_mode():
+            row = self.batch.add_row(job.ids, method, num_paths, block_len, config.target_sampling,
+                                     config.draft_sampling, config.seed)
+        row.stats.method = config.method if config.method != "auto" else f"auto ({row.stats.method})"
+        loop = row_loop(self.pair, job, emit, _BatchRowView(self.batch, row))
+        return self._advance(key, row, loop, None)
+
+    def cancel(self, key) -> None:
+        entry = self.active.pop(key, None)
+        if entry is not None:
+            entry[1].close()
+            self.batch.remove_row(entry[0])
+
+    def _advance(self, key, row, loop, reply) -> list[tuple[Any, str, Any]]:
+        """Run ``loop`` until it asks for the next step (or ends); collect its events."""
+        events = []
+        while True:
+            try:
+                item = loop.send(reply)
+            except StopIteration as done:
+                self.active.pop(key, None)
+                self.batch.remove_row(row)
+                events.append((key, "done", done.value))
+                return events
+            except Exception as exc:  # noqa: BLE001 - one bad row must not stop the others
+                self.active.pop(key, None)
+                self.batch.remove_row(row)
+                events.append((key, "error", exc))
+                return events
+            if isinstance(item, Step):
+                self.active[key] = (row, loop, item)
+                return events
+            events.append((key, "chunk", item))
+            reply = None
+
+    def step(self) -> list[tuple[Any, str, Any]]:
+        if not self.active:
+            return []
+        entries = list(self.active.items())
+        new = self.batch.step({id(row): step.block for _, (row, _, step) in entries})
+        events = []
+        for key, (row, loop, _) in entries:
+            events += self._advance(key, row, loop, new[id(row)])
+        return events
+
+
+def _batched_auto_arm(pair, config: GenerationConfig, vocab: int) -> tuple[str, int, int]:
+    """The arm a batched ``auto`` row runs: the best measured by this process's ``auto`` policy for
+    these settings (single-sequence generations train it), else BV with L = 4."""
+    from gbv.engine import auto
+
+    draft = pair.draft
+    arms = auto.default_arms(config.draft_sampling.greedy, draft is not None)
+    policy = auto.policy_for(pair.target, draft, (config.target_sampling, config.draft_sampling, vocab), arms)
+    if sum(policy.runs) == 0:
+        return ("block", 1, 4) if draft is not None else ("ar", 1, 1)
+    best = policy.best()
+    return best.method, max(best.num_paths, 1), max(best.block_len, 1)
 
 
 # ----------------------------------------------------------------------------------------------- API
@@ -426,6 +572,11 @@ def stream_generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] |
     return _run(pair, _prepare(pair, batch[0], config), emit=True)
 
 
+def prepare_job(pair, prompt_ids: Sequence[int], **settings: Any) -> _Job:
+    """One request checked against the pair (GbvError on bad input), ready for :class:`BatchRows`."""
+    return _prepare(pair, _token_list(prompt_ids, "prompt_ids"), _config(None, settings))
+
+
 class Generation:
     """``for chunk in Generation(pair, prompt=...): ...`` then ``.output`` holds the GenerationOutput."""
 
@@ -440,7 +591,7 @@ class Generation:
 
 def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.Tensor | None = None, *,
              prompts: Sequence[str] | None = None, config: GenerationConfig | None = None,
-             stream: Callable[[str | list[int]], Any] | None = None,
+             stream: Callable[[str | list[int]], Any] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
              **settings: Any) -> GenerationOutput | list[GenerationOutput]:
     """Sample up to ``max_new_tokens`` tokens from ``pair.target`` (exactly its law), drafting with
     ``pair.draft`` and verifying with ``method`` (``ar`` = target only; or any of :data:`gbv.verify.METHODS`).
@@ -462,7 +613,9 @@ def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.
     (one row is still a batch of 1) return a list of GenerationOutput, one per prompt, in order.
     Prompt ``i`` is sampled with seed ``seed + i``, exactly as ``generate(pair, <prompt i>, seed=seed + i)``
     would: its output does not depend on the other prompts, and a prompt repeated in a batch gives
-    independent samples. ``stream`` takes one prompt only.
+    independent samples. ``stream`` takes one prompt only. On the tree engine (Llama family) up to
+    ``batch_size`` prompts decode together in shared forwards (docs/ENGINE.md); a batched ``auto``
+    row runs the best arm this process has measured for these settings (BV with L = 4 before any).
     """
     config = _config(config, settings)
     batch, is_batch = _prompt_batch(pair, prompt, prompt_ids, prompts)
@@ -471,4 +624,6 @@ def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.
     if stream is not None:
         raise GbvError("stream works with one prompt; drop stream= or generate the prompts one by one")
     jobs = [_prepare(pair, ids, config.replace(seed=config.seed + i)) for i, ids in enumerate(batch)]
-    return _generate_many(pair, jobs)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise GbvError(f"batch_size must be an integer from 1 to {MAX_BATCH_SIZE}, got {batch_size!r}")
+    return _generate_many(pair, jobs, batch_size)

@@ -21,7 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gbv.engine.generate import GenerationOutput, all_methods, stream_generate
+from gbv.engine.decoder import engine_for
+from gbv.engine.generate import (BatchRows, GenerationOutput, all_methods, prepare_job, shared_vocab,
+                                 stream_generate)
 from gbv.errors import GbvError
 from gbv.serve.prompts import chat_prompt_ids
 from gbv.serve.scheduler import Event, Job, QueueFull, Scheduler
@@ -63,7 +65,13 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
     """The app serving ``pair`` (a :class:`gbv.models.loading.ModelPair` with a tokenizer) as ``model_name``.
     The scheduler's worker starts and stops with the app (its lifespan)."""
     defaults = defaults or Defaults()
-    scheduler = Scheduler(max_batch=max_batch, max_queue=max_queue)
+    batch_rows = None
+    if engine_for(pair.target, pair.draft) == "tree":  # the Llama family: rows share forwards
+        from gbv.engine.batch import BatchTreeDecoder
+
+        vocab = shared_vocab(pair.target, pair.draft, pair.tokenizer)
+        batch_rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, vocab, pair.device, max_batch))
+    scheduler = Scheduler(max_batch=max_batch, max_queue=max_queue, batch_rows=batch_rows)
     methods = all_methods() if pair.draft is not None else ("ar",)
 
     @contextlib.asynccontextmanager
@@ -142,11 +150,15 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
         params = dict(prompt_ids=ids, method=req.method, num_paths=req.num_paths, block_len=req.block_len,
                       temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
                       eos_token_id=[] if req.ignore_eos else None, stop_strings=req.stop or None, seed=req.seed)
-        try:
-            iterator = stream_generate(pair, **params)  # validates now; decodes on the worker thread
+        try:  # validates now; decodes on the worker thread
+            if batch_rows is not None:
+                spec, iterator = prepare_job(pair, **params), None
+            else:
+                spec, iterator = None, stream_generate(pair, **params)
         except GbvError as exc:
             raise bad(None, str(exc)) from None
-        return Job(iterator=iterator, loop=asyncio.get_running_loop(), events=asyncio.Queue(), params=params)
+        return Job(iterator=iterator, loop=asyncio.get_running_loop(), events=asyncio.Queue(), params=params,
+                   spec=spec)
 
     def submit(job: Job) -> None:
         try:

@@ -45,14 +45,16 @@ class Event:
 
 @dataclass
 class Job:
-    """One request: the engine iterator that decodes it and the way back to its handler. ``params``
-    are the keyword arguments the iterator was made with (``prompt_ids``, ``method``, ``num_paths``,
-    ``block_len``, sampling settings, ``seed``...): what a batched decoder needs to build its row."""
+    """One request and the way back to its handler. It decodes either as a row of the scheduler's
+    batch (``spec``: the validated request, from :func:`gbv.engine.generate.prepare_job`) or, on the
+    plain Hugging Face path, through its own engine ``iterator``. ``params`` are the keyword
+    arguments it was made with (``prompt_ids``, ``method``, sampling settings, ``seed``...)."""
 
-    iterator: Iterator[Any]
+    iterator: Iterator[Any] | None
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     params: dict[str, Any] = field(default_factory=dict)
+    spec: Any = None
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -67,9 +69,12 @@ class Job:
 class Scheduler:
     """Owns the running set and the waiting queue; :meth:`start` launches the worker thread."""
 
-    def __init__(self, max_batch: int = 16, max_queue: int = 64) -> None:
+    def __init__(self, max_batch: int = 16, max_queue: int = 64, batch_rows=None) -> None:
+        """``batch_rows``: a :class:`gbv.engine.generate.BatchRows` (the tree engine): every active row
+        then advances in the same forwards. None: each job steps its own iterator in turn."""
         if max_batch < 1 or max_queue < 0:
             raise GbvError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        self.batch_rows = batch_rows
         self.max_batch = max_batch
         self.max_queue = max_queue
         self._lock = threading.Lock()
@@ -126,8 +131,11 @@ class Scheduler:
             with self._lock:
                 gone = [job for job in self._active if job.cancelled.is_set()]
                 self._active = [job for job in self._active if not job.cancelled.is_set()]
-            for job in gone:
-                job.iterator.close()  # frees its caches now rather than at garbage collection
+            for job in gone:  # free their caches / batch rows now rather than at garbage collection
+                if self.batch_rows is not None:
+                    self.batch_rows.cancel(job.id)
+                elif job.iterator is not None:
+                    job.iterator.close()
             with self._lock:
                 while not self._stopping and not self._active and not self._waiting:
                     self._wake.wait()
@@ -154,6 +162,8 @@ class Scheduler:
         all rows, each row with its own cache length, tree and generator. Everything else in the
         scheduler (admission between iterations, cancellation, the queue) stays as it is.
         """
+        if self.batch_rows is not None:
+            return self._step_batch(rows)
         finished: list[Job] = []
         for job in rows:
             if job.cancelled.is_set():
@@ -168,4 +178,26 @@ class Scheduler:
                 finished.append(job)
             else:
                 job.send("chunk", chunk)
+        return finished
+
+    def _step_batch(self, rows: list[Job]) -> list[Job]:
+        """The batched form of :meth:`_step_active`: new jobs are prefilled into free rows of the batch,
+        then one iteration runs for all of them together (one draft forward per depth, one target
+        forward), each row with its own length, tree, method, sampling and generator."""
+        batch = self.batch_rows
+        by_id = {job.id: job for job in rows}
+        events = []
+        for job in rows:
+            if job.id not in batch.active and not job.cancelled.is_set():
+                try:
+                    events += batch.add(job.id, job.spec, emit=True)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of memory for this row
+                    events.append((job.id, "error", exc))
+        events += batch.step()
+        finished = []
+        for key, kind, value in events:
+            job = by_id[key]
+            job.send(kind, value)
+            if kind in ("done", "error"):
+                finished.append(job)
         return finished

@@ -1,0 +1,104 @@
+"""Batched decoding (``generate(prompts=[...])``, the server's scheduler): per-row laws stay exact,
+rows do not depend on their neighbours, greedy rows equal their batch-of-1 outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gbv
+from gbv.engine.batch import BatchTreeDecoder
+from gbv.engine.generate import BatchRows, generate, prepare_job
+from gbv.engine.sampling import SamplingConfig
+from gbv.models.loading import ModelPair
+
+from engine_toy import hf_pair, sharpen
+from test_exactness import NEW, PROMPT, chi_square, exact_law
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return gbv.load_pair("bundled")
+
+
+@pytest.fixture(scope="module")
+def llama_toy():
+    target, draft = hf_pair("llama", vocab=5, seed=3, target_size=(16, 1), draft_size=(8, 1))
+    sharpen(target, scale=25.0)
+    sharpen(draft, scale=15.0)
+    return ModelPair(target, draft)
+
+
+def test_greedy_rows_equal_batch_of_one_on_the_bundled_pair(bundled):
+    from gbv.data import load_prompts
+
+    prompts = load_prompts("gsm8k", 10) + load_prompts("humaneval", 10)
+    settings = dict(method="gbv", num_paths=3, block_len=4, temperature=0.0, max_new_tokens=24)
+    batched = generate(bundled, prompts=prompts, batch_size=8, **settings)
+    for prompt, row in zip(prompts, batched):
+        assert row.token_ids == generate(bundled, prompt=prompt, **settings).token_ids
+
+
+@pytest.mark.parametrize("method", ["block", "traversal", "auto"])
+def test_sampled_rows_do_not_depend_on_neighbours(llama_toy, method):
+    """Each row has its own seeded generator: batch 8 gives each prompt what batch 1 gives it. (A
+    batched ``auto`` row runs one arm, a single ``auto`` sequence chooses per iteration: there batch 8
+    is compared with batch 2.)"""
+    prompts = [[1, 2], [3], [4, 4, 1, 0], [2, 2, 2], [0, 1], [1], [3, 4, 0, 1, 2], [4]]
+    settings = dict(method=method, num_paths=3, block_len=3, temperature=1.0, max_new_tokens=12, eos_token_id=[],
+                    seed=5)
+    eight = generate(llama_toy, prompt_ids=prompts, batch_size=8, **settings)
+    one = generate(llama_toy, prompt_ids=prompts, batch_size=2 if method == "auto" else 1, **settings)
+    assert [r.token_ids for r in eight] == [r.token_ids for r in one]
+    assert len({tuple(r.token_ids) for r in eight}) > 1
+
+
+def test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods(llama_toy):
+    """The law of one row's first 3 tokens, decoded among rows of other prompts, lengths and methods."""
+    law = exact_law(llama_toy.target, SamplingConfig(1.0), 5)
+    others = [([3, 1, 4, 1], "block", 1, 3), ([2], "ar", 1, 1), ([0, 0, 1, 2, 3, 4, 0], "gbv", 2, 2)]
+    runs = 600
+    counts: dict[tuple[int, ...], int] = {}
+    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, "cpu", 4)
+    rows = BatchRows(llama_toy, batch)
+    for seed in range(runs):
+        jobs = [(prepare_job(llama_toy, PROMPT, method="traversal", num_paths=3, block_len=3, max_new_tokens=NEW,
+                             eos_token_id=[], seed=seed), "tested")]
+        jobs += [(prepare_job(llama_toy, ids, method=m, num_paths=k, block_len=length, max_new_tokens=NEW + seed % 3,
+                              eos_token_id=[], seed=10_000 + seed), f"other{i}")
+                 for i, (ids, m, k, length) in enumerate(others)]
+        done = {}
+        for job, key in jobs[seed % 2:] + jobs[:seed % 2]:  # the tested row is not always row 0
+            rows.add(key, job, emit=False)
+        while rows.active:
+            for key, event, value in rows.step():
+                assert event != "error", value
+                if event == "done":
+                    done[key] = value
+        seq = tuple(done["tested"].token_ids)
+        counts[seq] = counts.get(seq, 0) + 1
+    stat, threshold = chi_square(counts, law, runs)
+    assert stat < threshold, f"chi2 {stat:.1f} >= {threshold:.1f}"
+    assert not batch.rows  # every finished row left the batch
+
+
+def test_batch_rows_cancel_frees_the_row(llama_toy):
+    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, "cpu", 2)
+    rows = BatchRows(llama_toy, batch)
+    rows.add("a", prepare_job(llama_toy, [1, 2], method="block", block_len=2, max_new_tokens=50), emit=True)
+    rows.add("b", prepare_job(llama_toy, [3], method="block", block_len=2, max_new_tokens=5), emit=True)
+    assert not rows.has_room()
+    rows.step()
+    rows.cancel("a")
+    assert rows.has_room() and list(rows.active) == ["b"] and len(batch.rows) == 1
+    events = []
+    while rows.active:
+        events += rows.step()
+    assert events[-1][:2] == ("b", "done") and len(events[-1][2].token_ids) == 5
+
+
+def test_batch_size_is_validated(llama_toy):
+    with pytest.raises(gbv.errors.GbvError, match="batch_size"):
+        generate(llama_toy, prompt_ids=[[1], [2]], batch_size=0)
+    with torch.no_grad():
+        assert len(generate(llama_toy, prompt_ids=[[1], [2]], batch_size=2, max_new_tokens=3)) == 2
