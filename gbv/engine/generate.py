@@ -496,12 +496,22 @@ class BatchRows:
     def add(self, key, job: _Job, emit: bool) -> list[tuple[Any, str, Any]]:
         config = job.config
         method, num_paths, block_len = config.method, config.num_paths, config.block_len
-        if method == "auto":  # batched rows keep one arm: the best one measured so far in this process
-            method, num_paths, block_len = _batched_auto_arm(self.pair, config, job.vocab)
+        auto_arms = None
+        if method == "auto":  # sized for its longest arm; each step then sets the chosen arm
+            from gbv.engine import auto
+
+            auto_arms = auto.default_arms(config.draft_sampling.greedy, self.pair.draft is not None)
+            speculative = [arm for arm in auto_arms if arm.method != "ar"] or [auto.Arm("ar", 1, 1)]
+            method = speculative[0].method
+            num_paths = max(max(arm.num_paths for arm in speculative), 1)
+            block_len = max(max(arm.block_len for arm in speculative), 1)
         with torch.inference_mode():
             row = self.batch.add_row(job.ids, method, num_paths, block_len, config.target_sampling,
                                      config.draft_sampling, config.seed)
-        row.stats.method = config.method if config.method != "auto" else f"auto ({row.stats.method})"
+        row.auto = None
+        if auto_arms is not None:
+            row.stats.method = "auto"
+            row.auto = (auto_arms, (config.target_sampling, config.draft_sampling, job.vocab))
         loop = row_loop(self.pair, job, emit, _BatchRowView(self.batch, row))
         return self._advance(key, row, loop, None)
 
@@ -537,25 +547,41 @@ class BatchRows:
         if not self.active:
             return []
         entries = list(self.active.items())
-        new = self.batch.step({id(row): step.block for _, (row, _, step) in entries})
+        blocks = {}
+        chosen = []  # (row, policy, arm index) of the auto rows
+        for _, (row, _, step) in entries:
+            blocks[id(row)] = step.block
+            if row.auto is not None:
+                policy, index = self._choose_arm(row, step.block, len(entries))
+                chosen.append((row, policy, index))
+                blocks[id(row)] = min(step.block, policy.arms[index].block_len)
+        start = time.perf_counter()
+        new = self.batch.step(blocks)
+        seconds = time.perf_counter() - start  # the step read its drafts and results back: work is done
+        for row, policy, index in chosen:  # each auto row is credited its share of the step
+            policy.record(index, len(new[id(row)]), seconds / len(entries))
+            label = policy.arms[index].label
+            row.stats.auto_arms[label] = row.stats.auto_arms.get(label, 0) + 1
         events = []
         for key, (row, loop, _) in entries:
             events += self._advance(key, row, loop, new[id(row)])
         return events
 
+    def _choose_arm(self, row, max_block: int, batch_rows: int):
+        """The arm of an ``auto`` row for this step, from the policy of its settings and of the batch
+        size (rounded up to a power of 2): what pays at 16 rows (a compute-bound target pass) is not
+        what pays for one. One row shares the single-sequence policy."""
+        from gbv.engine import auto
+        from gbv.engine.decoder import set_method
 
-def _batched_auto_arm(pair, config: GenerationConfig, vocab: int) -> tuple[str, int, int]:
-    """The arm a batched ``auto`` row runs: the best measured by this process's ``auto`` policy for
-    these settings (single-sequence generations train it), else BV with L = 4."""
-    from gbv.engine import auto
-
-    draft = pair.draft
-    arms = auto.default_arms(config.draft_sampling.greedy, draft is not None)
-    policy = auto.policy_for(pair.target, draft, (config.target_sampling, config.draft_sampling, vocab), arms)
-    if sum(policy.runs) == 0:
-        return ("block", 1, 4) if draft is not None else ("ar", 1, 1)
-    best = policy.best()
-    return best.method, max(best.num_paths, 1), max(best.block_len, 1)
+        arms, key = row.auto
+        bucket = 1 << (batch_rows - 1).bit_length()
+        policy = auto.policy_for(self.pair.target, self.pair.draft, key if bucket == 1 else (*key, bucket), arms)
+        index = policy.choose(max_block)
+        arm = policy.arms[index]
+        if arm.method != "ar":
+            set_method(row, arm.method, arm.num_paths, arm.block_len)
+        return policy, index
 
 
 # ----------------------------------------------------------------------------------------------- API
@@ -614,8 +640,8 @@ def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.
     Prompt ``i`` is sampled with seed ``seed + i``, exactly as ``generate(pair, <prompt i>, seed=seed + i)``
     would: its output does not depend on the other prompts, and a prompt repeated in a batch gives
     independent samples. ``stream`` takes one prompt only. On the tree engine (Llama family) up to
-    ``batch_size`` prompts decode together in shared forwards (docs/ENGINE.md); a batched ``auto``
-    row runs the best arm this process has measured for these settings (BV with L = 4 before any).
+    ``batch_size`` prompts decode together in shared forwards (docs/ENGINE.md); ``auto`` rows of a
+    batch choose their arm per iteration from a policy of their settings and of the batch size.
     """
     config = _config(config, settings)
     batch, is_batch = _prompt_batch(pair, prompt, prompt_ids, prompts)
