@@ -70,7 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="delete the results in --out first")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default=None, help="model dtype, e.g. float32, bfloat16 (default: checkpoint's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for models up to 100M parameters, else torch's)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop starting new prompts after this many minutes and summarise the complete ones")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -256,6 +257,10 @@ def _run_models(args: argparse.Namespace, cfg: dict, command: str) -> int:
         raise GbvError("the chosen methods need a draft model (--draft)")
     if pair.tokenizer is None:
         raise GbvError("the model pair has no tokenizer; the benchmark needs one to encode prompts")
+    if not args.threads:
+        from gbv.engine.threads import apply_threads
+
+        apply_threads(None, pair.target)
     prompts = {d: runner.load_dataset_prompts(d, args.prompts, pair.tokenizer) for d in cfg["datasets"]}
     eos = runner.eos_id(pair)
     seeds = {(d, p.index): runner.prompt_seed(args.seed, d_idx, p.index)

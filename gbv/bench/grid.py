@@ -26,6 +26,8 @@ __all__ = ["DATASETS", "HF_METHODS", "MAX_BLOCK_LEN", "MAX_NUM_PATHS", "NO_DRAFT
 HF_METHODS: tuple[str, ...] = ("hf-assisted", "hf-ar")
 # Methods with no draft at all: run once per temperature (K = 1, L recorded as None).
 NO_DRAFT: frozenset[str] = frozenset({AR, "hf-ar"})
+# Methods that choose K and L themselves (``auto``): also run once per temperature.
+ONE_PER_TEMPERATURE: frozenset[str] = NO_DRAFT | {"auto"}
 MAX_TEMPERATURE = 100.0
 
 
@@ -190,11 +192,11 @@ class Setting:
 
 def expand_settings(methods: list[str], num_paths: list[int], block_lens: list[int],
                     temperatures: list[float]) -> list[Setting]:
-    """Single-path methods once per L (K = 1); ``ar`` / ``hf-ar`` once per T; the rest per (K, L)."""
+    """Single-path methods once per L (K = 1); ``ar`` / ``hf-ar`` / ``auto`` once per T; the rest per (K, L)."""
     settings: list[Setting] = []
     for temp in temperatures:
         for method in methods:
-            if method in NO_DRAFT:
+            if method in ONE_PER_TEMPERATURE:
                 settings.append(Setting(method, 1, None, temp))
             elif is_single_path(method):
                 settings.extend(Setting(method, 1, block_len, temp) for block_len in block_lens)

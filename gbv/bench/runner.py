@@ -55,7 +55,7 @@ def engine_config(setting: Setting, max_new_tokens: int, seed: int, eos_token_id
     """The :class:`GenerationConfig` of one grid cell (``ar`` ignores K and L)."""
     from gbv.engine.config import GenerationConfig
 
-    drafts = setting.method not in NO_DRAFT
+    drafts = setting.method not in NO_DRAFT and setting.block_len is not None  # auto: its own K and L
     return GenerationConfig(method=setting.method, num_paths=setting.num_paths if drafts else 1,
                             block_len=setting.block_len if drafts else 1, temperature=setting.temperature,
                             max_new_tokens=max_new_tokens, seed=seed,

@@ -23,7 +23,8 @@ class _MethodsHelp(str):
     def __mod__(self, params):
         from gbv.engine.config import all_methods
 
-        return f"ar (target only) or a verifier: {', '.join(all_methods()[1:])} (default gbv)"
+        return (f"auto (chooses the method, K and L per iteration from measured speed; the default), ar (target "
+                f"only), or a verifier: {', '.join(all_methods()[2:])}")
 
 
 def register(subparsers) -> None:
@@ -34,7 +35,7 @@ def register(subparsers) -> None:
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--target", default=None, help="target model: local directory or cached hub id (default: bundled)")
     parser.add_argument("--draft", default=None, help="draft model: local directory or cached hub id (default: bundled)")
-    parser.add_argument("--method", default="gbv", help=_MethodsHelp("methods"))
+    parser.add_argument("--method", default="auto", help=_MethodsHelp("methods"))
     parser.add_argument("--num-paths", type=int, default=3,
                         help=f"K, drafted paths per iteration, 1 to {MAX_NUM_PATHS} (default 3)")
     parser.add_argument("--block-len", type=int, default=8,
@@ -48,6 +49,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same text")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16 (default: checkpoint's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 for models up to 100M parameters, else torch's)")
     parser.add_argument("--allow-download", action="store_true", help="let transformers download missing models")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--stream", action="store_true", help="print text as it is committed")
@@ -74,9 +77,11 @@ def _check_args(args: argparse.Namespace):
     if not args.prompt:
         raise GbvError("prompt is empty")
     config = config_from_args(args)
+    if args.threads is not None and not 1 <= args.threads <= 256:
+        raise GbvError(f"--threads must be an integer from 1 to 256, got {args.threads}")
     if args.target is None and args.draft is not None:
         raise GbvError("--draft needs --target (or give neither, for the bundled pair)")
-    if args.target is not None and args.draft is None and args.method != "ar":
+    if args.target is not None and args.draft is None and args.method not in ("ar", "auto"):
         raise GbvError(f"method {args.method!r} needs --draft with --target (or give neither, for the bundled pair)")
     return config
 
@@ -91,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
                      allow_download=args.allow_download)
     if pair.tokenizer is None:
         raise GbvError(f"model {pair.names[0]!r} has no tokenizer files; the CLI needs one to encode the prompt")
+    from gbv.engine.threads import apply_threads
+
+    apply_threads(args.threads, pair.target)
 
     def show(chunk) -> None:
         sys.stdout.write(chunk if isinstance(chunk, str) else " ".join(map(str, chunk)))

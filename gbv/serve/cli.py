@@ -33,14 +33,14 @@ def register(subparsers) -> None:
     parser.add_argument("--model-name", default=None, help="model id in /v1/models and responses (default: gbv-<target>)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
-    parser.add_argument("--method", default="gbv", help=f"default method: ar or one of {', '.join(METHODS)} (default gbv)")
+    parser.add_argument("--method", default="auto", help=f"default method: auto (the default), ar or one of {', '.join(METHODS)}")
     parser.add_argument("--num-paths", type=int, default=3, help=f"default K (default 3, at most {MAX_NUM_PATHS})")
     parser.add_argument("--block-len", type=int, default=8, help=f"default L (default 8, at most {MAX_BLOCK_LEN})")
     parser.add_argument("--max-tokens", type=int, default=128, help="default max_tokens of a request (default 128)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16 (default: checkpoint's)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: as fast as 2 on this 2-core machine, and steadier)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 for models up to 100M parameters, else torch's)")
     parser.add_argument("--allow-download", action="store_true", help="let transformers download missing models")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     parser.set_defaults(func=run)
@@ -59,7 +59,7 @@ def _check_args(args: argparse.Namespace) -> None:
         (args.max_tokens >= 1, f"--max-tokens must be >= 1, got {args.max_tokens}"),
         (args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}"),
         (args.max_queue >= 0, f"--max-queue must be >= 0, got {args.max_queue}"),
-        (args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
+        (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
         (0 < args.port < 65536, f"--port must be in [1, 65535], got {args.port}"),
         (args.api_key is None or args.api_key.strip() != "", "--api-key is empty"),
     ]
@@ -68,7 +68,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise GbvError(message)
     if args.target is None and args.draft is not None:
         raise GbvError("--draft needs --target (or give neither, for the bundled pair)")
-    if args.target is not None and args.draft is None and args.method != "ar":
+    if args.target is not None and args.draft is None and args.method not in ("ar", "auto"):
         raise GbvError(f"method {args.method!r} needs --draft with --target (or use --method ar)")
     # Fail now, not after loading the models, when the address is taken.
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -81,17 +81,18 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    import torch
     import uvicorn
 
     from gbv.models.loading import load_pair
     from gbv.serve.app import create_app
     from gbv.serve.schemas import Defaults
 
-    torch.set_num_threads(args.threads)
     target = args.target if args.target is not None else "bundled"
     pair = load_pair(target=target, draft=args.draft, device=args.device, dtype=args.dtype,
                      allow_download=args.allow_download)
+    from gbv.engine.threads import apply_threads
+
+    apply_threads(args.threads, pair.target)
     if pair.tokenizer is None:
         raise GbvError(f"model {pair.names[0]!r} has no tokenizer files; gbv serve needs one")
     target_name = "bundled" if target == "bundled" else os.path.basename(pair.names[0].rstrip("/"))

@@ -46,7 +46,7 @@ def bad(param: str | None, message: str) -> ApiError:
 class Defaults:
     """Server-wide defaults (the command line) for fields a request leaves out."""
 
-    method: str = "gbv"
+    method: str = "auto"
     num_paths: int = 3
     block_len: int = 8
     max_tokens: int = 128
