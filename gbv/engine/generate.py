@@ -633,7 +633,9 @@ def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.
     ``context_limit``, one warning on the ``gbv`` logger), or when the text contains one of
     ``stop_strings`` (text and tokens are cut right after it). ``stream`` receives text chunks
     (token-id lists without a tokenizer) as they are committed. Same ``seed`` and settings -> the
-    same tokens. Bad input raises GbvError.
+    same tokens, for every fixed method; ``method="auto"`` (the default) keeps the target's law
+    exactly but picks its (method, K, L) per iteration from measured speed, so its tokens for a seed
+    can vary from run to run: name a method for bit-reproducible output. Bad input raises GbvError.
 
     Batches: ``prompts=[text, ...]``, ``prompt_ids=[[ids], ...]`` or a 2D ``(batch, length)`` tensor
     (one row is still a batch of 1) return a list of GenerationOutput, one per prompt, in order.

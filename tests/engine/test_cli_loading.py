@@ -57,7 +57,7 @@ def test_cli_json_and_text(capsys, model_dirs):
     assert rc == 0, err
     result = json.loads(out)
     assert set(result) == {"text", "token_ids", "stats"}
-    assert result["stats"]["method"] == "gbv" and result["stats"]["new_tokens"] == len(result["token_ids"])
+    assert result["stats"]["method"] == "auto" and result["stats"]["new_tokens"] == len(result["token_ids"])
     rc, out, err = run_cli(capsys, "hello there", "--target", model_dirs[0], "--draft", model_dirs[1],
                            "--max-new-tokens", "10", "--seed", "3", "--method", "block", "--stream")
     assert rc == 0 and len(err.strip().splitlines()) == 1 and "block efficiency" in err
@@ -88,13 +88,16 @@ def test_cli_bad_prompts_and_paths(capsys, tmp_path, model_dirs):
         (["", "--target", model_dirs[0], "--draft", model_dirs[1]], "empty"),
         (["x" * 80, "--target", model_dirs[0], "--draft", model_dirs[1]], "context"),
         (["hello", "--target", str(tmp_path / "nope"), "--draft", model_dirs[1]], "does not exist"),
-        (["hello", "--target", model_dirs[0]], "--draft"),
+        (["hello", "--target", model_dirs[0], "--method", "gbv"], "--draft"),
         (["hello", "--draft", model_dirs[1]], "--target"),
         (["hello", "--num-paths", "x"], "invalid int"),
     ]
     for argv, match in cases:
         rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and len(err.strip().splitlines()) == 1 and match in err, (argv, err)
+    # auto (the default) runs without a draft: it can only choose plain decoding then
+    rc, out, err = run_cli(capsys, "hello", "--target", model_dirs[0], "--max-new-tokens", "5", "--json")
+    assert rc == 0 and json.loads(out)["stats"]["auto_arms"] == {"ar": 5}, err
 
 
 def test_cli_subprocess_exit_code(tmp_path):
