@@ -12,10 +12,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-# Caps on the speculative settings of one request. The engine has none of its own; these keep one
-# request from making the target forward K x (L+1) tokens wide (16 x 33 = 528 tokens per row).
-MAX_NUM_PATHS = 16
-MAX_BLOCK_LEN = 32
+from gbv.engine.config import MAX_BLOCK_LEN, MAX_NUM_PATHS  # noqa: F401 - the engine's caps, re-exported
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 
