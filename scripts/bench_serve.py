@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (default 16)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy: same tokens on both)")
-    parser.add_argument("--method", default="gbv")
+    parser.add_argument("--method", default="auto")
     parser.add_argument("--num-paths", type=int, default=3)
     parser.add_argument("--block-len", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each server (default 1)")

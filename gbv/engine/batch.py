@@ -136,26 +136,25 @@ class BatchTreeDecoder:
             m_max = max(len(c) for c in chains)
             # Over all rows: a row that does not draft now must not get garbage below its draft length.
             d_start = max(r.draft_len for r in rows)
+            draft_lens = torch.tensor([r.draft_len for r in rows], device=dev)
+            chain_lens = torch.tensor([len(c) for c in chains], device=dev)
             ids = torch.zeros(n, m_max, dtype=torch.long)
-            pos = torch.zeros(n, m_max, dtype=torch.long)
-            mask = torch.zeros(n, m_max, d_start + m_max, dtype=torch.bool)
-            last = [0] * n
-            for b, (row, chain) in enumerate(zip(rows, chains)):
-                for j in range(m_max):
-                    mask[b, j, d_start + j] = True  # every query sees itself (padding too)
-                if not chain:
-                    continue
-                ids[b, :len(chain)] = torch.tensor(chain)
-                pos[b, :len(chain)] = torch.arange(row.draft_len, row.draft_len + len(chain))
-                mask[b, :len(chain), :row.draft_len] = True
-                for j in range(len(chain)):
-                    mask[b, j, d_start:d_start + j + 1] = True
-                last[b] = len(chain) - 1
-                chain_moves.append((b, list(range(d_start, d_start + len(chain))),
-                                    list(range(row.draft_len, row.draft_len + len(chain)))))
-            logits = self.draft.forward(ids.to(dev), pos.to(dev), d_start, self.draft_cache, mask[:, None].to(dev))
+            for b, chain in enumerate(chains):
+                if chain:
+                    ids[b, :len(chain)] = torch.tensor(chain)
+                    chain_moves.append((b, list(range(d_start, d_start + len(chain))),
+                                        list(range(rows[b].draft_len, rows[b].draft_len + len(chain)))))
+            query = torch.arange(m_max, device=dev)
+            slots = torch.arange(d_start + m_max, device=dev)
+            valid = query[None, :, None] < chain_lens[:, None, None]  # (n, m, 1): a real chain token
+            seen = (slots[None, None, :] < draft_lens[:, None, None]) | (
+                (slots >= d_start) & (slots - d_start <= query[:, None]))[None]
+            mask = (seen & valid) | (slots == d_start + query[:, None])[None]  # padding sees itself only
+            pos = draft_lens[:, None] + query[None, :]
+            logits = self.draft.forward(ids.to(dev), pos, d_start, self.draft_cache, mask[:, None])
             tip_base = d_start + m_max
-            first = logits[torch.arange(n, device=dev), torch.tensor(last, device=dev), :self.vocab]
+            last = (chain_lens - 1).clamp_min(0)
+            first = logits[torch.arange(n, device=dev), last, :self.vocab]
             for b, row in enumerate(rows):
                 if not drafting[b]:
                     continue
@@ -165,24 +164,24 @@ class BatchTreeDecoder:
                 qs[b] = torch.empty(k, block[b], self.vocab, dtype=torch.float32, device=dev)
                 qs[b][:, 0] = q_first
                 drafted[b, :k, 0] = sample(q_first.expand(k, -1), row.generator, row.draft_sampling.greedy)
+            # Tip k of a row at depth i sits in slot tip_base + (i-1)*width + k; it sees the row's
+            # committed prefix, its chain, and its own path's earlier tips.
+            path_of = torch.arange(width, device=dev)
+            prefix = (slots[None, :] < draft_lens[:, None]) | (
+                (slots[None, :] >= d_start) & (slots[None, :] < d_start + chain_lens[:, None]))  # (n, S0)
+            lens_t = torch.tensor(lens, device=dev)
+            blocks_t = torch.tensor(block, device=dev)
             for i in range(1, depth_max):
                 start = tip_base + (i - 1) * width
                 end = start + width
-                mask = torch.zeros(n, width, end, dtype=torch.bool)
-                pos = torch.zeros(n, width, dtype=torch.long)
-                for b, row in enumerate(rows):
-                    for k in range(width):
-                        mask[b, k, start + k] = True
-                    if not drafting[b] or block[b] <= i:
-                        continue
-                    mask[b, :, :row.draft_len] = True
-                    for j in range(len(chains[b])):
-                        mask[b, :, d_start + j] = True
-                    for k in range(tips_k[b]):
-                        mask[b, k, tip_base + k:end:width] = True  # its own path's earlier tips
-                    pos[b] = lens[b] + i
-                logits = self.draft.forward(drafted[:, :, i - 1], pos.to(dev), start, self.draft_cache,
-                                            mask[:, None].to(dev))
+                tip_slots = torch.arange(tip_base, end, device=dev)
+                own = ((tip_slots - tip_base) % width)[None, :] == path_of[:, None]  # (width, i*width)
+                live = (blocks_t > i) & torch.tensor(drafting, device=dev)  # rows drafting at this depth
+                mask = torch.cat([prefix[:, None, :].expand(n, width, -1),
+                                  own[None].expand(n, -1, -1)], dim=2) & live[:, None, None]
+                mask[:, path_of, start + path_of] = True  # every query sees itself (idle rows too)
+                pos = (lens_t + i)[:, None].expand(n, width)
+                logits = self.draft.forward(drafted[:, :, i - 1], pos, start, self.draft_cache, mask[:, None])
                 for b, row in enumerate(rows):
                     if not drafting[b] or block[b] <= i:
                         continue
