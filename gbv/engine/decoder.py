@@ -28,15 +28,13 @@ def set_method(decoder, method: str, num_paths: int, block_len: int) -> None:
     decoder.block_len = 0 if method == AR else block_len
 
 
-class Decoder:
-    """The decoding state of one sequence and one iteration step. Used by :func:`generate`; tests use
-    it to inspect the caches (``target_cache`` holds ``tokens[:-1]``, ``draft_cache`` holds
-    ``tokens[:draft_len]``; the draft still has to be fed ``tokens[draft_len:]``)."""
+class DecoderState:
+    """What both decoders keep for one sequence: the method's settings (:func:`set_method`), the
+    sampling configs, the seeded generator and its random source, the committed ``tokens``, the
+    draft's ``draft_len`` and the :class:`GenerationStats`."""
 
-    def __init__(self, target, draft, method: str, num_paths: int, block_len: int, vocab: int,
-                 target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device) -> None:
-        self.target = target
-        self.draft = draft
+    def __init__(self, method: str, num_paths: int, block_len: int, vocab: int, target_sampling: SamplingConfig,
+                 draft_sampling: SamplingConfig, seed: int, device) -> None:
         set_method(self, method, num_paths, block_len)
         self.vocab = vocab
         self.target_sampling = target_sampling
@@ -45,12 +43,31 @@ class Decoder:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.rng = TorchRandom(self.generator)
-        self.target_cache = kv.new_cache(target)
-        self.draft_cache = kv.new_cache(draft) if self.verifier is not None else None
         self.tokens: list[int] = []
         self.draft_len = 0
         self.stats = GenerationStats(method=method, num_paths=self.num_paths, block_len=self.block_len,
                                      depth_accept_counts=[0] * self.block_len)
+
+    def iteration_shape(self, block_len: int | None) -> tuple[int, int]:
+        """``(block, rows)`` of the next iteration: ``block_len`` (<= the configured one) shortens the
+        block (0 = a plain target step); a greedy draft makes K identical paths, so it drafts one (any
+        K is lossless; this one is cheapest)."""
+        block = self.block_len if block_len is None else min(block_len, self.block_len)
+        return block, 1 if self.draft_sampling.greedy else self.num_paths
+
+
+class Decoder(DecoderState):
+    """The decoding state of one sequence and one iteration step on the plain Hugging Face path.
+    Tests use it to inspect the caches (``target_cache`` holds ``tokens[:-1]``, ``draft_cache`` holds
+    ``tokens[:draft_len]``; the draft still has to be fed ``tokens[draft_len:]``)."""
+
+    def __init__(self, target, draft, method: str, num_paths: int, block_len: int, vocab: int,
+                 target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device) -> None:
+        super().__init__(method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, device)
+        self.target = target
+        self.draft = draft
+        self.target_cache = kv.new_cache(target)
+        self.draft_cache = kv.new_cache(draft) if self.verifier is not None else None
 
     def _ids(self, ids: Sequence[int] | torch.Tensor, rows: int = 1) -> torch.Tensor:
         tensor = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
@@ -72,12 +89,10 @@ class Decoder:
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration; returns the newly committed tokens (the last one is the new pending token).
         ``block_len`` (<= the configured one) shortens this iteration's block; 0 = a plain target step."""
-        block = self.block_len if block_len is None else min(block_len, self.block_len)
+        block, rows = self.iteration_shape(block_len)
         if block <= 0:
             return self._target_step()
         stats = self.stats
-        # A greedy draft makes K identical paths: draft one (any K is lossless; this one is cheapest).
-        rows = 1 if self.draft_sampling.greedy else self.num_paths
         committed = len(self.tokens) - 1  # = target cache length
 
         # 1. draft K paths of `block` tokens, one batched forward per step.

@@ -87,7 +87,8 @@ def shared_vocab(target, draft, tokenizer=None) -> int:
     return smaller
 
 
-def _max_positions(*models) -> int | None:
+def max_positions(*models) -> int | None:
+    """The context the models can hold: the smallest ``max_position_embeddings`` (None: unknown)."""
     limits = []
     for model in models:
         if model is None:
@@ -226,7 +227,7 @@ def _prepare(pair, ids: list[int], config: GenerationConfig) -> _Job:
     vocab = shared_vocab(pair.target, draft, pair.tokenizer)
     if max(ids) >= vocab or min(ids) < 0:
         raise GbvError(f"prompt token ids must be in [0, {vocab})")
-    limit = _max_positions(pair.target, draft)
+    limit = max_positions(pair.target, draft)
     max_new_tokens = config.max_new_tokens
     if limit is not None:
         if len(ids) >= limit:

@@ -26,12 +26,10 @@ from collections.abc import Sequence
 
 import torch
 
-from gbv.engine.decoder import set_method
+from gbv.engine.decoder import DecoderState
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.sampling import SamplingConfig, process_logits, sample
-from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import build_tree, prefix_then
-from gbv.verify import TorchRandom
 # Room added to the prompt length when a cache is first allocated; it grows (doubling) when needed.
 _INITIAL_ROOM = 512
 
@@ -46,30 +44,19 @@ def lean_model(model) -> LeanCausalLM:
     return lean
 
 
-class TreeDecoder:
+class TreeDecoder(DecoderState):
     """The decoding state of one sequence over lean models; the same interface as ``Decoder``
     (``prefill``, ``step``, ``truncate``, ``tokens``, ``draft_len``, ``stats``)."""
 
     def __init__(self, target, draft, method: str, num_paths: int, block_len: int, vocab: int,
                  target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device,
                  profile: bool | None = None) -> None:
-        set_method(self, method, num_paths, block_len)
-        self.vocab = vocab
-        self.target_sampling = target_sampling
-        self.draft_sampling = draft_sampling
-        self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
-        self.rng = TorchRandom(self.generator)
+        super().__init__(method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, device)
         self.target = lean_model(target)
         self.draft = lean_model(draft) if self.verifier is not None else None
         self.target_cache = None
         self.draft_cache = None
-        self.tokens: list[int] = []
-        self.draft_len = 0
         self.profile = self.device.type == "cpu" if profile is None else profile
-        self.stats = GenerationStats(method=method, num_paths=self.num_paths, block_len=self.block_len,
-                                     depth_accept_counts=[0] * self.block_len)
 
     # -------------------------------------------------------------------------------- helpers
     def _clock(self) -> float:
@@ -110,13 +97,11 @@ class TreeDecoder:
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration; returns the newly committed tokens (the last one is the new pending token).
         ``block_len`` (<= the configured one) shortens this iteration's block; 0 = a plain target step."""
-        block = self.block_len if block_len is None else min(block_len, self.block_len)
+        block, rows = self.iteration_shape(block_len)
         if block <= 0:
             return self._target_step()
         stats = self.stats
         greedy = self.draft_sampling.greedy
-        # A greedy draft makes K identical paths: draft one (any K is lossless; this one is cheapest).
-        rows = 1 if greedy else self.num_paths
         committed = len(self.tokens) - 1  # slots of the committed prefix; the pending token goes next
         base = committed + 1  # first slot of the drafted nodes
 

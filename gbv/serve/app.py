@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gbv.engine.decoder import engine_for
-from gbv.engine.generate import (BatchRows, GenerationOutput, all_methods, prepare_job, shared_vocab,
-                                 stream_generate)
+from gbv.engine.generate import (BatchRows, GenerationOutput, all_methods, max_positions, prepare_job,
+                                 shared_vocab, stream_generate)
 from gbv.errors import GbvError
 from gbv.serve.prompts import chat_prompt_ids
 from gbv.serve.scheduler import Event, Job, QueueFull, Scheduler
@@ -34,14 +34,7 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 def context_limit(pair, method: str) -> int | None:
     """Positions the models can hold (the smaller of target and, unless ``ar``, draft), or None."""
-    limits = []
-    for model in (pair.target, pair.draft if method != "ar" else None):
-        if model is None:
-            continue
-        value = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        if isinstance(value, int) and value > 0:
-            limits.append(value)
-    return min(limits) if limits else None
+    return max_positions(pair.target, pair.draft if method != "ar" else None)
 
 
 def _finish_reason(output: GenerationOutput) -> str:

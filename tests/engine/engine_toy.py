@@ -144,3 +144,14 @@ def save_pair(tmp_path, arch: str = "llama", max_positions: int = 128, with_toke
             tokenizer.save_pretrained(path)
         dirs.append(str(path))
     return dirs
+
+
+def sharp_llama_pair():
+    """A tiny random Llama target/draft over 5 tokens with sharpened heads (runs on the tree engine):
+    the pair of the tree-path law tests."""
+    from gbv.models.loading import ModelPair
+
+    target, draft = hf_pair("llama", vocab=5, seed=3, target_size=(16, 1), draft_size=(8, 1))
+    sharpen(target, scale=25.0)
+    sharpen(draft, scale=15.0)
+    return ModelPair(target, draft)

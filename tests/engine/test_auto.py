@@ -9,7 +9,7 @@ from gbv.engine.auto import Arm, AutoPolicy
 from gbv.engine.generate import generate
 from gbv.models.loading import ModelPair
 
-from engine_toy import hf_pair, sharpen, table_pair
+from engine_toy import hf_pair, sharp_llama_pair, sharpen, table_pair
 from test_exactness import check
 
 # Short arms only: the law test generates 3 tokens, so longer blocks would never fit.
@@ -23,13 +23,8 @@ def short_arms(monkeypatch):
 
 @pytest.mark.parametrize("engine", ["tree", "hf"])
 def test_auto_is_lossless(short_arms, engine):
-    if engine == "tree":
-        target, draft = hf_pair("llama", vocab=5, seed=3, target_size=(16, 1), draft_size=(8, 1))
-        sharpen(target, scale=25.0)
-        sharpen(draft, scale=15.0)
-    else:
-        target, draft = table_pair(vocab=6)
-    pair = ModelPair(target, draft)
+    pair = sharp_llama_pair() if engine == "tree" else ModelPair(*table_pair(vocab=6))
+    target = pair.target
     stat, threshold = check(pair, 1200, 1.0, method="auto")
     assert stat < threshold, f"auto ({engine}): chi2 {stat:.1f} >= {threshold:.1f}"
     policy = next(iter(auto._POLICIES[target].values()))

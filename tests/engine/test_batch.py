@@ -10,9 +10,8 @@ import gbv
 from gbv.engine.batch import BatchTreeDecoder
 from gbv.engine.generate import BatchRows, generate, prepare_job
 from gbv.engine.sampling import SamplingConfig
-from gbv.models.loading import ModelPair
 
-from engine_toy import hf_pair, sharpen
+from engine_toy import sharp_llama_pair
 from test_exactness import NEW, PROMPT, chi_square, exact_law
 
 
@@ -23,10 +22,7 @@ def bundled():
 
 @pytest.fixture(scope="module")
 def llama_toy():
-    target, draft = hf_pair("llama", vocab=5, seed=3, target_size=(16, 1), draft_size=(8, 1))
-    sharpen(target, scale=25.0)
-    sharpen(draft, scale=15.0)
-    return ModelPair(target, draft)
+    return sharp_llama_pair()
 
 
 def test_greedy_rows_equal_batch_of_one_on_the_bundled_pair(bundled):

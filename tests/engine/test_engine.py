@@ -82,7 +82,7 @@ def test_greedy_with_sampling_draft(llama_pair):
 def test_same_seed_same_tokens_different_seed_differs():
     target, draft = hf_pair("llama", vocab=32, seed=4)
     pair = ModelPair(target, draft)
-    for method in METHODS:
+    for method in [m for m in METHODS if m != "auto"]:  # auto: reproducible in law only (arms follow timing)
         runs = [generate(pair, prompt_ids=PROMPT, method=method, num_paths=2, block_len=3, max_new_tokens=16,
                          eos_token_id=[], seed=seed).token_ids for seed in (7, 7, 8)]
         assert runs[0] == runs[1], method
@@ -215,8 +215,8 @@ def test_every_architecture_every_method_samples(arch):
         assert stats.block_efficiency == pytest.approx(10 / stats.target_calls)
         if method == "ar":
             assert stats.target_calls == 10 and stats.draft_steps == 0
-        else:
-            assert len(stats.depth_accept_counts) == 3
+        else:  # auto: sized to its longest arm
+            assert len(stats.depth_accept_counts) == (3 if method != "auto" else stats.block_len)
             assert stats.depth_accept_counts[0] == sum(a >= 1 for a in stats.accepted_lengths)
 
 
@@ -377,7 +377,7 @@ def test_draft_equal_to_target_accepts_everything(temperature):
     verifier may reject even when p = q: GBV runs BV against the law of the *selected* path.)"""
     target, _ = hf_pair("llama", vocab=32, seed=9)
     pair = ModelPair(target, target)
-    for method in METHODS[1:]:
+    for method in [m for m in METHODS if m not in ("ar", "auto")]:  # auto picks its own K and L
         out = generate(pair, prompt_ids=PROMPT, method=method, num_paths=1 if temperature else 2, block_len=3,
                        temperature=temperature,
                        max_new_tokens=12, eos_token_id=[], seed=0)

@@ -14,10 +14,9 @@ from gbv.engine.decoder import engine_for
 from gbv.engine.generate import generate
 from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason
 from gbv.engine.tree import TokenTree, build_tree, prefix_then
-from gbv.models.loading import ModelPair
 from gbv.verify import METHODS
 
-from engine_toy import ARCHITECTURES, hf_pair, sharpen
+from engine_toy import ARCHITECTURES, hf_pair, sharp_llama_pair
 from test_exactness import check
 
 RUNS = 1200
@@ -70,10 +69,7 @@ def test_unsupported_models_fall_back_to_hf():
 
 @pytest.fixture(scope="module")
 def llama_toy():
-    target, draft = hf_pair("llama", vocab=5, seed=3, target_size=(16, 1), draft_size=(8, 1))
-    sharpen(target, scale=25.0)
-    sharpen(draft, scale=15.0)
-    return ModelPair(target, draft)
+    return sharp_llama_pair()
 
 
 FAST_METHODS = ("block", "gbv", "traversal")  # one path, greedy selection, trie traversal; the rest are slow
