@@ -31,9 +31,10 @@ held-out corpus positions, target logits computed once). It checkpoints (model, 
 clock) every ``--save-every-s`` to ``<out>/distill_ckpt.pt`` and resumes from it when rerun with
 the same ``--out``: the wall-clock budget counts the time of all runs together. What shipped::
 
-    nohup python3 scripts/train_bundled_pair.py --out scratch/distil \\
+    OMP_NUM_THREADS=1 nohup python3 scripts/train_bundled_pair.py --out scratch/distil \\
         --distill-from gbv/models/bundled/target --draft 256,1,8,768 --distill-init target \\
-        --distill-minutes 50 --distill-ce 0 --threads 1 > scratch/distil.log 2>&1 &
+        --distill-minutes 48 --distill-ce 0 --threads 1 --batch-size 4 --seq-len 256 \\
+        --eval-every-s 120 --save-every-s 180 --heldout-batches 4 > scratch/distil.log 2>&1 &
     python3 scripts/train_bundled_pair.py --package scratch/distil gbv/models/bundled \\
         --package-models draft
 """
