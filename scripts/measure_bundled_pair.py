@@ -8,8 +8,18 @@
   compute ``sum_x min(p_T(x), q_T(x))`` from both models' softmax at temperature T; the reported
   number is the mean over all generated positions;
 * optionally (``--block-efficiency``) the block efficiency (new tokens / target calls, summed over
-  ``--be-prompts`` prompts per data set) of gbv's ``block`` (one path) and ``gbv`` (``--K`` paths)
-  methods with block length ``--L``, through ``gbv.load_pair("bundled")`` / ``gbv.generate``.
+  ``--be-prompts`` prompts per data set) of gbv's ``--methods`` (default ``block``, one path, and
+  ``gbv``, ``--K`` paths; single-path methods always run with K = 1) with block length ``--L``,
+  through ``gbv.load_pair`` / ``gbv.generate`` (the bundled pair, or ``--dir``'s target/draft).
+
+* optionally (``--engine-timing``) the same decode-step ratio in gbv's engine, from its own stats:
+  target ms per step = ``time_target / target_calls`` of ``method="ar"``, draft ms per step =
+  ``time_draft / draft_steps`` of ``method="block"`` (K = 1, block ``--L``), over the first
+  ``--be-prompts`` GSM8K prompts at T = 1, ``--new-tokens`` tokens each; median of 3 interleaved
+  rounds (each round pools its prompts);
+
+``--dir`` measures another pair (a dir with ``target/`` and ``draft/``); ``--draft-dir`` replaces
+only the draft (e.g. to measure an older draft against the bundled target).
 
 Example::
 
@@ -82,13 +92,17 @@ def acceptance(target, draft, tok, prompts, temperature: float, new_tokens: int,
 _PAIR = None
 
 
-def block_efficiency(prompts, temperature, method, K, L, new_tokens, seed):
-    """Total new tokens / total target calls of ``gbv.generate`` over the prompts."""
+def block_efficiency(prompts, temperature, method, K, L, new_tokens, seed, dirs=None):
+    """Total new tokens / total target calls of ``gbv.generate`` over the prompts.
+
+    ``dirs``: ``(target_dir, draft_dir)``, or None for the bundled pair.
+    """
     import gbv
 
     global _PAIR
     if _PAIR is None:
-        _PAIR = gbv.load_pair("bundled", dtype="float32")
+        _PAIR = (gbv.load_pair("bundled", dtype="float32") if dirs is None else
+                 gbv.load_pair(str(dirs[0]), str(dirs[1]), dtype="float32"))
     new, calls = 0, 0
     for i, prompt in enumerate(prompts):
         out = gbv.generate(_PAIR, prompt=prompt, method=method, num_paths=K, block_len=L,
@@ -98,9 +112,38 @@ def block_efficiency(prompts, temperature, method, K, L, new_tokens, seed):
     return new / calls
 
 
+def engine_step_ms(prompts, L, new_tokens, seed, dirs=None) -> dict:
+    """Decode-step times in gbv's engine from its stats (see the module docstring)."""
+    import gbv
+
+    global _PAIR
+    if _PAIR is None:
+        _PAIR = (gbv.load_pair("bundled", dtype="float32") if dirs is None else
+                 gbv.load_pair(str(dirs[0]), str(dirs[1]), dtype="float32"))
+    for method in ("ar", "block"):  # warm-up (first calls allocate and pick kernels)
+        gbv.generate(_PAIR, prompt=prompts[0], method=method, num_paths=1, block_len=L,
+                     temperature=1.0, max_new_tokens=8, seed=seed)
+    tt, td = [], []
+    for _ in range(3):
+        t_s = t_n = d_s = d_n = 0
+        for i, prompt in enumerate(prompts):
+            ar = gbv.generate(_PAIR, prompt=prompt, method="ar", temperature=1.0,
+                              max_new_tokens=new_tokens, seed=seed + i).stats
+            bl = gbv.generate(_PAIR, prompt=prompt, method="block", num_paths=1, block_len=L,
+                              temperature=1.0, max_new_tokens=new_tokens, seed=seed + i).stats
+            t_s, t_n = t_s + ar.time_target, t_n + ar.target_calls
+            d_s, d_n = d_s + bl.time_draft, d_n + bl.draft_steps
+        tt.append(1000 * t_s / t_n)
+        td.append(1000 * d_s / d_n)
+    t_ms, d_ms = statistics.median(tt), statistics.median(td)
+    return {"target": round(t_ms, 2), "draft": round(d_ms, 2), "ratio": round(t_ms / d_ms, 2),
+            "target_runs": [round(x, 2) for x in tt], "draft_runs": [round(x, 2) for x in td]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="dir with target/ and draft/ (default: bundled)")
+    ap.add_argument("--draft-dir", default=None, help="use this draft instead (target unchanged)")
     ap.add_argument("--datasets", default="gsm8k,humaneval")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -114,6 +157,10 @@ def main(argv=None):
     ap.add_argument("--block-efficiency", action="store_true",
                     help="also measure block efficiency of block/gbv via gbv.generate")
     ap.add_argument("--be-prompts", type=int, default=10, help="prompts per data set for it")
+    ap.add_argument("--engine-timing", action="store_true",
+                    help="also time decode steps in gbv's engine (its stats), see above")
+    ap.add_argument("--methods", default="block,gbv",
+                    help="methods for --block-efficiency (comma-separated gbv methods)")
     ap.add_argument("--K", type=int, default=3)
     ap.add_argument("--L", type=int, default=8)
     ap.add_argument("--json", default=None)
@@ -130,6 +177,9 @@ def main(argv=None):
         from gbv.models.bundled import bundled_paths
 
         tdir, ddir = bundled_paths()
+    custom = bool(args.dir or args.draft_dir)
+    if args.draft_dir:
+        ddir = Path(args.draft_dir)
     target, draft = load(tdir), load(ddir)
     tok = AutoTokenizer.from_pretrained(tdir)
     res: dict = {"target_dir": str(tdir), "draft_dir": str(ddir), "args": vars(args)}
@@ -149,6 +199,14 @@ def main(argv=None):
         print(f"decode step (batch 1, prefix {args.prefix}, {args.threads} thread(s), median): "
               f"target {t_ms:.2f} ms, draft {d_ms:.2f} ms, ratio {t_ms / d_ms:.2f}", flush=True)
 
+    if args.engine_timing:
+        e = engine_step_ms(load_prompts("gsm8k", limit=args.be_prompts), args.L, args.new_tokens,
+                           args.seed, (tdir, ddir) if custom else None)
+        res["engine_decode_ms"] = e
+        print(f"engine decode step (ar target step / block draft step, median of 3 rounds): "
+              f"target {e['target']:.2f} ms, draft {e['draft']:.2f} ms, ratio {e['ratio']:.2f}",
+              flush=True)
+
     if not args.skip_acceptance:
         res["acceptance"] = {}
         for ds in dsets:
@@ -166,12 +224,14 @@ def main(argv=None):
         for ds in dsets:
             prompts = load_prompts(ds, limit=args.be_prompts)
             for T in temps:
-                for method in ("block", "gbv"):
-                    k = 1 if method == "block" else args.K  # block verification is one path
+                for method in args.methods.split(","):
+                    from gbv.verify import MULTI_PATH_METHODS
+
+                    k = args.K if method in MULTI_PATH_METHODS else 1
                     be = block_efficiency(prompts, T, method, k, args.L, args.new_tokens,
-                                          args.seed)
+                                          args.seed, (tdir, ddir) if custom else None)
                     res["block_efficiency"][f"{ds}@T={T}/{method}"] = round(be, 3)
-                    print(f"block efficiency {ds:10s} T={T} {method:5s} K={k} L={args.L}: "
+                    print(f"block efficiency {ds:10s} T={T} {method:9s} K={k} L={args.L}: "
                           f"{be:.3f}", flush=True)
 
     if args.json:

@@ -72,3 +72,10 @@ def test_greedy_generate(loaded):
     assert torch.isfinite(logits).all()
     text = tok.decode(new, skip_special_tokens=True)
     assert isinstance(text, str)
+
+
+def test_draft_shares_the_target_tokenizer_files():
+    # the draft was distilled from the target with its tokenizer: the files are byte copies
+    target_dir, draft_dir = bundled_paths()
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (target_dir / f).read_bytes() == (draft_dir / f).read_bytes(), f
