@@ -15,14 +15,15 @@ from gbv.errors import GbvError
 
 DATASETS: tuple[str, ...] = ("gsm8k", "humaneval", "math500")
 # Methods driven by gbv.generate, plus the transformers peers.
-ENGINE_METHODS: tuple[str, ...] = ("ar", "token", "block", "specinfer", "spectr", "traversal", "gbv")
+ENGINE_METHODS: tuple[str, ...] = ("ar", "token", "block", "specinfer", "spectr", "traversal", "gbv",
+                                   "gbv-adaptive")
 HF_METHODS: tuple[str, ...] = ("hf-assisted", "hf-ar")
 ALL_METHODS: tuple[str, ...] = ENGINE_METHODS + HF_METHODS
 # Methods that draft one path: run once per L (K recorded as 1), not once per K.
 SINGLE_PATH: frozenset[str] = frozenset({"token", "block", "hf-assisted"})
 # Methods with no draft at all: run once per temperature (K = 1, L recorded as None).
 NO_DRAFT: frozenset[str] = frozenset({"ar", "hf-ar"})
-EXACT_METHODS: tuple[str, ...] = ("token", "block", "specinfer", "spectr", "traversal", "gbv")
+EXACT_METHODS: tuple[str, ...] = ("token", "block", "specinfer", "spectr", "traversal", "gbv", "gbv-adaptive")
 
 MAX_NUM_PATHS = 16
 MAX_BLOCK_LEN = 64

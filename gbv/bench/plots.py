@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {  # method -> (color, marker)
     "gbv": ("#d62728", "o"),
+    "gbv-adaptive": ("#e377c2", "D"),
     "traversal": ("#1f77b4", "s"),
     "specinfer": ("#2ca02c", "^"),
     "spectr": ("#9467bd", "v"),
