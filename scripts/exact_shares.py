@@ -64,7 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(f"{sum(shares) / len(shares):.4f} / {min(shares):.4f} / {below} ({100 * below / len(shares):.1f}%)")
     lines.append(f"| all | | | {len(totals[methods[0]])} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
+    if "gbv" in methods and "gbv-adaptive" in methods:
+        worse = [key for key in sorted(rows) if _mean(rows[key]["gbv-adaptive"]) < _mean(rows[key]["gbv"]) - 1e-12]
+        print(f"\nrows where gbv-adaptive's mean share is below gbv's: {len(worse)} of {len(rows)}"
+              + (f" {worse}" if worse else ""))
     return 0
+
+
+def _mean(vals: list[tuple[float, bool]]) -> float:
+    return sum(s for s, _ in vals) / len(vals)
 
 
 if __name__ == "__main__":

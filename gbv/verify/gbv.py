@@ -192,7 +192,7 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     # float64 only where the law is summed over rows: the masked sums convert on the fly.
     law, q_g_on = _walk_law(key, q_path, tokens, num_paths)
     p_on = p_path[:block_len].gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-    ratios = [pp / qg if qg > 0.0 else float("inf") for pp, qg in zip(p_on, q_g_on)]
+    ratios = [pp / qg if qg > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qg in zip(p_on, q_g_on)]
 
     def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
         idx = torch.tensor(rows, device=key.device)
@@ -205,8 +205,8 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
         q_g = law.token_law(row, mass_below_rows(key[i:i + 1], q64), q64)[0]
         return normalize_or((w * p64 - q_g).clamp_min(0.0), p64)
 
-    accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist,
-                                                 p_path[block_len].double(), rng)
+    # The bonus row as given (float32 rows sample faster; its law is p_L either way).
+    accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist, p_path[block_len], rng)
     return VerifyResult(path, accepted_len, next_token)
 
 

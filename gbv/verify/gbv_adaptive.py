@@ -158,7 +158,8 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
         alive = [k for k in alive if tokens[k][depth] == chosen]
         q_s, below_s = float(q64[chosen]), float(below[chosen])
         # q_A(s) = q_s sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n); counts are normalised.
-        ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + 1.0 - lams[n])
+        # (1 - lam) in brackets: lam S + 1 - lam would cancel S when it is tiny.
+        ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
                     for n in range(1, num_paths + 1) if counts[n] > 0.0)
         rows_q.append(q64)
         rows_p.append(p64)
@@ -182,7 +183,7 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     def residual_dist(i: int, w: float) -> Tensor:
         return normalize_or((w * p_all[i] - q_a[i]).clamp_min(0.0), p_all[i])
 
-    ratios = [pp / qa if qa > 0.0 else float("inf") for pp, qa in zip(p_on, law_on)]
+    ratios = [pp / qa if qa > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qa in zip(p_on, law_on)]
     accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist,
                                                  p[path, block_len].to(torch.float64), rng)
     return VerifyResult(path, accepted_len, next_token)

@@ -80,7 +80,7 @@ def mass_below(key: Tensor, q64: Tensor, tokens: Tensor) -> Tensor:
     k_tok = key.gather(-1, tok)
     ids = torch.arange(key.shape[-1], device=key.device)
     below = (key < k_tok) | ((key == k_tok) & (ids > tok))
-    return torch.where(below, q64, 0.0).sum(-1, dtype=torch.float64)
+    return torch.where(below, q64, 0.0).to(torch.float64).sum(-1)  # (faster than sum(dtype=float64))
 
 
 def rank_order(key: Tensor) -> Tensor:
