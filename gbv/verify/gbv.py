@@ -197,7 +197,10 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
         idx = torch.tensor(rows, device=key.device)
         w = torch.tensor(weights, dtype=torch.float64, device=key.device)
-        return positive_part_mass(key[idx], q_path[idx].double(), p_path[idx].double(), w, _RowsOf(law, idx)).tolist()
+        # A contiguous run of nodes (the usual case) is a slice: no gather copies.
+        pick = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else idx
+        return positive_part_mass(key[pick], q_path[pick].double(), p_path[pick].double(), w,
+                                  _RowsOf(law, idx)).tolist()
 
     def residual_dist(i: int, w: float) -> Tensor:
         q64, p64 = q_path[i:i + 1].double(), p_path[i].double()

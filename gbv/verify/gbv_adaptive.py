@@ -31,7 +31,7 @@ from math import comb
 import torch
 from torch import Tensor
 
-from gbv.verify.block import block_verify_core
+from gbv.verify.block import block_verify_core, block_verify_path
 from gbv.verify.common import RandomSource, VerifyResult, check_shapes, normalize_or
 from gbv.verify.ranking import best_token, mass_below_rows, power_sum, ranking_key
 
@@ -142,6 +142,8 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     survivor, so these are its rows). ``K = 1`` is BV (``q_A = q`` up to rounding).
     """
     num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    if num_paths == 1:  # one path: nothing to select, q_A = q; BV on the inputs as given, bit for bit
+        return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
     tokens = draft_tokens.tolist()
     alive = list(range(num_paths))
     counts = [0.0] * (num_paths + 1)

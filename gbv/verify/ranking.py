@@ -209,8 +209,9 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
         law_rows = law.token_law(row_ids, mass_below_rows(key, q64), q64)
         return (scale.reshape(-1, 1).to(torch.float64) * p64 - law_rows).clamp_min(0.0).sum(-1)
     bits = (key.float() + 0.0).view(torch.int32).clamp_min(0)  # ZERO_ZERO_KEY (-1) joins bucket 0
-    bucket = (bits >> _BUCKET_SHIFT).long()
-    flat = bucket + torch.arange(rows, device=key.device).unsqueeze(-1) * _NUM_BUCKETS
+    # int32 all the way (bincount takes it): one fewer full-size conversion.
+    flat = (bits >> _BUCKET_SHIFT).add_(torch.arange(rows, dtype=torch.int32, device=key.device).unsqueeze(-1)
+                                        * _NUM_BUCKETS)
     mass = torch.bincount(flat.reshape(-1), weights=q64.reshape(-1), minlength=rows * _NUM_BUCKETS)
     mass = mass.reshape(rows, _NUM_BUCKETS)
     target = torch.bincount(flat.reshape(-1), weights=p64.reshape(-1), minlength=rows * _NUM_BUCKETS)
@@ -243,10 +244,10 @@ def _unsettled_buckets(key: Tensor, q64: Tensor, p64: Tensor, s: Tensor, law: Ra
     """Exact ``sum (s p - law)+`` over the tokens of the unsettled buckets, per row: sort them (worst
     first within each bucket: key ascending, ties by larger id first) and give each its exact ``W``."""
     rows, vocab = key.shape
-    members = unsettled[flat.reshape(-1)].nonzero().squeeze(-1)
+    members = unsettled[flat.reshape(-1).long()].nonzero().squeeze(-1)
     row = members // vocab
     tok = members % vocab
-    buck = flat.reshape(-1)[members]
+    buck = flat.reshape(-1)[members].long()
     k = key.reshape(-1)[members].double().cpu().numpy()
     order = torch.from_numpy(np.lexsort((-tok.cpu().numpy(), k, buck.cpu().numpy()))).to(key.device)
     row, tok, buck = row[order], tok[order], buck[order]
