@@ -6,7 +6,9 @@ are sometimes accepted; the root rows are shared by all paths, as in a real draf
 drafted from q. One thread, a seeded TorchRandom per configuration, warm-up calls, then the median
 and 90th percentile over the timed repeats, of wall time or (``--clock cpu``) process CPU time, which
 is steadier on a busy machine. Methods whose module does not import (yet) are skipped with a note.
-Prints a markdown table; ``--out FILE`` also writes it.
+Every configuration also times one ``torch.softmax`` over ``p`` (the (K, L+1, V) tensor) in the same
+process, and reports each method's median as a multiple of it (the yardstick of issue 8: ``gbv`` at
+K = 4, L = 8 within 3x). Prints a markdown table; ``--out FILE`` also writes it.
 
     python3 scripts/bench_verifiers.py --out bench.md
     python3 scripts/bench_verifiers.py --clock cpu --out bench_cpu.md
@@ -85,10 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         except (ImportError, AttributeError) as exc:
             notes.append(f"- `{name}` skipped: {type(exc).__name__}: {exc}")
 
-    rows = ["| method | V | K | L | median ms | p90 ms |", "|---|---:|---:|---:|---:|---:|"]
+    rows = ["| method | V | K | L | median ms | p90 ms | x softmax(p) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for vocab in args.vocab:
         for num_paths in args.paths:
             inputs = make_inputs(vocab, num_paths, args.block_len, args.seed)
+            # The yardstick, in the same process and on the same tensor: one softmax over p (K, L+1, V).
+            softmax_times = time_method(lambda t, q, p, rng: torch.softmax(p, dim=-1), inputs, args.seed,
+                                        args.repeats, args.warmup, CLOCKS[args.clock])
+            softmax_ms = statistics.median(softmax_times)
+            rows.append(f"| softmax(p) | {vocab} | {num_paths} | {args.block_len} | {softmax_ms:.2f} | "
+                        f"{percentile(softmax_times, 0.9):.2f} | 1.0 |")
             for name, verifier in verifiers.items():
                 try:
                     times = time_method(verifier, inputs, args.seed, args.repeats, args.warmup, CLOCKS[args.clock])
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                     notes.append(f"- `{name}` failed at V={vocab}, K={num_paths}: {type(exc).__name__}: {exc}")
                     continue
                 rows.append(f"| {name} | {vocab} | {num_paths} | {args.block_len} | "
-                            f"{statistics.median(times):.2f} | {percentile(times, 0.9):.2f} |")
+                            f"{statistics.median(times):.2f} | {percentile(times, 0.9):.2f} | "
+                            f"{statistics.median(times) / softmax_ms:.1f} |")
                 print(rows[-1], file=sys.stderr, flush=True)
     header = (f"CPU, torch {torch.__version__}, {args.threads} thread(s), float32 inputs, {args.clock} clock, "
               f"{args.repeats} timed calls after {args.warmup} warm-up calls per row.")

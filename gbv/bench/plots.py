@@ -17,6 +17,7 @@ from gbv.atomic import atomic_path  # noqa: E402
 
 STYLE = {  # method -> (color, marker)
     "gbv": ("#d62728", "o"),
+    "gbv-adaptive": ("#e377c2", "D"),
     "traversal": ("#1f77b4", "s"),
     "specinfer": ("#2ca02c", "^"),
     "spectr": ("#9467bd", "v"),

@@ -6,6 +6,7 @@ name           method                                      file
 ``token``      token-level speculative sampling (K = 1)    ``gbv/verify/token.py``
 ``block``      Block Verification, BV (K = 1)              ``gbv/verify/block.py``
 ``gbv``        Greedy Multi-Path Block Verification        ``gbv/verify/gbv.py``
+``gbv-adaptive`` GBV with adaptive greedy selection (SPEC 11) ``gbv/verify/gbv_adaptive.py``
 ``specinfer``  recursive rejection sampling, multi-path    ``gbv/verify/specinfer.py``
 ``spectr``     SpecTr K-SEQ, multi-path                    ``gbv/verify/spectr.py``
 ``traversal``  Traversal Verification, multi-path          ``gbv/verify/traversal.py``
@@ -27,6 +28,7 @@ _REGISTRY: dict[str, tuple[str, str, bool]] = {
     "token": ("gbv.verify.token", "verify_token", False),
     "block": ("gbv.verify.block", "verify_block", False),
     "gbv": ("gbv.verify.gbv", "verify_gbv", True),
+    "gbv-adaptive": ("gbv.verify.gbv_adaptive", "verify_gbv_adaptive", True),
     "specinfer": ("gbv.verify.specinfer", "verify_specinfer", True),
     "spectr": ("gbv.verify.spectr", "verify_spectr", True),
     "traversal": ("gbv.verify.traversal", "verify_traversal", True),

@@ -1,17 +1,70 @@
 """Block verification, BV (Sun et al., ICLR 2025), one path. SPEC section 2.
 
 BV decides the accepted length jointly for the whole block instead of token by token, which is
-optimal for a single path. :func:`block_verify_path` is also the last step of GBV
-(:mod:`gbv.verify.gbv`), which calls it with the skewed draft law ``q_G`` of the selected path.
+optimal for a single path. Two forms of the same rule:
+
+- :func:`block_verify_on_device` (``block`` itself, and GBV with K = 1): tensor code on the inputs'
+  device with full rows, one host read per verify call (the stop decisions are independent coins
+  drawn at once, the next token an exponential race);
+- :func:`block_verify_core` (the last step of GBV and gbv-adaptive, :mod:`gbv.verify.gbv`): host
+  floats, given only the on-path ratios and callbacks for the residual masses and the correction
+  row, so that the skewed law ``q_G`` is never built as full rows.
+
+Both are proven lossless by the same exact enumeration (tests/verify), and GBV with one path, which
+runs the first form, equals BV.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs,
                                residual_on_device)
+
+
+# residual_masses(rows, weights) -> r_i = sum_x (w_i p_i(x) - q_i(x))+ for the given nodes i (1 <= i < L).
+ResidualMasses = Callable[[list[int], list[float]], list[float]]
+# residual_dist(i, w_i) -> (V,) norm((w_i p_i - q_i)+), the correction distribution at node i < L.
+ResidualDist = Callable[[int, float], Tensor]
+
+
+def block_verify_core(ratios: list[float], residual_masses: ResidualMasses, residual_dist: ResidualDist,
+                      bonus: Tensor, rng: RandomSource) -> tuple[int, int]:
+    """BV (SPEC section 2) given only what it needs of the rows.
+
+    Args:
+        ratios: ``p_{i-1}(x_i) / q_{i-1}(x_i)`` for ``i = 1..L`` (on-path values only).
+        residual_masses: the residual masses ``r_i`` of the nodes where the weight is below 1 (asked
+            once, for all of them together; where ``w_i = 1``, ``h_i = 1`` whatever ``r_i`` is).
+        residual_dist: the correction distribution at the accepted length, asked at most once.
+        bonus: (V,) ``p_L``, sampled when the whole block is accepted.
+    Returns:
+        ``(accepted_len, next_token)``.
+    """
+    block_len = len(ratios)
+    # w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), w_0 = 1.
+    weights = [1.0]
+    for ratio in ratios:
+        weights.append(min(1.0, weights[-1] * ratio))
+    needed = [i for i in range(1, block_len) if weights[i] < 1.0]
+    r = dict(zip(needed, residual_masses(needed, [weights[i] for i in needed]))) if needed else {}
+    stop_probs = [1.0] * (block_len + 1)  # h_i, index i = 1..L
+    stop_probs[block_len] = weights[block_len]
+    for i in needed:
+        # r + (1 - w), not r + 1 - w: with w = 1 this gives exactly r / r = 1 (no 1 - 2e-16 branch).
+        denom = r[i] + (1.0 - weights[i])
+        stop_probs[i] = 1.0 if denom <= 0.0 else r[i] / denom
+    accepted_len = 0
+    for i in range(block_len, 0, -1):
+        if rng.accept(stop_probs[i]):
+            accepted_len = i
+            break
+    if accepted_len == block_len:
+        return accepted_len, rng.sample(bonus)
+    return accepted_len, rng.sample(residual_dist(accepted_len, weights[accepted_len]))
 
 
 def block_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource

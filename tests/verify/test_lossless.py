@@ -18,7 +18,7 @@ from gbv.theory import TinyInstance, enumerate_branches, exact_analysis, random_
 from gbv.verify import METHODS, get_verifier, is_multi_path
 from gbv.verify.common import VerifyResult, check_shapes, on_path_probs, residual
 
-from exact_checks import KINDS, LOSSLESS_TOL, check_greedy, one_hot_table, tuple_inputs
+from exact_checks import FAST, KINDS, LOSSLESS_TOL, SLOW, check_greedy, grid_seed, one_hot_table, tuple_inputs
 
 
 def law_error(verifier, inst: TinyInstance, num_paths: int) -> float:
@@ -30,51 +30,31 @@ def law_error(verifier, inst: TinyInstance, num_paths: int) -> float:
         return float("inf")
 
 
-def check_lossless(name: str, vocab: int, length: int, num_paths: int, kind: str, seeds) -> int:
-    verifier = get_verifier(name)
-    paths = num_paths if is_multi_path(name) else 1
-    count = 0
-    for seed in seeds:
-        inst = random_instance(vocab, length, num_paths, seed=seed, kind=kind)
-        error = exact_analysis(verifier, inst, num_paths=paths).max_law_error
-        assert error < LOSSLESS_TOL, \
-            f"{name} is lossy on V={vocab} L={length} K={paths} {kind} seed {seed}: {error:.3g}"
-        count += 1
-    return count
+def check_lossless(name: str, vocab: int, length: int, num_paths: int, kind: str) -> None:
+    """The one losslessness grid point: ``name`` on the instance of ``exact_checks.grid_seed``."""
+    inst = random_instance(vocab, length, num_paths, seed=grid_seed(vocab, length, num_paths, kind), kind=kind)
+    error = exact_analysis(get_verifier(name), inst).max_law_error
+    assert error < LOSSLESS_TOL, f"{name} is lossy on V={vocab} L={length} K={num_paths} {kind}: {error:.3g}"
 
 
-# Fast set: V^(L*K) <= 27. 13 shapes x 4 kinds x 4 seeds = 208 instances, each checked for every method.
-FAST_SHAPES = [(2, 1, 1), (3, 1, 1), (4, 1, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1), (2, 3, 1),
-               (2, 1, 2), (3, 1, 2), (4, 1, 2), (2, 2, 2),
-               (2, 1, 3), (3, 1, 3)]
-FAST_SEEDS = range(4)
-# Slow set: V^(L*K) up to 729; 10 shapes x 4 kinds x 3 seeds = 120 more instances (token and block,
-# which run with K = 1, only on the K = 1 shapes).
-SLOW_SHAPES = [(3, 3, 1), (4, 3, 1), (3, 2, 2), (4, 2, 2), (2, 3, 2), (2, 2, 3), (4, 1, 3), (2, 3, 3), (3, 2, 3),
-               (2, 1, 4)]
-SLOW_SEEDS = range(100, 103)
-SLOW_CASES = [(name, *shape) for name in METHODS for shape in SLOW_SHAPES if is_multi_path(name) or shape[2] == 1]
+def _cases(grid: list[tuple[int, int, int, str]]) -> list[tuple[str, int, int, int, str]]:
+    """Every method on every grid point it can run: the single-path methods (token, block) only where
+    K = 1 (given K > 1 paths they use path 0: test_single_path_methods_ignore_extra_paths)."""
+    return [(name, *point) for name in METHODS for point in grid if is_multi_path(name) or point[2] == 1]
 
 
-def test_fast_set_covers_200_instances():
-    assert len(FAST_SHAPES) * len(KINDS) * len(FAST_SEEDS) >= 200
-    shapes = FAST_SHAPES + SLOW_SHAPES
-    assert {v for v, _, _ in shapes} == {2, 3, 4} and {l for _, l, _ in shapes} == {1, 2, 3}
-    assert {k for _, _, k in shapes} >= {1, 2, 3}
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("vocab,length,num_paths", FAST_SHAPES)
-@pytest.mark.parametrize("name", METHODS)
+# The grid (exact_checks.FAST / SLOW): V in {2, 3, 4}, L in {1, 2, 3}, K in {1, 2, 3}, every instance
+# family, one fixed seed per point, the same instances for every verifier. It runs here once, for
+# every registered verifier; the verifiers' own files keep what is theirs.
+@pytest.mark.parametrize("name,vocab,length,num_paths,kind", _cases(FAST))
 def test_lossless(name, vocab, length, num_paths, kind):
-    assert check_lossless(name, vocab, length, num_paths, kind, FAST_SEEDS) == len(FAST_SEEDS)
+    check_lossless(name, vocab, length, num_paths, kind)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name,vocab,length,num_paths", SLOW_CASES)
+@pytest.mark.parametrize("name,vocab,length,num_paths,kind", _cases(SLOW))
 def test_lossless_larger(name, vocab, length, num_paths, kind):
-    check_lossless(name, vocab, length, num_paths, kind, SLOW_SEEDS)
+    check_lossless(name, vocab, length, num_paths, kind)
 
 
 @pytest.mark.parametrize("name", ["token", "block"])
@@ -191,7 +171,7 @@ CONTROL_SHAPES = [(2, 2, 1), (3, 2, 1), (2, 3, 1), (3, 1, 1)]
 def master_check_fails(verifier) -> bool:
     """The master test's check on a share of its instances: does any instance show a law error?"""
     return any(law_error(verifier, random_instance(v, l, k, seed=seed, kind=kind), 1) >= LOSSLESS_TOL
-               for v, l, k in CONTROL_SHAPES for kind in ("mixed", "truncated") for seed in FAST_SEEDS)
+               for v, l, k in CONTROL_SHAPES for kind in ("mixed", "truncated") for seed in range(4))
 
 
 def test_reference_controls_are_lossless_without_the_bug():

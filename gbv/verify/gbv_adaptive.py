@@ -1,0 +1,191 @@
+"""Adaptive greedy selection, ``gbv-adaptive`` (beyond the paper). SPEC section 11.
+
+GBV (:mod:`gbv.verify.gbv`) always follows the best-ranked candidate down the tree of drafted paths,
+which skews the verified path's law away from ``p`` even where ``q`` already matched ``p``: it is not
+monotone in K and falls below plain BV for a close draft. gbv-adaptive decides at every node between
+"best-ranked candidate" and "first candidate" with a fresh coin of probability ``lam_n``, the weight
+that maximises that node's one-step acceptance ``F(lam) = sum_x min(p_x, lam g_n(x) + (1 - lam) q_x)``,
+and tracks the exact law ``q_A`` of the path it selects; BV then runs on that path with ``p`` and
+``q_A``. Weight 1 everywhere is GBV, weight 0 everywhere is BV on path 0. Lossless because BV is told
+the exact law of the path it verifies and the coins are independent of the drafts.
+
+Shapes for one sequence: K paths, block length L, vocabulary V. The order at a node (key, tie-break,
+q-mass ranked below a token) is :mod:`gbv.verify.ranking`, shared with GBV. Per node:
+
+- ``W(y)`` = q-mass ranked strictly below ``y`` (:func:`gbv.verify.ranking.mass_below_rows`);
+- ``g_n(y) = (1 - B_y)^n - W_y^n = q_y S_n(W_y + q_y, W_y)`` (best-ranked of ``n`` i.i.d. draws is ``y``);
+- ``a(n)``, ``n = 1..K``: relative probability that ``n`` drafted paths share the selected prefix
+  (``a = e_K`` at the root), updated after the selected token ``s`` by
+  ``a(k) <- sum_n a(n) M_n(s, k)``, ``M_n = lam_n Kg_n + (1 - lam_n) Ku_n``;
+- ``q_A(y) = q_y sum_n abar(n) (lam_n S_n(W_y + q_y, W_y) + 1 - lam_n)``, ``abar = a / sum(a)``.
+
+Cost per node: one ranking of the row (the weight needs ``g_n`` at every token) and O(K^2 V) for the
+weights and the law. All arithmetic of the law is float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import comb
+
+import torch
+from torch import Tensor
+
+from gbv.verify.block import block_verify_core, block_verify_path
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes, normalize_or
+from gbv.verify.ranking import best_token, mass_below_rows, power_sum, ranking_key
+
+__all__ = ["AdaptiveLaw", "greedy_step_law", "node_weights", "verify_gbv_adaptive"]
+
+
+def greedy_step_law(below: Tensor, q64: Tensor, n: int) -> Tensor:
+    """``g_n(y) = (q_y + W_y)^n - W_y^n`` in the stable form ``q_y S_n(W_y + q_y, W_y)``; same shapes."""
+    return q64 * power_sum(below + q64, below, n)
+
+
+def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> list[float]:
+    """``[lam_0, lam_1, ..., lam_K]`` at one node (``lam_0`` unused, ``lam_1 = 0``); (V,) float64 rows.
+
+    ``lam_n`` is the smallest maximiser over [0, 1] of ``F(lam) = sum_x min(p_x, q_x + lam d_x)``,
+    ``d = g_n - q``. ``F`` is concave and piecewise linear. Its right slope at 0 is the sum of ``d_x``
+    over the tokens whose ``min`` follows the mixture just right of 0 (``d_x > 0`` and ``p_x > q_x``,
+    or ``d_x < 0`` and ``p_x >= q_x``); every breakpoint ``t_x = (p_x - q_x) / d_x`` in (0, 1) lowers
+    the slope by ``|d_x|``. The smallest maximiser is the first breakpoint at which the slope is no
+    longer positive (0 if it starts so, 1 if it never gets there). All ``n`` at once, one host transfer.
+    """
+    if num_paths == 1:
+        return [0.0, 0.0]
+    ns = range(2, num_paths + 1)
+    d = torch.stack([greedy_step_law(below, q64, n) for n in ns]) - q64  # (K-1, V)
+    diff = (p64 - q64).expand_as(d)
+    follows_mix = ((d > 0) & (diff > 0)) | ((d < 0) & (diff >= 0))
+    slope0 = torch.where(follows_mix, d, 0.0).sum(-1, keepdim=True)
+    t = diff / torch.where(d == 0, 1.0, d)
+    events = (d != 0) & (t > 0) & (t < 1)
+    t_ev = torch.where(events, t, 2.0)  # non-events sort last and drop nothing
+    t_sorted, order = torch.sort(t_ev, dim=-1)
+    reached = (slope0 - torch.where(events, d.abs(), 0.0).gather(-1, order).cumsum(-1)) <= 0.0
+    first = reached.to(torch.int8).argmax(-1, keepdim=True)
+    at_first = t_sorted.gather(-1, first).squeeze(-1)
+    lam = torch.where(slope0.squeeze(-1) <= 0.0, 0.0, torch.where(reached.any(-1), at_first, 1.0))
+    return [0.0, 0.0] + lam.tolist()
+
+
+def choose_next(candidates: list[int], keys: list[float], lam: float, rng: RandomSource) -> int:
+    """The selection step at a node: with probability ``lam`` the best-ranked of the candidates' next
+    tokens (largest key, ties -> smaller id), else the lowest-index candidate's. The coin is drawn only
+    where the two differ (where they agree it cannot change anything)."""
+    best = best_token(candidates, keys)
+    if best == candidates[0]:
+        return best
+    return best if rng.accept(lam) else candidates[0]
+
+
+def update_counts(counts: list[float], lams: list[float], q_s: float, below_s: float) -> list[float]:
+    """``a(k) <- sum_n a(n) M_n(s, k)`` for the selected token ``s``, renormalised.
+
+    ``counts[n]``, ``lams[n]`` for ``n = 0..K`` (index 0 unused); ``Kg_n(s, k) = C(n, k) q^k W^(n-k)``
+    (the best-ranked of n draws is ``s`` and exactly k drew it), ``Ku_n(s, k) = C(n-1, k-1) q^k
+    (1 - q)^(n-k)`` (the first candidate drew ``s`` and k-1 others did too).
+    """
+    num_paths = len(counts) - 1
+    new = [0.0] * (num_paths + 1)
+    for n in range(1, num_paths + 1):
+        if counts[n] == 0.0:
+            continue
+        lam = lams[n]
+        for k in range(1, n + 1):
+            kg = comb(n, k) * q_s ** k * below_s ** (n - k)
+            ku = comb(n - 1, k - 1) * q_s ** k * (1.0 - q_s) ** (n - k)
+            new[k] += counts[n] * (lam * kg + (1.0 - lam) * ku)
+    total = sum(new)
+    return [c / total for c in new] if total > 0.0 else counts
+
+
+@dataclass
+class AdaptiveLaw:
+    """``q_A`` at the nodes of the selected path: ``q_A(y) = q_y R(W_y, q_y)`` with
+    ``R = sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n)``, non-decreasing in ``W``. Implements
+    :class:`gbv.verify.ranking.RankLaw` (``row`` = node index); ``counts``, ``lams`` are (N, K) float64,
+    column ``n - 1`` for ``n`` paths sharing the prefix, ``counts`` normalised per row."""
+
+    counts: Tensor
+    lams: Tensor
+
+    def _ratio(self, row: Tensor, x: Tensor, z: Tensor) -> Tensor:
+        counts, lams = self.counts[row], self.lams[row]  # (..., K)
+        total = torch.zeros_like(x)
+        s_n, x_pow = torch.ones_like(x), torch.ones_like(x)
+        for n in range(1, self.counts.shape[-1] + 1):
+            if n > 1:  # S_n = z S_{n-1} + x^(n-1)
+                x_pow = x_pow * x
+                s_n = s_n * z + x_pow
+            total = total + counts[..., n - 1] * (lams[..., n - 1] * s_n + (1.0 - lams[..., n - 1]))
+        return total
+
+    def token_law(self, row: Tensor, below: Tensor, q: Tensor) -> Tensor:
+        return q * self._ratio(row, below + q, below)
+
+    def block_law(self, row: Tensor, below: Tensor, mass: Tensor) -> Tensor:
+        return self.token_law(row, below, mass)  # a contiguous run of the order telescopes like one token
+
+    def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+        return self._ratio(row, low, low), self._ratio(row, high, high)  # S_n(x, z) in [S_n(z, z), S_n(x, x)]
+
+
+def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """gbv-adaptive: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
+
+    Top-down selection with the node weights, the law ``q_A`` of the selected path along it, then BV
+    on that path with ``p`` and ``q_A``. The candidates alive at a depth share the selected prefix, so
+    the node's rows are read from the lowest-index one (the path finally selected is the lowest-index
+    survivor, so these are its rows). ``K = 1`` is BV (``q_A = q`` up to rounding).
+    """
+    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    if num_paths == 1:  # one path: nothing to select, q_A = q; BV on the inputs as given, bit for bit
+        return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
+    tokens = draft_tokens.tolist()
+    alive = list(range(num_paths))
+    counts = [0.0] * (num_paths + 1)
+    counts[num_paths] = 1.0
+    rows_q, rows_p, belows, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], [], []
+    for depth in range(block_len):
+        lead = alive[0]
+        q64, p64 = q[lead, depth].to(torch.float64), p[lead, depth].to(torch.float64)
+        key = ranking_key(p[lead, depth], q[lead, depth])
+        below = mass_below_rows(key.unsqueeze(0), q64.unsqueeze(0))[0]
+        lams = node_weights(p64, q64, below, num_paths)
+        candidates = [tokens[k][depth] for k in alive]
+        chosen = choose_next(candidates, key[candidates].tolist(), lams[len(alive)], rng)
+        alive = [k for k in alive if tokens[k][depth] == chosen]
+        q_s, below_s = float(q64[chosen]), float(below[chosen])
+        # q_A(s) = q_s sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n); counts are normalised.
+        # (1 - lam) in brackets: lam S + 1 - lam would cancel S when it is tiny.
+        ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
+                    for n in range(1, num_paths + 1) if counts[n] > 0.0)
+        rows_q.append(q64)
+        rows_p.append(p64)
+        belows.append(below)
+        counts_rows.append(counts[1:])
+        lams_rows.append(lams[1:])
+        law_on.append(q_s * ratio)
+        p_on.append(float(p64[chosen]))
+        counts = update_counts(counts, lams, q_s, below_s)
+    path = alive[0]
+    law = AdaptiveLaw(torch.tensor(counts_rows, dtype=torch.float64, device=q.device),
+                      torch.tensor(lams_rows, dtype=torch.float64, device=q.device))
+    q_all, p_all, below_all = torch.stack(rows_q), torch.stack(rows_p), torch.stack(belows)
+    all_rows = torch.arange(block_len, device=q.device).unsqueeze(-1)
+    q_a = law.token_law(all_rows, below_all, q_all)  # (L, V): every row was ranked for its weights
+
+    def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
+        w = torch.tensor(weights, dtype=torch.float64, device=q.device).unsqueeze(-1)
+        return (w * p_all[rows] - q_a[rows]).clamp_min(0.0).sum(-1).tolist()
+
+    def residual_dist(i: int, w: float) -> Tensor:
+        return normalize_or((w * p_all[i] - q_a[i]).clamp_min(0.0), p_all[i])
+
+    ratios = [pp / qa if qa > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qa in zip(p_on, law_on)]
+    accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist,
+                                                 p[path, block_len].to(torch.float64), rng)
+    return VerifyResult(path, accepted_len, next_token)

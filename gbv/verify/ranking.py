@@ -1,0 +1,262 @@
+"""The order of tokens at a node, shared by GBV and gbv-adaptive (SPEC sections 3 and 11).
+
+One implementation of the ranking serves both verifiers and every place inside them (selection, the
+law of the selected path, BV's residual masses): the key of :func:`ranking_key` (larger is better)
+with ties broken by the *smaller token id*. Everything the two laws need from the order is the
+q-mass ranked strictly below a token, ``W(y)``:
+
+- on the path, for one token per node: :func:`mass_below`, one masked sum (no sort);
+- for whole rows, where BV's residual distribution needs every token: :func:`mass_below_rows`, one
+  sort over the support of ``q`` (tokens with ``q = 0`` carry no mass and need no rank);
+- for BV's residual *masses* ``sum_x (w p(x) - law(x))+``, which only need a sum:
+  :func:`positive_part_mass` groups tokens into key buckets (ranges of the key's float32 bits, so
+  each bucket is a contiguous run of the order) and sorts only the buckets where the sign of
+  ``w p - law`` is not settled by the bucket's bounds.
+
+Shapes: ``(N, V)`` rows (N nodes), ``(N,)`` tokens; masses are float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# Key of tokens with p(x) = q(x) = 0: below every real ratio (ratios are >= 0). Such tokens carry no
+# q-mass, so where they sit changes neither the laws nor any drafted path's rank; the value only makes
+# the order total and deterministic (and avoids computing 0/0).
+ZERO_ZERO_KEY = -1.0
+
+# On CPU, vocabularies larger than this are sorted with numpy (several times faster than torch's
+# stable sort for V ~ 1e5); both give the same order.
+_NUMPY_SORT_MIN_VOCAB = 2048
+
+# Key buckets of positive_part_mass: the float32 bits of a key >= 0, shifted right by this much
+# (8 exponent bits and 4 mantissa bits remain: each bucket spans a key ratio of at most 1 + 1/16).
+_BUCKET_SHIFT = 19
+_NUM_BUCKETS = (0x7F800000 >> _BUCKET_SHIFT) + 1  # up to +inf
+# Below this vocabulary, positive_part_mass ranks whole rows: the buckets' fixed cost would dominate.
+BUCKET_MIN_VOCAB = 4096
+# float64 keys are bucketed by their float32 rounding (monotone); bounds are widened by this factor.
+_KEY_MARGIN = 1e-6
+
+
+def ranking_key(p: Tensor, q: Tensor) -> Tensor:
+    """Per-token ranking key at a node, elementwise: larger = better. Any shape in, same shape out.
+
+    ``p / q`` where ``q > 0``; ``+inf`` where ``q = 0 < p`` (the draft can never propose it, the target
+    wants it); :data:`ZERO_ZERO_KEY` where ``p = q = 0``. Ties (equal keys) are broken by the smaller
+    token id by every caller. Computed in float64 when an input is float64, else in float32 (the
+    precision of the inputs; any fixed ranking keeps GBV lossless, and float32 keys sort faster).
+    Why one function: the losslessness proof needs the law of the selected path to be computed from
+    the very keys the selection compared; being elementwise, the key of a token does not depend on
+    which other tokens it is computed with.
+    """
+    dtype = torch.float64 if torch.float64 in (p.dtype, q.dtype) else torch.float32
+    p = p.to(dtype)
+    q = q.to(dtype)
+    positive = q > 0
+    ratio = p / torch.where(positive, q, 1.0)  # never 0/0
+    if bool(positive.all()):
+        return ratio
+    special = torch.where(p > 0, math.inf, ZERO_ZERO_KEY).to(dtype)
+    return torch.where(positive, ratio, special)
+
+
+def best_token(tokens: list[int], keys: list[float]) -> int:
+    """The best-ranked of some tokens of one node, given their keys: largest key, ties -> smaller id."""
+    return min(zip(tokens, keys), key=lambda tk: (-tk[1], tk[0]))[0]
+
+
+def mass_below(key: Tensor, q64: Tensor, tokens: Tensor) -> Tensor:
+    """q-mass ranked strictly below each given token: (N, V) keys, (N, V) float64 q, (N,) -> (N,) float64.
+
+    One masked sum per row: tokens with a smaller key, or an equal key and a larger id.
+    """
+    tok = tokens.reshape(-1, 1)
+    k_tok = key.gather(-1, tok)
+    ids = torch.arange(key.shape[-1], device=key.device)
+    below = (key < k_tok) | ((key == k_tok) & (ids > tok))
+    return torch.where(below, q64, 0.0).to(torch.float64).sum(-1)  # (faster than sum(dtype=float64))
+
+
+def rank_order(key: Tensor) -> Tensor:
+    """(N, V) keys -> (N, V) token ids, best first: key descending, ties by smaller token id.
+
+    Equals ``torch.sort(-key, stable=True).indices``; on CPU it is computed with numpy (see
+    :func:`_stable_argsort_rows`) when the vocabulary is large (for tiny ones the per-call overhead
+    dominates and torch's sort is used).
+    """
+    neg_key = -key
+    if neg_key.device.type != "cpu" or not _NUMPY_SORT_MIN_VOCAB < neg_key.shape[-1] < 2**31:
+        return torch.sort(neg_key, dim=-1, stable=True).indices
+    return torch.from_numpy(_stable_argsort_rows(neg_key.numpy()))
+
+
+def _stable_argsort_rows(keys: np.ndarray) -> np.ndarray:
+    """Row-wise ascending argsort with ties in increasing index order, for a 2-D float array.
+
+    float32 keys: one sort of the int64 values ``(sortable bits of the key) * 2^32 + index``, which are
+    distinct, so numpy's fast unstable sort gives exactly the stable order. Other dtypes: numpy's
+    default argsort (much faster than a stable sort, ties in arbitrary order), then the tied runs
+    (few for real-valued ratios; whole rows when p = q) are put in index order by sorting their
+    entries, listed row-major so each run is contiguous, by ``run_id * V + index``, exact in int64.
+    """
+    vocab = keys.shape[-1]
+    if keys.dtype == np.float32:
+        bits = (keys + np.float32(0.0)).view(np.int32)  # + 0.0 maps -0.0 to +0.0 (equal keys, equal bits)
+        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order of these = float order
+        packed = (bits.astype(np.int64) << 32) | np.arange(vocab, dtype=np.int64)
+        packed.sort(axis=-1)
+        return packed & 0xFFFFFFFF
+    order = np.argsort(keys, axis=-1)
+    sorted_keys = np.take_along_axis(keys, order, axis=-1)
+    same_as_prev = np.zeros(keys.shape, dtype=bool)
+    np.equal(sorted_keys[:, 1:], sorted_keys[:, :-1], out=same_as_prev[:, 1:])
+    if not same_as_prev.any():
+        return order
+    in_run = same_as_prev.copy()
+    in_run[:, :-1] |= same_as_prev[:, 1:]
+    rows, cols = np.nonzero(in_run)
+    run_id = np.cumsum(~same_as_prev[rows, cols])
+    order[rows, cols] = np.sort(run_id * vocab + order[rows, cols]) % vocab
+    return order
+
+
+def mass_below_rows(key: Tensor, q64: Tensor) -> Tensor:
+    """``W(y)`` for every token: (N, V) keys, (N, V) float64 q -> (N, V) float64.
+
+    Worst-first exclusive cumulative sum of ``q`` in the order of :func:`rank_order`, computed over
+    the support of ``q`` only when that is much smaller than V (top-k / top-p rows); tokens outside
+    the support get the mass below their rank too, so the rows are exact everywhere.
+    """
+    support = q64 > 0
+    count = int(support.sum(-1).max())
+    if count * 4 < key.shape[-1]:
+        # Rank only the support: the other tokens' W is the support mass whose key is below theirs.
+        return _mass_below_rows_support(key, q64, support)
+    order = rank_order(key).flip(-1)
+    q_sorted = q64.gather(-1, order)
+    below_sorted = torch.cat([torch.zeros_like(q_sorted[:, :1]), q_sorted.cumsum(-1)[:, :-1]], dim=-1)
+    return torch.zeros_like(q64).scatter_(-1, order, below_sorted)
+
+
+def _mass_below_rows_support(key: Tensor, q64: Tensor, support: Tensor) -> Tensor:
+    out = torch.zeros_like(q64)
+    for row in range(key.shape[0]):
+        idx = support[row].nonzero().squeeze(-1)
+        sub_key = key[row, idx].unsqueeze(0)
+        order = idx[torch.sort(-sub_key, dim=-1, stable=True).indices[0].flip(-1)]  # worst first
+        q_sorted = q64[row, order]
+        out[row, order] = torch.cat([q_sorted.new_zeros(1), q_sorted.cumsum(-1)[:-1]])
+    return out
+
+
+def power_sum(x: Tensor | float, z: Tensor | float, n: int) -> Tensor | float:
+    """``S_n(x, z) = sum_{j=0}^{n-1} x^j z^(n-1-j)`` elementwise, for ``x, z`` in [0, 1] (floats or tensors).
+
+    Horner-like recurrence ``S_1 = 1``, ``S_{m+1} = z S_m + x^m``: only sums of non-negative terms, so
+    no cancellation, and every term is at most 1 (no overflow for any n). ``S_n(x, z) (x - z) =
+    x^n - z^n``: the stable form of a difference of n-th powers.
+    """
+    if isinstance(x, Tensor) or isinstance(z, Tensor):
+        total = torch.ones_like(x if isinstance(x, Tensor) else z, dtype=torch.float64)
+        x_pow = torch.ones_like(total)
+        for _ in range(n - 1):
+            x_pow = x_pow * x
+            total = total * z + x_pow
+        return total
+    total, x_pow = 1.0, 1.0
+    for _ in range(n - 1):
+        x_pow *= x
+        total = total * z + x_pow
+    return total
+
+
+class RankLaw(Protocol):
+    """A law at one node that is a function of each token's rank: ``law(y) = q(y) R(W(y), q(y))``, with
+    ``R`` non-decreasing in ``W``. GBV's ``q_G`` and gbv-adaptive's ``q_A`` are of this form."""
+
+    def token_law(self, row: int, below: Tensor, q: Tensor) -> Tensor:
+        """``law(y)`` for tokens of node ``row`` with mass-below ``below`` and mass ``q`` (same shapes)."""
+        ...
+
+    def block_law(self, row: Tensor, below: Tensor, mass: Tensor) -> Tensor:
+        """Total law of contiguous runs of the order: ``below`` = q-mass below the run, ``mass`` = its q-mass."""
+        ...
+
+    def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+        """Bounds of ``R`` for tokens whose ``W`` and ``W + q`` lie in ``[low, high]``."""
+        ...
+
+
+def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law: RankLaw) -> Tensor:
+    """``sum_x (scale p(x) - law(x))+`` per row, without sorting whole rows: (N, V), (N,) -> (N,) float64.
+
+    Tokens go into buckets by the float32 bits of their key (``_BUCKET_SHIFT``): each bucket is a
+    contiguous run of the order, so the bucket's total law is known from the bucket masses alone
+    (``law.block_law``). Where the bucket's key range and ``law.ratio_bounds`` settle the sign of
+    ``scale p - law`` for the whole bucket, it contributes ``scale P_b - law_b`` or 0; only the other
+    buckets are sorted (usually a few, around the crossings of ``scale * key`` and ``R``), and their
+    tokens get their exact ``W``. Matches the per-token sum up to rounding.
+    """
+    rows, vocab = key.shape
+    if vocab < BUCKET_MIN_VOCAB:
+        row_ids = torch.arange(rows, device=key.device).unsqueeze(-1)
+        law_rows = law.token_law(row_ids, mass_below_rows(key, q64), q64)
+        return (scale.reshape(-1, 1).to(torch.float64) * p64 - law_rows).clamp_min(0.0).sum(-1)
+    bits = (key.float() + 0.0).view(torch.int32).clamp_min(0)  # ZERO_ZERO_KEY (-1) joins bucket 0
+    # int32 all the way (bincount takes it): one fewer full-size conversion.
+    flat = (bits >> _BUCKET_SHIFT).add_(torch.arange(rows, dtype=torch.int32, device=key.device).unsqueeze(-1)
+                                        * _NUM_BUCKETS)
+    mass = torch.bincount(flat.reshape(-1), weights=q64.reshape(-1), minlength=rows * _NUM_BUCKETS)
+    mass = mass.reshape(rows, _NUM_BUCKETS)
+    target = torch.bincount(flat.reshape(-1), weights=p64.reshape(-1), minlength=rows * _NUM_BUCKETS)
+    target = target.reshape(rows, _NUM_BUCKETS)
+    below = torch.cat([mass.new_zeros(rows, 1), mass.cumsum(-1)[:, :-1]], dim=-1)  # worst first
+    row_ids = torch.arange(rows, device=key.device).unsqueeze(-1)  # broadcasts against the buckets
+    ratio_lo, ratio_hi = law.ratio_bounds(row_ids, below, below + mass)
+    edges = (torch.arange(_NUM_BUCKETS + 1, dtype=torch.int64) << _BUCKET_SHIFT).clamp_max(0x7F800000)
+    edge_keys = edges.to(torch.int32).view(torch.float32).to(torch.float64).to(key.device)
+    # The top bucket (+inf in float32) also holds float64 keys too large for float32: bound it by the
+    # largest float32 (never inf, so that scale = 0 gives no 0 * inf).
+    key_lo = edge_keys[:-1].clamp_max(torch.finfo(torch.float32).max) * (1 - _KEY_MARGIN)
+    key_hi = torch.where(torch.arange(_NUM_BUCKETS, device=key.device) == _NUM_BUCKETS - 1, math.inf,
+                         edge_keys[1:] * (1 + _KEY_MARGIN))
+    s = scale.reshape(-1, 1).to(torch.float64)
+    # scale * key is compared with R (law = q R), and a bucket with no q-mass has law 0 (only p counts).
+    positive = (s * key_lo >= ratio_hi) | (mass == 0)
+    zero = (s * key_hi <= ratio_lo) & (mass > 0) & ~positive
+    occupied = (mass > 0) | (target > 0)
+    unsettled = occupied & ~positive & ~zero
+    total = torch.where(positive & occupied, s * target - law.block_law(row_ids, below, mass), 0.0)
+    result = total.sum(-1)
+    if bool(unsettled.any()):
+        result = result + _unsettled_buckets(key, q64, p64, s, law, flat, unsettled.reshape(-1), below.reshape(-1))
+    return result
+
+
+def _unsettled_buckets(key: Tensor, q64: Tensor, p64: Tensor, s: Tensor, law: RankLaw, flat: Tensor,
+                       unsettled: Tensor, below: Tensor) -> Tensor:
+    """Exact ``sum (s p - law)+`` over the tokens of the unsettled buckets, per row: sort them (worst
+    first within each bucket: key ascending, ties by larger id first) and give each its exact ``W``."""
+    rows, vocab = key.shape
+    members = unsettled[flat.reshape(-1).long()].nonzero().squeeze(-1)
+    row = members // vocab
+    tok = members % vocab
+    buck = flat.reshape(-1)[members].long()
+    k = key.reshape(-1)[members].double().cpu().numpy()
+    order = torch.from_numpy(np.lexsort((-tok.cpu().numpy(), k, buck.cpu().numpy()))).to(key.device)
+    row, tok, buck = row[order], tok[order], buck[order]
+    q_m = q64[row, tok]
+    csum = q_m.cumsum(0)
+    start = torch.ones_like(buck, dtype=torch.bool)
+    start[1:] = buck[1:] != buck[:-1]
+    seg_start = torch.cummax(torch.where(start, torch.arange(len(buck), device=key.device), 0), 0).values
+    within = csum - q_m - (csum[seg_start] - q_m[seg_start])  # mass of earlier (worse) tokens in the bucket
+    w_tok = below[buck] + within
+    terms = (s.reshape(-1)[row] * p64[row, tok] - law.token_law(row, w_tok, q_m)).clamp_min(0.0)
+    return torch.zeros(rows, dtype=torch.float64, device=key.device).index_add_(0, row, terms)

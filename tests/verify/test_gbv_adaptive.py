@@ -1,0 +1,146 @@
+"""gbv-adaptive (SPEC section 11): reference values, p = q, the two reductions (weight 1 = GBV,
+weight 0 = BV), and negative controls caught by the same exact check as the real verifier.
+
+Losslessness over every instance family runs once for every registered verifier, in the master
+grid of test_lossless.py; the shared exact checks (temperature 0, large vocabulary) come from
+``exact_checks``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from gbv.theory import context_free_instance, enumerate_branches, random_instance
+from gbv.verify import get_verifier, is_multi_path
+from gbv.verify import gbv_adaptive
+from gbv.verify.block import block_verify_path, verify_block
+from gbv.verify.common import VerifyResult, check_shapes
+from gbv.verify.gbv import SkewedLaw, path_walk, verify_gbv
+from gbv.verify.gbv_adaptive import verify_gbv_adaptive
+from gbv.verify.ranking import best_token
+
+from exact_checks import (check_reference_value, check_same_law, max_error_on_negative_set,
+                          tuple_inputs, verifier_fixture)
+# The exact checks shared with the other multi-path verifiers, collected here as this file's tests:
+from exact_checks import test_temperature_zero, test_greedy_target_sampled_draft  # noqa: F401
+from exact_checks import test_negative_control_set_is_lossless_unpatched, test_large_vocab_embeds_tiny  # noqa: F401
+
+verifier = verifier_fixture(verify_gbv_adaptive)  # what the shared tests run on
+
+
+def test_registry():
+    assert get_verifier("gbv-adaptive") is verify_gbv_adaptive and is_multi_path("gbv-adaptive")
+
+
+# SPEC section 11, reference values: p = (1/3, 2/3), q = (2/3, 1/3), L = 2.
+@pytest.mark.parametrize("num_paths,expected", [(1, 11 / 9), (2, 131 / 81), (3, 1.8320987654), (4, 1.8615984405)])
+def test_spec_reference_values(num_paths, expected):
+    check_reference_value(verify_gbv_adaptive, num_paths, expected, tol=1e-9)
+
+
+def _accepts_whole_block_on_every_tuple(inst, tuples) -> None:
+    for paths in tuples:
+        for result, prob in enumerate_branches(verify_gbv_adaptive, *tuple_inputs(inst, list(paths))):
+            assert result.accepted_len == inst.block_len, (paths, result, prob)
+
+
+@pytest.mark.parametrize("num_paths", [1, 2, 3, 4, 5])
+def test_equal_draft_accepts_the_whole_block(num_paths):
+    """p = q = (0.5, 0.3, 0.2) at every context, L = 2 (SPEC section 11; GBV accepts 1.4675 at K = 2):
+    every branch of every tuple accepts L, so E[tau] = L exactly. All 9^K tuples up to K = 3, a seeded
+    sample of 150 at K = 4, 5 (all 6561 / 59049 would take minutes)."""
+    inst = context_free_instance([0.5, 0.3, 0.2], [0.5, 0.3, 0.2], 2, num_paths)
+    seqs = list(itertools.product(range(3), repeat=2))
+    if num_paths <= 3:
+        check_reference_value(verify_gbv_adaptive, num_paths, 2.0, tol=1e-9, inst=inst)
+        return
+    rng = np.random.default_rng(num_paths)
+    _accepts_whole_block_on_every_tuple(inst, [tuple(seqs[i] for i in rng.integers(len(seqs), size=num_paths))
+                                               for _ in range(150)])
+
+
+# ---------------------------------------------------------------------- the two reductions
+REDUCTION_INSTANCES = [(3, 2, 2, 0, "mixed"), (3, 2, 3, 1, "dirichlet"), (2, 3, 2, 2, "truncated"),
+                       (4, 1, 3, 3, "equal"), (2, 2, 3, 4, "sharp")]
+
+
+def _forced_weight(value: float):
+    return lambda p64, q64, below, num_paths: [0.0, 0.0] + [value] * (num_paths - 1)
+
+
+@pytest.mark.parametrize("vocab,block_len,num_paths,seed,kind", REDUCTION_INSTANCES)
+def test_weight_one_is_gbv(monkeypatch, vocab, block_len, num_paths, seed, kind):
+    monkeypatch.setattr(gbv_adaptive, "node_weights", _forced_weight(1.0))
+    check_same_law(verify_gbv_adaptive, verify_gbv, random_instance(vocab, block_len, num_paths, seed, kind))
+
+
+@pytest.mark.parametrize("vocab,block_len,num_paths,seed,kind", REDUCTION_INSTANCES)
+def test_weight_zero_is_block_verification(monkeypatch, vocab, block_len, num_paths, seed, kind):
+    monkeypatch.setattr(gbv_adaptive, "node_weights", _forced_weight(0.0))
+    check_same_law(verify_gbv_adaptive, verify_block, random_instance(vocab, block_len, num_paths, seed, kind))
+
+
+def test_weight_one_selects_gbvs_path(monkeypatch):
+    """Beyond the law: with weight 1 every tuple selects the very path GBV selects."""
+    monkeypatch.setattr(gbv_adaptive, "node_weights", _forced_weight(1.0))
+    inst = random_instance(3, 2, 3, 5, "mixed")
+    seqs = [s for s in itertools.product(range(3), repeat=2) if inst.seq_prob(inst.draft, s) > 0]
+    for paths in itertools.product(seqs, repeat=3):
+        inputs = tuple_inputs(inst, list(paths))
+        ours = {r.path for r, _ in enumerate_branches(verify_gbv_adaptive, *inputs)}
+        assert ours == {r.path for r, _ in enumerate_branches(verify_gbv, *inputs)}, paths
+
+
+# ---------------------------------------------------------------------- negative controls
+def test_coins_drawn_from_the_drafts_are_caught(monkeypatch):
+    def coin_from_drafts(candidates, keys, lam, rng):
+        """The 'uniform' is read off the first candidate's draft (its ranking key), not drawn."""
+        best = best_token(candidates, keys)
+        return best if keys[0] / (1.0 + keys[0]) < lam else candidates[0]
+
+    monkeypatch.setattr(gbv_adaptive, "choose_next", coin_from_drafts)
+    assert max_error_on_negative_set(verify_gbv_adaptive) > 1e-6
+
+
+def test_counts_not_updated_are_caught(monkeypatch):
+    monkeypatch.setattr(gbv_adaptive, "update_counts", lambda counts, lams, q_s, below_s: counts)
+    assert max_error_on_negative_set(verify_gbv_adaptive) > 1e-6
+
+
+def published_gbv(draft_tokens, q, p, rng, eps: float = 1e-10) -> VerifyResult:
+    """GBV as the published reference code does it (SPEC section 3): ranked by the capped ratio
+    ``min(1, p / (q + eps))``; ties go to the first path in the selection, but to the *smaller* token id
+    ranked lower in ``q_G`` (stable ascending sort, worst first)."""
+    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    tokens = draft_tokens.tolist()
+    alive = list(range(num_paths))
+    for depth in range(block_len):
+        keys = [min(1.0, float(p[k, depth, tokens[k][depth]] / (q[k, depth, tokens[k][depth]] + eps))) for k in alive]
+        first_best = alive[keys.index(max(keys))]
+        alive = [k for k in alive if tokens[k][depth] == tokens[first_best][depth]]
+    path = alive[0]
+    q_path, p_path = q[path].double(), p[path].double()
+    order = torch.sort((p_path[:block_len] / (q_path + eps)).clamp_max(1.0), dim=-1, stable=True).indices
+    q_sorted = q_path.gather(-1, order)
+    below = torch.zeros_like(q_path).scatter_(-1, order, q_sorted.cumsum(-1) - q_sorted)
+    s = draft_tokens[path]
+    v, u = path_walk(below.gather(-1, s.unsqueeze(-1)).squeeze(-1).tolist(),
+                     q_path.gather(-1, s.unsqueeze(-1)).squeeze(-1).tolist())
+    law = SkewedLaw(torch.tensor(v, dtype=torch.float64), torch.tensor(u, dtype=torch.float64), num_paths)
+    q_g = law.token_law(torch.arange(block_len).unsqueeze(-1), below, q_path)
+    return VerifyResult(path, *block_verify_path(s, q_g, p_path, rng))
+
+
+def test_published_capped_ratio_gbv_is_caught():
+    assert max_error_on_negative_set(published_gbv) > 1e-6
+
+
+def test_published_gbv_is_lossless_where_at_most_one_token_has_p_above_q():
+    """The control's own sanity: the flaw needs two tokens with p > q (SPEC section 3), so on the
+    section 10 example (one such token) the published code is lossless and equals our GBV."""
+    check_same_law(published_gbv, verify_gbv, context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, 3))
+
