@@ -15,8 +15,8 @@ import gbv.verify.gbv as gbv_module
 from gbv.verify import ranking
 from gbv.theory import context_free_instance, enumerate_branches, exact_analysis, random_instance
 from gbv.verify import TorchRandom, get_verifier
-from gbv.verify.block import block_verify_path
-from gbv.verify.common import VerifyResult
+from gbv.verify.block import block_verify_core
+from gbv.verify.common import VerifyResult, on_path_probs, residual
 from gbv.verify.gbv import ranking_key, select_path, skewed_draft_law, verify_gbv
 
 from exact_checks import KINDS, LOSSLESS_TOL, path_tensors, tuple_inputs
@@ -283,7 +283,18 @@ def reference_gbv(draft_tokens, q, p, rng):
     path = select_path(draft_tokens, q, p)
     tokens = draft_tokens[path]
     q_g = skewed_draft_law(tokens, q[path], p[path], draft_tokens.shape[0])
-    return VerifyResult(path, *block_verify_path(tokens, q_g, p[path].to(torch.float64), rng))
+    p_path = p[path].to(torch.float64)
+    block_len = tokens.shape[0]
+    # BV's rule on the full rows, through the same decision core as production (the random source
+    # records its calls, so the order of decisions must match too).
+    ratios = (on_path_probs(p_path[:block_len], tokens) / on_path_probs(q_g, tokens)).tolist()
+
+    def masses(rows, weights):
+        w = torch.tensor(weights, dtype=torch.float64).unsqueeze(-1)
+        return (w * p_path[rows] - q_g[rows]).clamp_min(0.0).sum(-1).tolist()
+
+    return VerifyResult(path, *block_verify_core(ratios, masses, lambda i, w: residual(p_path[i], q_g[i], w),
+                                                 p_path[block_len], rng))
 
 
 def _outcome_law(verifier, inputs):
