@@ -195,9 +195,9 @@ def outcome_law(verifier: Verifier, tokens, q, p, token_map=None) -> dict[tuple[
 
 def test_large_vocab_embeds_tiny(verifier):
     """A large vocabulary (V = 8192: above the numpy-sort and bucket thresholds) gives the law of the
-    tiny instance it embeds: the large-vocabulary code paths (numpy sorts, bucketed masses, support-only ranking) are exact. In float32 (rows no
-    longer sum to 1 within the enumerator's 1e-9) seeded production runs only give outcomes that are
-    possible in the float64 law."""
+    tiny instance it embeds: the large-vocabulary code paths (numpy sorts, bucketed masses,
+    support-only ranking) are exact. In float32 (rows no longer sum to 1 within the enumerator's
+    1e-9) seeded production runs only give outcomes that are possible in the float64 law."""
     inst = random_instance(3, 2, 3, 11, "mixed")
     vocab, ids = 8192, [17, 4000, 8191]
     to_small = {v: k for k, v in enumerate(ids)}
