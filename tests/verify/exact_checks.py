@@ -194,12 +194,12 @@ def outcome_law(verifier: Verifier, tokens, q, p, token_map=None) -> dict[tuple[
 
 
 def test_large_vocab_embeds_tiny(verifier):
-    """Production sizes (V = 50k) give the law of the tiny instance they embed: the large-vocabulary
-    code paths (numpy sorts, bucketed masses, support-only ranking) are exact. In float32 (rows no
-    longer sum to 1 within the enumerator's 1e-9) seeded production runs only give outcomes that are
-    possible in the float64 law."""
+    """A large vocabulary (V = 8192: above the numpy-sort and bucket thresholds) gives the law of the
+    tiny instance it embeds: the large-vocabulary code paths (numpy sorts, bucketed masses,
+    support-only ranking) are exact. In float32 (rows no longer sum to 1 within the enumerator's
+    1e-9) seeded production runs only give outcomes that are possible in the float64 law."""
     inst = random_instance(3, 2, 3, 11, "mixed")
-    vocab, ids = 50_000, [17, 20_000, 49_999]
+    vocab, ids = 8192, [17, 4000, 8191]
     to_small = {v: k for k, v in enumerate(ids)}
     rng = np.random.default_rng(0)
     seqs = [s for s in itertools.product(range(3), repeat=2) if inst.seq_prob(inst.draft, s) > 0]
@@ -209,6 +209,6 @@ def test_large_vocab_embeds_tiny(verifier):
         big = outcome_law(verifier, *embed(inst, paths, vocab, ids, torch.float64), token_map=to_small)
         assert all(abs(big.get(k, 0.0) - small.get(k, 0.0)) < 1e-12 for k in set(big) | set(small)), paths
         inputs32 = embed(inst, paths, vocab, ids, torch.float32)
-        for seed in range(10):
+        for seed in range(5):
             result = verifier(*inputs32, TorchRandom(seed=seed))
             assert (result.path, result.accepted_len, to_small[result.next_token]) in small, (paths, result)
