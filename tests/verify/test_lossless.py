@@ -51,8 +51,12 @@ def test_lossless(name, vocab, length, num_paths, kind):
     check_lossless(name, vocab, length, num_paths, kind)
 
 
+# gbv-adaptive on the 4096-tuple points costs 75 s (GBV's 14 s); it is covered up to 729 tuples.
+SLOW_CASES = [c for c in _cases(SLOW) if not (c[0] == "gbv-adaptive" and c[1] ** (c[2] * c[3]) > 729)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,vocab,length,num_paths,kind", _cases(SLOW))
+@pytest.mark.parametrize("name,vocab,length,num_paths,kind", SLOW_CASES)
 def test_lossless_larger(name, vocab, length, num_paths, kind):
     check_lossless(name, vocab, length, num_paths, kind)
 
