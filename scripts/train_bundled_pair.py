@@ -151,6 +151,21 @@ def make_model(hidden: int, layers: int, heads: int, inter: int, vocab: int, eos
 
 
 @torch.no_grad()
+def set_lr(opt, lr: float, step: int, frac: float, args) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_frac`` over the time budget; sets and returns it."""
+    warm = min(1.0, (step + 1) / args.warmup_steps)
+    cos = args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac))
+    for g in opt.param_groups:
+        g["lr"] = lr * warm * cos
+    return lr * warm * cos
+
+
+def sample_batch(rng, train_ids, batch: int, length: int) -> torch.Tensor:
+    """``batch`` random windows of ``length + 1`` training tokens, (batch, length + 1) long."""
+    starts = rng.integers(0, len(train_ids) - length - 1, size=batch)
+    return torch.from_numpy(np.stack([train_ids[s:s + length + 1] for s in starts]).astype(np.int64))
+
+
 def heldout_loss(model, batches) -> float:
     model.eval()
     tot, n = 0.0, 0
@@ -192,13 +207,8 @@ def train_model(name, model, train_ids: np.ndarray, val_batches, args, minutes: 
         frac = elapsed / budget
         if frac >= 1.0:
             break
-        warm = min(1.0, (step + 1) / args.warmup_steps)
-        cos = args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac))
-        cur_lr = lr * warm * cos
-        for g in opt.param_groups:
-            g["lr"] = cur_lr
-        starts = rng.integers(0, len(train_ids) - T - 1, size=B)
-        x = torch.from_numpy(np.stack([train_ids[s:s + T + 1] for s in starts]).astype(np.int64))
+        cur_lr = set_lr(opt, lr, step, frac, args)
+        x = sample_batch(rng, train_ids, B, T)
         logits = model(input_ids=x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
@@ -393,13 +403,8 @@ def distill_draft(args, train_ids: np.ndarray, held_ids: np.ndarray, out: Path, 
         frac = elapsed / budget
         if frac >= 1.0:
             break
-        warm = min(1.0, (step + 1) / args.warmup_steps)
-        cos = args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac))
-        cur_lr = lr * warm * cos
-        for g in opt.param_groups:
-            g["lr"] = cur_lr
-        starts = rng.integers(0, len(train_ids) - T - 1, size=B)
-        x = torch.from_numpy(np.stack([train_ids[s:s + T + 1] for s in starts]).astype(np.int64))
+        cur_lr = set_lr(opt, lr, step, frac, args)
+        x = sample_batch(rng, train_ids, B, T)
         with torch.no_grad():
             tlogits = target(input_ids=x[:, :-1]).logits
         dlogits = draft(input_ids=x[:, :-1]).logits

@@ -48,6 +48,18 @@ class DecoderState:
         self.stats = GenerationStats(method=method, num_paths=self.num_paths, block_len=self.block_len,
                                      depth_accept_counts=[0] * self.block_len)
 
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        """Feed every prompt token but the last to both models (:meth:`_feed_prompt`)."""
+        start = self._clock()
+        self.tokens = list(prompt_ids)
+        self._feed_prompt(self.tokens[:-1])
+        self.draft_len = len(self.tokens) - 1
+        self.stats.prompt_tokens = len(self.tokens)
+        self.stats.time_prefill += self._clock() - start
+
+    def _clock(self) -> float:
+        return time.perf_counter()
+
     def iteration_shape(self, block_len: int | None) -> tuple[int, int]:
         """``(block, rows)`` of the next iteration: ``block_len`` (<= the configured one) shortens the
         block (0 = a plain target step); a greedy draft makes K identical paths, so it drafts one (any
@@ -73,18 +85,12 @@ class Decoder(DecoderState):
         tensor = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
         return tensor.expand(rows, -1) if rows > 1 else tensor
 
-    def prefill(self, prompt_ids: Sequence[int]) -> None:
-        """Feed every prompt token but the last to both models."""
-        start = time.perf_counter()
-        self.tokens = list(prompt_ids)
-        if len(self.tokens) > 1:
-            head = self._ids(self.tokens[:-1])
-            self.target(input_ids=head, cache=self.target_cache, use_cache=True, logits_to_keep=1)
+    def _feed_prompt(self, head: list[int]) -> None:
+        if head:
+            ids = self._ids(head)
+            self.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1)
             if self.draft_cache is not None:
-                self.draft(input_ids=head, cache=self.draft_cache, use_cache=True, logits_to_keep=1)
-        self.draft_len = len(self.tokens) - 1
-        self.stats.prompt_tokens = len(self.tokens)
-        self.stats.time_prefill += time.perf_counter() - start
+                self.draft(input_ids=ids, cache=self.draft_cache, use_cache=True, logits_to_keep=1)
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration; returns the newly committed tokens (the last one is the new pending token).

@@ -78,21 +78,16 @@ class TreeDecoder(DecoderState):
         return logits[0, -1, :self.vocab]
 
     # -------------------------------------------------------------------------------- decoding
-    def prefill(self, prompt_ids: Sequence[int]) -> None:
-        """Feed every prompt token but the last to both models."""
-        start = self._clock()
-        self.tokens = list(prompt_ids)
-        capacity = len(self.tokens) + _INITIAL_ROOM + self.num_paths * (self.block_len + 1)
+    def _feed_prompt(self, head: list[int]) -> None:
+        """Allocate both caches (prompt + room, growing later) and feed the prompt but its last token."""
+        capacity = len(head) + 1 + _INITIAL_ROOM + self.num_paths * (self.block_len + 1)
         self.target_cache = self.target.new_cache(1, capacity)
         if self.draft is not None:
             self.draft_cache = self.draft.new_cache(1, capacity)
-        if len(self.tokens) > 1:
-            self._chain(self.target, self.target_cache, self.tokens[:-1], 0)
+        if head:
+            self._chain(self.target, self.target_cache, head, 0)
             if self.draft is not None:
-                self._chain(self.draft, self.draft_cache, self.tokens[:-1], 0)
-        self.draft_len = len(self.tokens) - 1
-        self.stats.prompt_tokens = len(self.tokens)
-        self.stats.time_prefill += self._clock() - start
+                self._chain(self.draft, self.draft_cache, head, 0)
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration; returns the newly committed tokens (the last one is the new pending token).
