@@ -60,6 +60,13 @@ class DecoderState:
     def _clock(self) -> float:
         return time.perf_counter()
 
+    def verify(self, drafted, q, p, since: float):
+        """Run the verifier, time it from ``since`` and record the accepted length; the result."""
+        result = self.verifier(drafted, q, p, self.rng)
+        self.stats.time_verify += self._clock() - since
+        self.stats.record_accept(result.accepted_len)
+        return result
+
     def iteration_shape(self, block_len: int | None) -> tuple[int, int]:
         """``(block, rows)`` of the next iteration: ``block_len`` (<= the configured one) shortens the
         block (0 = a plain target step); a greedy draft makes K identical paths, so it drafts one (any
@@ -130,11 +137,8 @@ class Decoder(DecoderState):
         stats.time_target += t_target - t_draft
 
         # 3. verify.
-        result = self.verifier(drafted, q, p, self.rng)
-        t_verify = time.perf_counter()
-        stats.time_verify += t_verify - t_target
+        result = self.verify(drafted, q, p, t_target)
         path, tau = result.path, result.accepted_len
-        stats.record_accept(tau)
 
         # 4. commit; keep the chosen row of each cache, cropped to the committed length.
         new = drafted[path, :tau].tolist() + [int(result.next_token)]
