@@ -160,6 +160,15 @@ def set_lr(opt, lr: float, step: int, frac: float, args) -> float:
     return lr * warm * cos
 
 
+def optimizer_step(opt, loss: torch.Tensor, model) -> float:
+    """Backward, clip the gradient norm to 1, step; returns the loss value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def sample_batch(rng, train_ids, batch: int, length: int) -> torch.Tensor:
     """``batch`` random windows of ``length + 1`` training tokens, (batch, length + 1) long."""
     starts = rng.integers(0, len(train_ids) - length - 1, size=batch)
@@ -212,13 +221,9 @@ def train_model(name, model, train_ids: np.ndarray, val_batches, args, minutes: 
         logits = model(input_ids=x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        li = optimizer_step(opt, loss, model)
         step += 1
         tokens += B * T
-        li = loss.item()
         ema = li if ema is None else 0.9 * ema + 0.1 * li
         now = time.time()
         if now - last_eval >= args.eval_every_s:
@@ -409,13 +414,9 @@ def distill_draft(args, train_ids: np.ndarray, held_ids: np.ndarray, out: Path, 
             tlogits = target(input_ids=x[:, :-1]).logits
         dlogits = draft(input_ids=x[:, :-1]).logits
         loss, kl, ce = distill_loss(dlogits, tlogits, x[:, 1:], args.distill_ce)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
+        li = optimizer_step(opt, loss, draft)
         step += 1
         tokens += B * T
-        li = loss.item()
         ema = li if ema is None else 0.9 * ema + 0.1 * li
         ema_kl = kl if ema_kl is None else 0.9 * ema_kl + 0.1 * kl
         ema_ce = ce if ema_ce is None else 0.9 * ema_ce + 0.1 * ce

@@ -18,10 +18,13 @@ the iteration it is made for. tests/engine/test_auto.py checks the law by chi-sq
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from dataclasses import dataclass
 
 from gbv.engine.config import AUTO
+from gbv.engine.decoder import set_method
+from gbv.engine.stats import GenerationStats
 from gbv.verify import METHODS
 # Each observation's weight decays by this factor per later observation of the same arm: the
 # estimates follow a machine whose speed changes (another process starts), over ~100 iterations.
@@ -113,8 +116,6 @@ class AutoDecoder:
     picks; everything else (tokens, caches, truncation) is the base decoder's."""
 
     def __init__(self, base, policy: AutoPolicy) -> None:
-        from gbv.engine.stats import GenerationStats
-
         self.base = base
         self.policy = policy
         max_block = max(arm.block_len for arm in policy.arms)
@@ -129,10 +130,6 @@ class AutoDecoder:
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration with the chosen arm; ``block_len`` caps the block (near the end)."""
-        import time
-
-        from gbv.engine.decoder import set_method
-
         index = self.policy.choose(block_len)
         arm = self.policy.arms[index]
         start = time.perf_counter()

@@ -117,7 +117,7 @@ class BatchTreeDecoder:
         by one iteration; returns ``id(row) -> newly committed tokens``. Rows not named wait."""
         rows = self.rows
         n = len(rows)
-        block = [min(blocks.get(id(r), -1), r.block_len) if id(r) in blocks else -1 for r in rows]
+        block = [min(blocks[id(r)], r.block_len) if id(r) in blocks else -1 for r in rows]
         drafting = [b > 0 for b in block]
         lens = [len(r.tokens) - 1 for r in rows]  # committed slots of each row
         dev = self.device
@@ -171,12 +171,13 @@ class BatchTreeDecoder:
                 (slots[None, :] >= d_start) & (slots[None, :] < d_start + chain_lens[:, None]))  # (n, S0)
             lens_t = torch.tensor(lens, device=dev)
             blocks_t = torch.tensor(block, device=dev)
+            drafting_t = torch.tensor(drafting, device=dev)
             for i in range(1, depth_max):
                 start = tip_base + (i - 1) * width
                 end = start + width
                 tip_slots = torch.arange(tip_base, end, device=dev)
                 own = ((tip_slots - tip_base) % width)[None, :] == path_of[:, None]  # (width, i*width)
-                live = (blocks_t > i) & torch.tensor(drafting, device=dev)  # rows drafting at this depth
+                live = (blocks_t > i) & drafting_t  # rows drafting at this depth
                 mask = torch.cat([prefix[:, None, :].expand(n, width, -1),
                                   own[None].expand(n, -1, -1)], dim=2) & live[:, None, None]
                 mask[:, path_of, start + path_of] = True  # every query sees itself (idle rows too)
