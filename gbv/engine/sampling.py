@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gbv.verify.common import draw_rows
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -52,10 +54,9 @@ def process_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
 def sample(probs: Tensor, generator: torch.Generator | None, greedy: bool = False) -> Tensor:
     """One draw per row of (N, V) ``probs`` -> (N,) long. Greedy rows take the argmax (no randomness).
 
-    Exponential race: ``argmax_v probs_v / E_v`` with i.i.d. ``E_v ~ Exp(1)`` is ``v`` with probability
-    ``probs_v / sum(probs)``; unlike ``torch.multinomial`` it never reads anything back to the host.
+    Inverse CDF (:func:`gbv.verify.common.draw_rows`): one uniform per row; unlike
+    ``torch.multinomial`` it never reads anything back to the host.
     """
     if greedy:
         return probs.argmax(-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(-1)
+    return draw_rows(probs, generator)

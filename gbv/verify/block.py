@@ -5,7 +5,7 @@ optimal for a single path. Two forms of the same rule:
 
 - :func:`block_verify_on_device` (``block`` itself, and GBV with K = 1): tensor code on the inputs'
   device with full rows, one host read per verify call (the stop decisions are independent coins
-  drawn at once, the next token an exponential race);
+  drawn at once, the next token by inverse CDF);
 - :func:`block_verify_core` (the last step of GBV and gbv-adaptive, :mod:`gbv.verify.gbv`): host
   floats, given only the on-path ratios and callbacks for the residual masses and the correction
   row, so that the skewed law ``q_G`` is never built as full rows.

@@ -69,21 +69,34 @@ class TorchRandom:
         return bool(u.item() < prob)
 
     def sample(self, dist: Tensor) -> int:
-        if dist.device != self.generator.device:
-            dist = dist.to(self.generator.device)
-        return int(torch.multinomial(dist.float() if dist.dtype in (torch.float16, torch.bfloat16) else dist,
-                                     1, generator=self.generator).item())
+        # (torch.multinomial draws one exponential per token; the inverse CDF one uniform.)
+        return int(draw_rows(dist, self.generator))
 
     def coins(self, probs: Tensor) -> Tensor:
         u = torch.rand(probs.shape, generator=self.generator, device=self.generator.device, dtype=torch.float64)
         return u.to(probs.device) < probs
 
     def draw(self, dist: Tensor) -> Tensor:
-        # Exponential race: argmax_v dist_v / E_v with E_v ~ Exp(1) i.i.d. is v with probability
-        # dist_v / sum(dist), and needs no host read (torch.multinomial checks its input on the host).
-        race = torch.empty(dist.shape, dtype=torch.float64, device=self.generator.device)
-        race.exponential_(generator=self.generator)
-        return torch.argmax(dist.double() / race.to(dist.device))
+        return draw_rows(dist, self.generator)
+
+
+def draw_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row of (..., V) non-negative ``probs`` (normalised or not) -> (...) long, on the
+    device of ``probs``, without a host read (``torch.multinomial`` checks its input on the host).
+
+    Inverse CDF: the first token whose cumulative mass (float64) exceeds ``u * total`` with
+    ``u ~ U[0, 1)``, so token ``v`` is drawn with probability ``probs_v / total``. A token of mass 0
+    is never drawn: its cumulative mass equals its predecessor's, which is found first. One uniform
+    per row instead of one exponential per token (an exponential race) is 5-14x faster on CPU at
+    V = 4k-32k (scripts/bench_verifiers.py and docs/ENGINE.md).
+    """
+    cdf = probs.double().cumsum(-1)
+    total = cdf[..., -1:]
+    device = generator.device if generator is not None else probs.device
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=device).to(probs.device)
+    # u < 1, yet u * total may round up to total: stay strictly below it (inside the last token of mass > 0).
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 Verifier = Callable[[Tensor, Tensor, Tensor, RandomSource], VerifyResult]

@@ -54,6 +54,18 @@ def test_sample_draws_from_probs():
     assert abs((draws == 2).float().mean().item() - 0.9) < 0.01
 
 
+def test_inverse_cdf_never_draws_a_zero_mass_token():
+    """Zeros first, between and last (where ``u * total`` rounding up would land), unnormalised rows
+    and a one-hot row: the draws follow ``probs / total`` and never hit a token of mass 0."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
+    draws = sample(rows.repeat(50000, 1), gen).reshape(50000, 2)
+    counts = torch.bincount(draws[:, 0], minlength=6).double() / 50000
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts[[1, 3, 4]], torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64), atol=0.01)
+    assert torch.all(draws[:, 1] == 5)
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_replicate_select_crop(arch):
     """Prefill, replicate to 3 rows, feed a different continuation per row, keep row 1, crop: the
