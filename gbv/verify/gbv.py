@@ -203,10 +203,21 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
                                   _RowsOf(law, idx)).tolist()
 
     def residual_dist(i: int, w: float) -> Tensor:
-        q64, p64 = q_path[i:i + 1].double(), p_path[i].double()
-        row = torch.full((1, 1), i, device=key.device)
-        q_g = law.token_law(row, mass_below_rows(key[i:i + 1], q64), q64)[0]
-        return normalize_or((w * p64 - q_g).clamp_min(0.0), p64)
+        p64 = p_path[i].double()
+        # q_G = q R(W, q) with R >= r_min: a token with w * key <= r_min has w p <= q_G, no residual
+        # mass. Those tokens rank below all the others (a smaller key), so only the others -- the
+        # candidates -- need ranking, and their W is the non-candidates' mass plus their own ranks'.
+        row = torch.full((1,), i, device=key.device)
+        r_min = law.ratio_bounds(row, torch.zeros((), dtype=torch.float64, device=key.device),
+                                 torch.ones((), dtype=torch.float64, device=key.device))[0]
+        is_candidate = w * key[i].double() > r_min
+        candidates = is_candidate.nonzero().squeeze(-1)
+        q_c = q_path[i, candidates].double()
+        below_c = mass_below_rows(key[i, candidates].unsqueeze(0), q_c.unsqueeze(0))[0]
+        outside = torch.where(is_candidate, 0.0, q_path[i].double()).sum()  # all ranked below the candidates
+        q_g = law.token_law(row.expand_as(q_c), below_c + outside, q_c)
+        dist = torch.zeros_like(p64).index_put_((candidates,), (w * p64[candidates] - q_g).clamp_min(0.0))
+        return normalize_or(dist, p64)
 
     # The bonus row as given (float32 rows sample faster; its law is p_L either way).
     accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist, p_path[block_len], rng)
