@@ -1,7 +1,7 @@
 """Serving benchmark: aggregate tokens/s and p50/p95 request latency of `gbv serve` at several
 concurrencies, with `transformers serve --continuous-batching` on the same target as the peer row.
 
-    python scripts/bench_serve.py                                   # concurrency 1,4,16; 16 requests each
+    python scripts/bench_serve.py                                   # concurrency 1,4,16; 48 requests each
     python scripts/bench_serve.py --requests 8 --concurrency 1,4 --no-peer
     python scripts/bench_serve.py --peer-pythonpath /path/with/accelerate --out runs/serve.json
 
@@ -149,7 +149,9 @@ def format_row(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrencies (default 1,4,16)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (default 16)")
+    # 48 = three waves at concurrency 16: with one wave, the level ends in a tail where only the
+    # slowest few requests are left running and the batch is nearly empty.
+    parser.add_argument("--requests", type=int, default=48, help="requests per concurrency level (default 48)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy: same tokens on both)")
     parser.add_argument("--method", default="auto")
