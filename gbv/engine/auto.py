@@ -1,10 +1,12 @@
 """``method="auto"``: choose the verifier, K and L per iteration from what has been measured so far.
 
 Each arm is one setting (``ar``, or a verifier with K paths of L tokens). After every iteration the
-arm that ran is credited with the tokens it committed and the wall time it took (the step's own
-clock, read after the drafts were read back, so it covers the device work too). The next arm is the
-one with the best estimated tokens per second, plus an optimism bonus that shrinks as an arm is
-tried (UCB), so that every arm is tried a few times and then the best one runs almost always.
+arm that ran is credited with the wall time it took (the step's own clock, read after the drafts
+were read back, so it covers the device work too), and its verifier family (method, K) with how far
+the drafts were accepted. An arm's estimated tokens per second is its expected tokens per iteration,
+from the family's pooled per-depth acceptance, over its own mean seconds per iteration. The next arm
+is the one with the best estimate, plus an optimism bonus that shrinks as an arm is tried (UCB), so
+that every arm is tried a few times and then the best one runs almost always.
 
 The estimates live as long as the pair and the sampling settings (one :class:`AutoPolicy` per target,
 draft, temperature, top-k and top-p; see :func:`policy_for`), so a process that serves many prompts
@@ -32,6 +34,8 @@ _DECAY = 0.99
 # Exploration: every arm runs this many times before the estimates are trusted.
 _MIN_TRIALS = 2
 _BONUS = 0.15
+# Weight, in trials, of the family's fitted cost line in an arm's seconds per iteration.
+_PRIOR_TRIALS = 5.0
 
 
 @dataclass(frozen=True)
@@ -60,17 +64,65 @@ def default_arms(greedy_draft: bool, has_draft: bool) -> list[Arm]:
 
 
 class AutoPolicy:
-    """Running tokens / seconds per arm, and the UCB choice among them."""
+    """Estimated tokens per second of each arm, and the UCB choice among them.
+
+    An arm's rate is (expected tokens per iteration) / (mean seconds per iteration). The seconds are
+    the arm's own (they vary little between iterations). The tokens are not: one iteration commits
+    between 1 and L + 1 of them, so a few unlucky trials could bury a long block for good. They are
+    therefore estimated from acceptance statistics pooled over every arm of the same verifier and K
+    (:class:`_Acceptance`): whether a drafted token at depth ``d`` is kept is measured by every arm
+    with ``L >= d``, so a block of 8 learns from the blocks of 3 and 4 and vice versa.
+    """
 
     def __init__(self, arms: list[Arm]) -> None:
         self.arms = list(arms)
-        self.tokens = [0.0] * len(arms)
+        self.tokens = [0.0] * len(arms)  # decayed sums, for the table and arms without a family
         self.seconds = [0.0] * len(arms)
         self.trials = [0.0] * len(arms)  # decayed counts
         self.runs = [0] * len(arms)  # plain counts
+        self.acceptance: dict[tuple[str, int], _Acceptance] = {}
+        for arm in self.arms:
+            if arm.method != "ar":
+                family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
+                family.grow(arm.block_len)
+
+    def expected_tokens(self, index: int) -> float:
+        """Tokens per iteration: 1 for ``ar``; else ``1 + sum_d P(accepted >= d)`` from the pooled
+        acceptance of the arm's family (the arm's own mean while a depth has no observation)."""
+        arm = self.arms[index]
+        if arm.method == "ar":
+            return 1.0
+        expected = self.acceptance[(arm.method, arm.num_paths)].expected_tokens(arm.block_len)
+        if expected is None:
+            return self.tokens[index] / self.trials[index] if self.trials[index] > 0 else 0.0
+        return expected
+
+    def mean_seconds(self, index: int) -> float:
+        """Seconds per iteration: the arm's own mean, shrunk towards the line ``a + b L`` fitted to the
+        means of its family (one draft forward per depth, a target pass that grows with the nodes),
+        so that two slow first trials (a cold cache, a busy moment) do not bury an arm for good."""
+        own = self.seconds[index] / self.trials[index]
+        arm = self.arms[index]
+        if arm.method == "ar":
+            return own
+        points = [(a.block_len, self.seconds[i] / self.trials[i], self.trials[i]) for i, a in enumerate(self.arms)
+                  if (a.method, a.num_paths) == (arm.method, arm.num_paths) and self.trials[i] > 0]
+        weight = sum(w for _, _, w in points)
+        mean_l = sum(w * length for length, _, w in points) / weight
+        spread = sum(w * (length - mean_l) ** 2 for length, _, w in points)
+        if spread <= 0.0:
+            return own
+        mean_s = sum(w * sec for _, sec, w in points) / weight
+        slope = sum(w * (length - mean_l) * (sec - mean_s) for length, sec, w in points) / spread
+        fitted = mean_s + slope * (arm.block_len - mean_l)
+        if fitted <= 0.0:
+            return own
+        return (self.trials[index] * own + _PRIOR_TRIALS * fitted) / (self.trials[index] + _PRIOR_TRIALS)
 
     def rate(self, index: int) -> float:
-        return self.tokens[index] / self.seconds[index] if self.seconds[index] > 0 else 0.0
+        if self.seconds[index] <= 0:
+            return 0.0
+        return self.expected_tokens(index) / self.mean_seconds(index)
 
     def choose(self, max_block: int | None = None) -> int:
         """Index of the next arm. ``max_block`` excludes arms with longer blocks (near the end of a
@@ -79,16 +131,21 @@ class AutoPolicy:
         for i in allowed:
             if self.runs[i] < _MIN_TRIALS:
                 return i
-        best_rate = max(self.rate(i) for i in allowed) or 1.0
+        rates = {i: self.rate(i) for i in allowed}
+        best_rate = max(rates.values()) or 1.0
         total = sum(self.trials[i] for i in allowed)
-        return max(allowed, key=lambda i: self.rate(i) + _BONUS * best_rate * math.sqrt(
+        return max(allowed, key=lambda i: rates[i] + _BONUS * best_rate * math.sqrt(
             math.log(max(total, 2.0)) / max(self.trials[i], 1e-9)))
 
     def record(self, index: int, tokens: int, seconds: float) -> None:
+        """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``."""
         self.tokens[index] = self.tokens[index] * _DECAY + tokens
         self.seconds[index] = self.seconds[index] * _DECAY + max(seconds, 1e-9)
         self.trials[index] = self.trials[index] * _DECAY + 1.0
         self.runs[index] += 1
+        arm = self.arms[index]
+        if arm.method != "ar":
+            self.acceptance[(arm.method, arm.num_paths)].record(min(tokens - 1, arm.block_len), arm.block_len)
 
     def best(self) -> Arm:
         return self.arms[max(range(len(self.arms)), key=self.rate)]
@@ -96,6 +153,43 @@ class AutoPolicy:
     def table(self) -> list[dict]:
         return [{"arm": arm.label, "runs": self.runs[i], "tokens_per_s": self.rate(i)}
                 for i, arm in enumerate(self.arms)]
+
+
+class _Acceptance:
+    """Decayed counts of one verifier family (method, K): ``kept[d]`` = iterations whose accepted
+    length reached ``d``, ``tried[d]`` = iterations that could have (block >= d and accepted >= d - 1);
+    ``kept[d] / tried[d]`` estimates ``P(accepted >= d | accepted >= d - 1)``."""
+
+    def __init__(self) -> None:
+        self.kept: list[float] = [0.0]
+        self.tried: list[float] = [0.0]
+
+    def grow(self, block_len: int) -> None:
+        while len(self.kept) <= block_len:
+            self.kept.append(0.0)
+            self.tried.append(0.0)
+
+    def record(self, accepted: int, block_len: int) -> None:
+        for depth in range(1, len(self.kept)):
+            self.kept[depth] *= _DECAY
+            self.tried[depth] *= _DECAY
+        for depth in range(1, min(accepted + 1, block_len) + 1):
+            self.tried[depth] += 1.0
+            if accepted >= depth:
+                self.kept[depth] += 1.0
+
+    def expected_tokens(self, block_len: int) -> float | None:
+        """``1 + sum_{d <= L} prod_{j <= d} kept[j] / tried[j]``. A depth no iteration has reached yet
+        continues at the rate of the deepest one observed; None before any observation."""
+        if self.tried[1] <= 0.0:
+            return None
+        expected, reach, rate = 1.0, 1.0, 1.0
+        for depth in range(1, block_len + 1):
+            if self.tried[depth] > 0.0:
+                rate = self.kept[depth] / self.tried[depth]
+            reach *= rate
+            expected += reach
+        return expected
 
 
 _POLICIES: "weakref.WeakKeyDictionary[object, dict[tuple, AutoPolicy]]" = weakref.WeakKeyDictionary()

@@ -58,3 +58,30 @@ def test_policy_explores_then_exploits_the_fastest_arm():
     assert policy.best() == arms[1]
     # Near the end only short blocks fit: the cap is honoured.
     assert policy.arms[policy.choose(max_block=0)].method == "ar"
+
+
+def test_policy_pools_acceptance_so_unlucky_first_trials_do_not_bury_a_long_block():
+    """Every drafted token is kept with probability 0.9; a block of L costs 10 + 2 L ms. L = 8 is the
+    fastest arm (6.1 tokens per 26 ms against 2.7 per 14 ms), but its first two trials are rejected
+    at once. The acceptance learnt by L = 2 (pooled per verifier and K) still ranks L = 8 first; an
+    arm judged by its own two trials alone (the policy before pooling) would never run it again."""
+    import random
+
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 2), Arm("block", 1, 8)]
+    policy = AutoPolicy(arms)
+    draws = random.Random(0)
+    chosen = []
+    for _ in range(300):
+        index = policy.choose()
+        chosen.append(index)
+        arm = arms[index]
+        if arm.method == "ar":
+            policy.record(index, 1, 0.008)
+            continue
+        accepted = 0
+        unlucky = index == 2 and policy.runs[2] < 2
+        while not unlucky and accepted < arm.block_len and draws.random() < 0.9:
+            accepted += 1
+        policy.record(index, accepted + 1, 0.010 + 0.002 * arm.block_len)
+    assert chosen[-100:].count(2) >= 90
+    assert policy.best() == arms[2]
