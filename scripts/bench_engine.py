@@ -120,13 +120,9 @@ def _median_ms(fn, repeats: int, inner: int = 50, device="cpu") -> float:
 
 def micro(pair, repeats: int) -> dict:
     """One-off per-call costs of the lean models (prefix of 128 cached tokens)."""
-    out = {}
-    dev = torch.device(pair.device)
-    torch.set_default_device(dev)  # the probe tensors below
-    try:
-        return _micro(pair, repeats, dev, out)
-    finally:
-        torch.set_default_device("cpu")
+    # The probe tensors name their device: torch.set_default_device would install a function mode
+    # that taxes every later tensor factory (it stays installed even when set back to "cpu").
+    return _micro(pair, repeats, torch.device(pair.device), {})
 
 
 def _micro(pair, repeats: int, dev, out: dict) -> dict:
@@ -138,15 +134,16 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
             lean = lean_model(model)
             cache = lean.new_cache(1, 512)
             prefix = 128
-            lean.forward(torch.arange(prefix)[None] % 100, torch.arange(prefix)[None], 0, cache, None, causal=True)
-            one = torch.tensor([[7]])
-            pos = torch.tensor([[prefix]])
+            lean.forward(torch.arange(prefix, device=dev)[None] % 100, torch.arange(prefix, device=dev)[None], 0, cache,
+                         None, causal=True)
+            one = torch.tensor([[7]], device=dev)
+            pos = torch.tensor([[prefix]], device=dev)
             out[f"{name}_step_ms"] = median_ms(lambda: lean.forward(one, pos, prefix, cache, None))
-            tree = torch.full((1, 25), 7)
-            tree_pos = prefix + torch.arange(25)[None]
-            tree_mask = torch.ones(1, 1, 25, prefix + 25, dtype=torch.bool)
+            tree = torch.full((1, 25), 7, device=dev)
+            tree_pos = prefix + torch.arange(25, device=dev)[None]
+            tree_mask = torch.ones(1, 1, 25, prefix + 25, dtype=torch.bool, device=dev)
             out[f"{name}_25_nodes_ms"] = median_ms(lambda: lean.forward(tree, tree_pos, prefix, cache, tree_mask))
-            x = torch.zeros(1, 1, model.config.hidden_size, dtype=lean.dtype)
+            x = torch.zeros(1, 1, model.config.hidden_size, dtype=lean.dtype, device=dev)
 
             def matmuls():
                 for layer in lean.layers:
@@ -159,7 +156,7 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
 
             out[f"{name}_matmuls_ms"] = median_ms(matmuls)
         out["target_bytes"] = sum(p.numel() * p.element_size() for p in pair.target.parameters())
-        big = torch.ones(64 * 1024 * 1024 // 4 * 4, dtype=torch.float32)  # 256 MiB
+        big = torch.ones(64 * 1024 * 1024 // 4 * 4, dtype=torch.float32, device=dev)  # 256 MiB
         seconds = median_ms(lambda: big.sum(), inner=3) / 1e3
         out["read_bandwidth_gb_s"] = big.numel() * 4 / seconds / 1e9
     return out
