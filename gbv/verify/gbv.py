@@ -19,7 +19,8 @@ gbv-adaptive:
 3. :class:`SkewedLaw` -- ``q_G`` at a node as a function of a token's rank mass, in the stable form of
    SPEC section 3. BV needs it on the path (ratios), summed in positive parts (residual masses
    ``r_i``: :func:`gbv.verify.ranking.positive_part_mass`, bucketed, no full sort) and as one full row
-   at the accepted length (the correction distribution: one sort over the support of ``q``).
+   at the accepted length (the correction distribution: one sort, of the tokens that can carry
+   residual mass only).
 4. :func:`verify_gbv` -- BV on the selected path with ``p`` and ``q_G``.
    :func:`skewed_draft_law` returns the full ``(L, V)`` rows of ``q_G`` (tests, analysis).
 

@@ -78,12 +78,16 @@ BRUTE_FORCE_CASES = [
 ]
 
 
+def _brute_force_instance(kind, vocab, block_len, num_paths, seed):
+    """The instance of one BRUTE_FORCE_CASES row."""
+    if kind == "context_free":
+        return context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], block_len, num_paths)
+    return random_instance(vocab, block_len, num_paths, seed=seed, kind=kind)
+
+
 @pytest.mark.parametrize("kind,vocab,block_len,num_paths,seed", BRUTE_FORCE_CASES)
 def test_skewed_law_matches_brute_force_selection(kind, vocab, block_len, num_paths, seed):
-    if kind == "context_free":
-        inst = context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], block_len, num_paths)
-    else:
-        inst = random_instance(vocab, block_len, num_paths, seed=seed, kind=kind)
+    inst = _brute_force_instance(kind, vocab, block_len, num_paths, seed)
     seqs = list(itertools.product(range(vocab), repeat=block_len))
     probs = {s: inst.seq_prob(inst.draft, s) for s in seqs}
     # Brute force: every K-tuple of drafted paths, the selection rule, and the tuple's probability.
@@ -311,10 +315,7 @@ def _same_outcomes(inputs, tol=1e-12):
 
 @pytest.mark.parametrize("kind,vocab,block_len,num_paths,seed", BRUTE_FORCE_CASES)
 def test_hot_path_matches_full_rows_on_exact_instances(kind, vocab, block_len, num_paths, seed):
-    if kind == "context_free":
-        inst = context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], block_len, num_paths)
-    else:
-        inst = random_instance(vocab, block_len, num_paths, seed=seed, kind=kind)
+    inst = _brute_force_instance(kind, vocab, block_len, num_paths, seed)
     seqs = [s for s in itertools.product(range(vocab), repeat=block_len) if inst.seq_prob(inst.draft, s) > 0]
     for paths in itertools.islice(itertools.product(seqs, repeat=num_paths), 50):
         _same_outcomes(tuple_inputs(inst, list(paths)))
