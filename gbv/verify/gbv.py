@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_path
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, normalize_or
-from gbv.verify.ranking import (ZERO_ZERO_KEY, best_token, mass_below, mass_below_rows, positive_part_mass,
-                                power_sum, ranking_key)
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes
+from gbv.verify.ranking import (ZERO_ZERO_KEY, best_token, mass_below, mass_below_rows, power_sum, ranking_key,
+                                residual_masses_ranked, residual_row)
 
 __all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "ranking_key", "select_path", "skewed_draft_law",
            "verify_gbv"]
@@ -196,47 +196,12 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     ratios = [pp / qg if qg > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qg in zip(p_on, q_g_on)]
 
     def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
-        idx = torch.tensor(rows, device=key.device)
-        w = torch.tensor(weights, dtype=torch.float64, device=key.device)
-        # A contiguous run of nodes (the usual case) is a slice: no gather copies.
-        pick = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else idx
-        return positive_part_mass(key[pick], q_path[pick].double(), p_path[pick].double(), w,
-                                  _RowsOf(law, idx)).tolist()
+        return residual_masses_ranked(key, q_path, p_path, rows, weights, law)
 
     def residual_dist(i: int, w: float) -> Tensor:
-        p64 = p_path[i].double()
-        # q_G = q R(W, q) with R >= r_min: a token with w * key <= r_min has w p <= q_G, no residual
-        # mass. Those tokens rank below all the others (a smaller key), so only the others -- the
-        # candidates -- need ranking, and their W is the non-candidates' mass plus their own ranks'.
-        row = torch.full((1,), i, device=key.device)
-        r_min = law.ratio_bounds(row, torch.zeros((), dtype=torch.float64, device=key.device),
-                                 torch.ones((), dtype=torch.float64, device=key.device))[0]
-        is_candidate = w * key[i].double() > r_min
-        candidates = is_candidate.nonzero().squeeze(-1)
-        q_c = q_path[i, candidates].double()
-        below_c = mass_below_rows(key[i, candidates].unsqueeze(0), q_c.unsqueeze(0))[0]
-        outside = torch.where(is_candidate, 0.0, q_path[i].double()).sum()  # all ranked below the candidates
-        q_g = law.token_law(row.expand_as(q_c), below_c + outside, q_c)
-        dist = torch.zeros_like(p64).index_put_((candidates,), (w * p64[candidates] - q_g).clamp_min(0.0))
-        return normalize_or(dist, p64)
+        return residual_row(key[i], q_path[i], p_path[i], w, law, i)
 
     # The bonus row as given (float32 rows sample faster; its law is p_L either way).
     accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist, p_path[block_len], rng)
     return VerifyResult(path, accepted_len, next_token)
 
-
-@dataclass
-class _RowsOf:
-    """A :class:`gbv.verify.ranking.RankLaw` restricted to some of its nodes (``row`` j -> node ``idx[j]``)."""
-
-    law: SkewedLaw
-    idx: Tensor
-
-    def token_law(self, row: Tensor, below: Tensor, q: Tensor) -> Tensor:
-        return self.law.token_law(self.idx[row], below, q)
-
-    def block_law(self, row: Tensor, below: Tensor, mass: Tensor) -> Tensor:
-        return self.law.block_law(self.idx[row], below, mass)
-
-    def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
-        return self.law.ratio_bounds(self.idx[row], low, high)

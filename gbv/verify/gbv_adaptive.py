@@ -28,13 +28,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import comb
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_path
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, normalize_or
-from gbv.verify.ranking import best_token, mass_below_rows, power_sum, ranking_key
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes
+from gbv.verify.ranking import (approx_mass_below_rows, best_token, mass_below, power_sum, ranking_key,
+                                residual_masses_ranked, residual_row)
+
+# Bins of (0, 1) for the node weight's breakpoints (node_weights): only the crossing bin is sorted.
+_WEIGHT_BINS = 1024
 
 __all__ = ["AdaptiveLaw", "greedy_step_law", "node_weights", "verify_gbv_adaptive"]
 
@@ -52,29 +55,62 @@ def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> lis
     over the tokens whose ``min`` follows the mixture just right of 0 (``d_x > 0`` and ``p_x > q_x``,
     or ``d_x < 0`` and ``p_x >= q_x``); every breakpoint ``t_x = (p_x - q_x) / d_x`` in (0, 1) lowers
     the slope by ``|d_x|``. The smallest maximiser is the first breakpoint at which the slope is no
-    longer positive (0 if it starts so, 1 if it never gets there). All ``n`` at once, one host transfer.
+    longer positive (0 if it starts so, 1 if it never gets there).
+
+    No sort of the row: the breakpoints go into ``_WEIGHT_BINS`` equal bins of (0, 1) with their
+    slope drops summed per bin (one ``bincount``); the bin where the slope crosses 0 is found from
+    the bins' running sum, and only that bin's breakpoints are sorted. All ``n`` at once.
     """
     if num_paths == 1:
         return [0.0, 0.0]
-    ns = range(2, num_paths + 1)
-    d = torch.stack([greedy_step_law(below, q64, n) for n in ns]) - q64  # (K-1, V)
-    diff = (p64 - q64).expand_as(d)
-    follows_mix = ((d > 0) & (diff > 0)) | ((d < 0) & (diff >= 0))
-    slope0 = torch.where(follows_mix, d, 0.0).sum(-1, keepdim=True)
-    t = diff / torch.where(d == 0, 1.0, d)
-    events = (d != 0) & (t > 0) & (t < 1)
-    t_ev = torch.where(events, t, 2.0)  # non-events sort last and drop nothing
-    drop = torch.where(events, d.abs(), 0.0)
-    if t_ev.device.type == "cpu":  # numpy's sort is several times faster than torch's on CPU
-        order = torch.from_numpy(np.argsort(t_ev.numpy(), axis=-1))
-    else:
-        order = torch.argsort(t_ev, dim=-1)
-    t_sorted = t_ev.gather(-1, order)
-    reached = (slope0 - drop.gather(-1, order).cumsum(-1)) <= 0.0
-    first = reached.to(torch.int8).argmax(-1, keepdim=True)
-    at_first = t_sorted.gather(-1, first).squeeze(-1)
-    lam = torch.where(slope0.squeeze(-1) <= 0.0, 0.0, torch.where(reached.any(-1), at_first, 1.0))
-    return [0.0, 0.0] + lam.tolist()
+    # d_n = q (S_n(W + q, W) - 1) for n = 2..K: S_n by the recurrence of power_sum, one row per n.
+    rows_k = num_paths - 1
+    d = torch.empty(rows_k, q64.shape[-1], dtype=torch.float64, device=q64.device)
+    x, s_n, x_pow = below + q64, torch.ones_like(q64), torch.ones_like(q64)
+    for row in range(rows_k):
+        x_pow = x_pow * x
+        s_n = torch.addcmul(x_pow, s_n, below, out=d[row])  # S_{n+1} = W S_n + x^n
+    d_rows = d.clone().sub_(1.0).mul_(q64)  # (K-1, V); d keeps S_n for nothing else: reuse below
+    d = d_rows
+    diff = p64 - q64
+    # Right slope at 0: d where p > q (either sign of d), plus min(d, 0) where p = q. As matrix-vector
+    # products with 0/1 columns: one pass over d each (p = q exactly is rare but real: p = q rows).
+    slope0 = d @ (diff > 0).to(d.dtype)
+    ties = diff == 0
+    has_ties = bool(ties.any())
+    if has_ties:
+        slope0 = slope0 + d.clamp_max(0.0) @ ties.to(d.dtype)
+    # Breakpoints t = diff / d, binned: bin 1 + floor(t * bins) for t in (0, 1); bin 0 holds t < 0 (and
+    # p = q, t = 0), the last bin t >= 1 and x / 0; those two are never summed.
+    t = diff / d
+    if has_ties:
+        t.masked_fill_(ties.expand_as(t), -1.0)
+    bins = t.mul_(_WEIGHT_BINS).floor_().clamp_(-1.0, float(_WEIGHT_BINS)).long().add_(1)
+    width = _WEIGHT_BINS + 2
+    bins += torch.arange(rows_k, device=d.device).unsqueeze(-1) * width
+    drops = torch.bincount(bins.reshape(-1), weights=d.abs().reshape(-1), minlength=rows_k * width)
+    cum = drops.reshape(rows_k, width)[:, 1:_WEIGHT_BINS + 1].cumsum(-1)  # (K-1, bins): t-bins only
+    slopes, totals = slope0.tolist(), cum[:, -1].tolist()
+    lams = [0.0, 0.0]
+    for row in range(rows_k):
+        if slopes[row] <= 0.0:
+            lams.append(0.0)
+            continue
+        if totals[row] < slopes[row]:  # the slope stays positive up to 1 (the bin sums are exact upper
+            lams.append(1.0)            # bounds up to rounding; the crossing bin is re-summed below)
+            continue
+        crossing = int(torch.searchsorted(cum[row], slopes[row]))  # first bin with cum >= slope
+        # One bin either side: the bin sums round differently from the sorted running sum.
+        start, stop = max(crossing - 1, 0), min(crossing + 1, _WEIGHT_BINS - 1)
+        offset = row * width + 1
+        members = ((bins[row] >= start + offset) & (bins[row] <= stop + offset)).nonzero().squeeze(-1)
+        t_m = diff[members] / d[row, members]
+        order = torch.argsort(t_m)
+        before = float(cum[row, start - 1]) if start > 0 else 0.0
+        reached = (slopes[row] - before - d[row, members].abs()[order].cumsum(0)) <= 0.0
+        hit = reached.nonzero()
+        lams.append(float(t_m[order][hit[0, 0]]) if len(hit) else 1.0)
+    return lams
 
 
 def choose_next(candidates: list[int], keys: list[float], lam: float, rng: RandomSource) -> int:
@@ -154,47 +190,45 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     alive = list(range(num_paths))
     counts = [0.0] * (num_paths + 1)
     counts[num_paths] = 1.0
-    rows_q, rows_p, belows, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], [], []
+    rows_q, rows_p, keys, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], [], []
     for depth in range(block_len):
         lead = alive[0]
-        q64, p64 = q[lead, depth].to(torch.float64), p[lead, depth].to(torch.float64)
-        key = ranking_key(p[lead, depth], q[lead, depth])
-        below = mass_below_rows(key.unsqueeze(0), q64.unsqueeze(0))[0]
-        lams = node_weights(p64, q64, below, num_paths)
+        q_row, p_row = q[lead, depth], p[lead, depth]
+        q64, p64 = q_row.to(torch.float64), p_row.to(torch.float64)
+        key = ranking_key(p_row, q_row)
+        # The weights may be any function of the node's rows: they use W from key buckets at large V
+        # (no sort), while the law below uses the exact W wherever it is evaluated.
+        lams = node_weights(p64, q64, approx_mass_below_rows(key.unsqueeze(0), q64.unsqueeze(0))[0], num_paths)
         candidates = [tokens[k][depth] for k in alive]
         chosen = choose_next(candidates, key[candidates].tolist(), lams[len(alive)], rng)
         alive = [k for k in alive if tokens[k][depth] == chosen]
-        q_s, below_s = float(q64[chosen]), float(below[chosen])
+        chosen_t = torch.tensor([chosen], device=q.device)
+        below_s, q_s, p_s = torch.cat([mass_below(key.unsqueeze(0), q64.unsqueeze(0), chosen_t),
+                                       q64[chosen_t], p64[chosen_t]]).tolist()
         # q_A(s) = q_s sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n); counts are normalised.
         # (1 - lam) in brackets: lam S + 1 - lam would cancel S when it is tiny.
         ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
                     for n in range(1, num_paths + 1) if counts[n] > 0.0)
-        rows_q.append(q64)
-        rows_p.append(p64)
-        belows.append(below)
+        rows_q.append(q_row)
+        rows_p.append(p_row)
+        keys.append(key)
         counts_rows.append(counts[1:])
         lams_rows.append(lams[1:])
         law_on.append(q_s * ratio)
-        p_on.append(float(p64[chosen]))
+        p_on.append(p_s)
         counts = update_counts(counts, lams, q_s, below_s)
     path = alive[0]
     law = AdaptiveLaw(torch.tensor(counts_rows, dtype=torch.float64, device=q.device),
                       torch.tensor(lams_rows, dtype=torch.float64, device=q.device))
-    q_all, p_all, below_all = torch.stack(rows_q), torch.stack(rows_p), torch.stack(belows)
-
-    def law_rows(rows: list[int]) -> Tensor:
-        """Full rows of q_A at some nodes: every row was ranked for its weights."""
-        idx = torch.tensor(rows, device=q.device)
-        return law.token_law(idx.unsqueeze(-1), below_all[idx], q_all[idx])
+    q_all, p_all, key_all = torch.stack(rows_q), torch.stack(rows_p), torch.stack(keys)
 
     def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
-        w = torch.tensor(weights, dtype=torch.float64, device=q.device).unsqueeze(-1)
-        return (w * p_all[rows] - law_rows(rows)).clamp_min(0.0).sum(-1).tolist()
+        return residual_masses_ranked(key_all, q_all, p_all, rows, weights, law)
 
     def residual_dist(i: int, w: float) -> Tensor:
-        return normalize_or((w * p_all[i] - law_rows([i])[0]).clamp_min(0.0), p_all[i])
+        return residual_row(key_all[i], q_all[i], p_all[i], w, law, i)
 
     ratios = [pp / qa if qa > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qa in zip(p_on, law_on)]
     accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist,
-                                                 p[path, block_len].to(torch.float64), rng)
+                                                 p[path, block_len], rng)
     return VerifyResult(path, accepted_len, next_token)

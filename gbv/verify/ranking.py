@@ -19,11 +19,14 @@ Shapes: ``(N, V)`` rows (N nodes), ``(N,)`` tokens; masses are float64.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from gbv.verify.common import normalize_or
 
 # Key of tokens with p(x) = q(x) = 0: below every real ratio (ratios are >= 0). Such tokens carry no
 # q-mass, so where they sit changes neither the laws nor any drafted path's rank; the value only makes
@@ -265,3 +268,77 @@ def _unsettled_buckets(key: Tensor, q64: Tensor, p64: Tensor, s: Tensor, law: Ra
     w_tok = below[buck] + within
     terms = (s.reshape(-1)[row] * p64[row, tok] - law.token_law(row, w_tok, q_m)).clamp_min(0.0)
     return torch.zeros(rows, dtype=torch.float64, device=key.device).index_add_(0, row, terms)
+
+
+@dataclass
+class RowsOf:
+    """A :class:`RankLaw` restricted to some of its nodes (``row`` j -> node ``idx[j]``)."""
+
+    law: RankLaw
+    idx: Tensor
+
+    def token_law(self, row: Tensor, below: Tensor, q: Tensor) -> Tensor:
+        return self.law.token_law(self.idx[row], below, q)
+
+    def block_law(self, row: Tensor, below: Tensor, mass: Tensor) -> Tensor:
+        return self.law.block_law(self.idx[row], below, mass)
+
+    def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+        return self.law.ratio_bounds(self.idx[row], low, high)
+
+
+def residual_masses_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], weights: list[float],
+                           law: RankLaw) -> list[float]:
+    """BV's residual masses ``r_i = sum_x (w_i p_i(x) - law_i(x))+`` at the nodes ``rows`` of a path:
+    (L, V) keys, q and p along the path, the weights ``w_i``; by :func:`positive_part_mass`."""
+    idx = torch.tensor(rows, device=key.device)
+    w = torch.tensor(weights, dtype=torch.float64, device=key.device)
+    # A contiguous run of nodes (the usual case) is a slice: no gather copies.
+    pick = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else idx
+    return positive_part_mass(key[pick], q[pick].double(), p[pick].double(), w, RowsOf(law, idx)).tolist()
+
+
+def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row: int) -> Tensor:
+    """BV's correction distribution ``norm((w p - law)+)`` at node ``row`` of a rank law: (V,) key, q,
+    p -> (V,) float64, ranking only the tokens that can carry residual mass.
+
+    ``law = q R(W, q)`` with ``R >= r_min`` (``R`` at ``W = 0``): a token with ``w key <= r_min`` has
+    ``w p <= law``, no residual mass. Those tokens rank below all the others (a smaller key), so only
+    the others -- the candidates -- need ranking, and their ``W`` is the non-candidates' mass plus
+    their own ranks'.
+    """
+    p64 = p.double()
+    node = torch.full((1,), row, device=key.device)
+    r_min = law.ratio_bounds(node, torch.zeros((), dtype=torch.float64, device=key.device),
+                             torch.ones((), dtype=torch.float64, device=key.device))[0]
+    is_candidate = w * key.double() > r_min
+    candidates = is_candidate.nonzero().squeeze(-1)
+    q_c = q[candidates].double()
+    below_c = mass_below_rows(key[candidates].unsqueeze(0), q_c.unsqueeze(0))[0]
+    outside = torch.where(is_candidate, 0.0, q.double()).sum()  # all ranked below the candidates
+    law_c = law.token_law(node.expand_as(q_c), below_c + outside, q_c)
+    dist = torch.zeros_like(p64).index_put_((candidates,), (w * p64[candidates] - law_c).clamp_min(0.0))
+    return normalize_or(dist, p64)
+
+
+def approx_mass_below_rows(key: Tensor, q64: Tensor) -> Tensor:
+    """``W(y)`` for every token, without a sort: (N, V) keys, (N, V) float64 q -> (N, V) float64.
+
+    Rows with ``V >= BUCKET_MIN_VOCAB`` are bucketed as in :func:`positive_part_mass`: a token's
+    ``W`` is the q-mass of the buckets below its own plus half the rest of its bucket, exact for a
+    token alone in its bucket (every token whose key is more than 1/16 away from all others') and
+    within half its bucket's mass otherwise. Smaller rows are ranked exactly
+    (:func:`mass_below_rows`). For gbv-adaptive's node weights only, which may be any function of the
+    node's rows (losslessness does not depend on them; only the acceptance does).
+    """
+    rows, vocab = key.shape
+    if vocab < BUCKET_MIN_VOCAB:
+        return mass_below_rows(key, q64)
+    flat = (key.float() + 0.0).view(torch.int32).clamp_min_(0).bitwise_right_shift_(_BUCKET_SHIFT)
+    flat.add_(torch.arange(rows, dtype=torch.int32, device=key.device).unsqueeze(-1) * _NUM_BUCKETS)
+    mass = torch.bincount(flat.reshape(-1), weights=q64.reshape(-1), minlength=rows * _NUM_BUCKETS)
+    mass = mass.reshape(rows, _NUM_BUCKETS)
+    below = torch.cat([mass.new_zeros(rows, 1), mass.cumsum(-1)[:, :-1]], dim=-1)  # worst first
+    # W = below_b + (mass_b - q) / 2, gathered by bucket id.
+    centre = (below + 0.5 * mass).reshape(-1)
+    return centre.index_select(0, flat.reshape(-1)).reshape(rows, vocab).sub_(q64, alpha=0.5)

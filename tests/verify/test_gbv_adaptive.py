@@ -144,3 +144,79 @@ def test_published_gbv_is_lossless_where_at_most_one_token_has_p_above_q():
     section 10 example (one such token) the published code is lossless and equals our GBV."""
     check_same_law(published_gbv, verify_gbv, context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, 3))
 
+
+
+# ---------------------------------------------------------------------- the node weight, and large vocabularies
+def _one_step_acceptance(p64, q64, below, n, lam):
+    """F(lam) = sum_x min(p_x, (1 - lam) q_x + lam g_n(x)), directly from its definition."""
+    g = gbv_adaptive.greedy_step_law(below, q64, n)
+    return torch.minimum(p64, (1.0 - lam) * q64 + lam * g).sum()
+
+
+@pytest.mark.parametrize("vocab,seed", [(5, 0), (50, 1), (2000, 2), (32768, 3)])
+def test_node_weight_is_the_smallest_maximiser(vocab, seed):
+    """The binned breakpoint search finds what a brute force over every breakpoint finds: the largest
+    F (to rounding) and, among the maximisers, the smallest weight."""
+    gen = torch.Generator().manual_seed(seed)
+    q_logits = 2.0 * torch.randn(vocab, generator=gen, dtype=torch.float64)
+    q64 = torch.softmax(q_logits, -1)
+    p64 = torch.softmax(q_logits + torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
+    key = p64 / q64
+    below = torch.zeros_like(q64)
+    order = torch.sort(-key, stable=True).indices.flip(-1)  # worst first
+    below[order] = torch.cat([q64.new_zeros(1), q64[order].cumsum(0)[:-1]])
+    lams = gbv_adaptive.node_weights(p64, q64, below, 4)
+    assert lams[:2] == [0.0, 0.0]
+    for n in (2, 3, 4):
+        d = gbv_adaptive.greedy_step_law(below, q64, n) - q64
+        t = (p64 - q64) / d
+        candidates = torch.cat([torch.tensor([0.0, 1.0], dtype=torch.float64), t[(t > 0) & (t < 1)]])
+        values = torch.stack([_one_step_acceptance(p64, q64, below, n, c) for c in candidates.tolist()])
+        best = values.max()
+        ours = _one_step_acceptance(p64, q64, below, n, lams[n])
+        assert ours >= best - 1e-12, (n, float(best - ours))
+        smallest = candidates[values >= best - 1e-12].min()
+        assert lams[n] == pytest.approx(float(smallest), abs=1e-9), n
+
+
+def test_weight_of_an_equal_draft_is_zero():
+    q64 = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    below = torch.tensor([0.5, 0.2, 0.0], dtype=torch.float64)
+    assert gbv_adaptive.node_weights(q64.clone(), q64, below, 4) == [0.0] * 5
+
+
+def _coarse_buckets(monkeypatch) -> None:
+    """Bucket every vocabulary, in buckets of a key ratio up to 2^16 (3 exponent bits), so that tiny
+    instances have several tokens per bucket: their W from buckets is then approximate."""
+    from gbv.verify import ranking
+
+    monkeypatch.setattr(ranking, "BUCKET_MIN_VOCAB", 0)
+    monkeypatch.setattr(ranking, "_BUCKET_SHIFT", 27)
+    monkeypatch.setattr(ranking, "_NUM_BUCKETS", (0x7F800000 >> 27) + 1)
+
+
+@pytest.mark.parametrize("vocab,length,num_paths,kind", [(3, 2, 2, "dirichlet"), (3, 2, 3, "mixed"),
+                                                         (2, 3, 3, "truncated"), (4, 2, 2, "sharp")])
+def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, length, num_paths, kind):
+    """The large-vocabulary code (node weights from bucketed ranks, bucketed residual masses), forced
+    on tiny instances and proven lossless by the same exact enumeration; a weight that is not the
+    exact maximiser changes the acceptance, never the law."""
+    from test_lossless import law_error
+
+    _coarse_buckets(monkeypatch)
+    inst = random_instance(vocab, length, num_paths, 7, kind)
+    assert law_error(verify_gbv_adaptive, inst, num_paths) < 1e-9
+
+
+def test_bucketed_ranks_in_the_law_are_caught(monkeypatch):
+    """Negative control of the test above: using the bucketed (approximate) W in the law of the
+    selected path, instead of only in the weights, is lossy and the same check sees it."""
+    from gbv.verify import ranking
+    from test_lossless import law_error
+
+    _coarse_buckets(monkeypatch)
+    monkeypatch.setattr(gbv_adaptive, "mass_below", lambda key, q64, tokens: ranking.approx_mass_below_rows(
+        key, q64).gather(-1, tokens.reshape(-1, 1)).squeeze(-1))
+    errors = [law_error(verify_gbv_adaptive, random_instance(v, l, k, 7, kind), k)
+              for v, l, k, kind in [(3, 2, 2, "dirichlet"), (3, 2, 3, "mixed"), (4, 2, 2, "sharp")]]
+    assert max(errors) > 1e-6, errors
