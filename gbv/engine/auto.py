@@ -36,6 +36,11 @@ _MIN_TRIALS = 2
 _BONUS = 0.15
 # Weight, in trials, of the family's fitted cost line in an arm's seconds per iteration.
 _PRIOR_TRIALS = 5.0
+# Weight, in iterations, of the rate of the depth above in a depth's acceptance rate. Without it one
+# early rejection at depth d (1 of 2 tries) set P(accepted >= d) to 0 for every longer block of the
+# family, and UCB's bonus was too small to try them again: in replays of measured traces (40 prompts,
+# 12 arms) the worst runs fell to 0.69x the best arm, and to 0.88-0.91x with this prior.
+_PRIOR_DEPTH_TRIALS = 4.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class AutoPolicy:
         self.trials = [0.0] * len(arms)  # decayed counts
         self.runs = [0] * len(arms)  # plain counts
         self.acceptance: dict[tuple[str, int], _Acceptance] = {}
+        self._lines: dict[tuple[str, int], tuple[float, float] | None] = {}  # cost lines, per family
         for arm in self.arms:
             if arm.method != "ar":
                 family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
@@ -105,19 +111,31 @@ class AutoPolicy:
         arm = self.arms[index]
         if arm.method == "ar":
             return own
-        points = [(a.block_len, self.seconds[i] / self.trials[i], self.trials[i]) for i, a in enumerate(self.arms)
-                  if (a.method, a.num_paths) == (arm.method, arm.num_paths) and self.trials[i] > 0]
-        weight = sum(w for _, _, w in points)
-        mean_l = sum(w * length for length, _, w in points) / weight
-        spread = sum(w * (length - mean_l) ** 2 for length, _, w in points)
-        if spread <= 0.0:
+        line = self._cost_line(arm.method, arm.num_paths)
+        if line is None:
             return own
-        mean_s = sum(w * sec for _, sec, w in points) / weight
-        slope = sum(w * (length - mean_l) * (sec - mean_s) for length, sec, w in points) / spread
-        fitted = mean_s + slope * (arm.block_len - mean_l)
+        fitted = line[0] + line[1] * arm.block_len
         if fitted <= 0.0:
             return own
         return (self.trials[index] * own + _PRIOR_TRIALS * fitted) / (self.trials[index] + _PRIOR_TRIALS)
+
+    def _cost_line(self, method: str, num_paths: int) -> tuple[float, float] | None:
+        """``(a, b)`` of the weighted least-squares line ``seconds = a + b L`` over the tried arms of a
+        family (None with fewer than two block lengths). Cached until the next :meth:`record`."""
+        family = (method, num_paths)
+        if family not in self._lines:
+            points = [(a.block_len, self.seconds[i] / self.trials[i], self.trials[i]) for i, a in enumerate(self.arms)
+                      if (a.method, a.num_paths) == family and self.trials[i] > 0]
+            weight = sum(w for _, _, w in points)
+            mean_l = sum(w * length for length, _, w in points) / weight
+            spread = sum(w * (length - mean_l) ** 2 for length, _, w in points)
+            line = None
+            if spread > 0.0:
+                mean_s = sum(w * sec for _, sec, w in points) / weight
+                slope = sum(w * (length - mean_l) * (sec - mean_s) for length, sec, w in points) / spread
+                line = (mean_s - slope * mean_l, slope)
+            self._lines[family] = line
+        return self._lines[family]
 
     def rate(self, index: int) -> float:
         if self.seconds[index] <= 0:
@@ -143,6 +161,7 @@ class AutoPolicy:
         self.seconds[index] = self.seconds[index] * _DECAY + max(seconds, 1e-9)
         self.trials[index] = self.trials[index] * _DECAY + 1.0
         self.runs[index] += 1
+        self._lines.clear()
         arm = self.arms[index]
         if arm.method != "ar":
             self.acceptance[(arm.method, arm.num_paths)].record(min(tokens - 1, arm.block_len), arm.block_len)
@@ -179,14 +198,16 @@ class _Acceptance:
                 self.kept[depth] += 1.0
 
     def expected_tokens(self, block_len: int) -> float | None:
-        """``1 + sum_{d <= L} prod_{j <= d} kept[j] / tried[j]``. A depth no iteration has reached yet
-        continues at the rate of the deepest one observed; None before any observation."""
+        """``1 + sum_{d <= L} prod_{j <= d} rate_j``, ``rate_j = (kept[j] + c rate_{j-1}) / (tried[j] + c)``
+        with ``c = _PRIOR_DEPTH_TRIALS``, ``rate_0 = 1``: each depth's rate is shrunk towards the one
+        above it, so a depth seen a few times (or never) continues near the rate of the shallower
+        depths instead of at 0 or 1; None before any observation."""
         if self.tried[1] <= 0.0:
             return None
         expected, reach, rate = 1.0, 1.0, 1.0
         for depth in range(1, block_len + 1):
-            if self.tried[depth] > 0.0:
-                rate = self.kept[depth] / self.tried[depth]
+            # Shrunk towards the rate of the depth above (the carried-forward estimate).
+            rate = (self.kept[depth] + _PRIOR_DEPTH_TRIALS * rate) / (self.tried[depth] + _PRIOR_DEPTH_TRIALS)
             reach *= rate
             expected += reach
         return expected

@@ -85,3 +85,16 @@ def test_policy_pools_acceptance_so_unlucky_first_trials_do_not_bury_a_long_bloc
         policy.record(index, accepted + 1, 0.010 + 0.002 * arm.block_len)
     assert chosen[-100:].count(2) >= 90
     assert policy.best() == arms[2]
+
+
+def test_one_early_rejection_does_not_zero_the_deeper_depths():
+    """Two tries stopped at depth 3 (blocks of 8 accepting 2) must not make P(accepted >= 3) zero for
+    the whole family: the rate at depth 3 is shrunk towards the rate above it (all accepted), so a block
+    of 8 still expects more than the 3 tokens it made so far (a raw 0/2 rate gives exactly 3)."""
+    arms = [auto.Arm("block", 1, 2), auto.Arm("block", 1, 8)]
+    policy = auto.AutoPolicy(arms)
+    for _ in range(2):
+        policy.record(0, 3, 0.010)  # L = 2, whole block accepted
+        policy.record(1, 3, 0.020)  # L = 8, accepted 2, rejected at depth 3
+    assert policy.expected_tokens(1) > 4.0
+    assert policy.expected_tokens(0) == pytest.approx(3.0, abs=0.01)

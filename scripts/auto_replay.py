@@ -1,0 +1,132 @@
+"""Tune and check ``method="auto"`` offline: record every arm's iterations, then replay the policy.
+
+    python scripts/auto_replay.py collect traces.json --prompts 10 --temperature 0.2,1.0   # ~7 min, 1 thread
+    python scripts/auto_replay.py replay traces.json --seeds 40
+
+``collect`` runs each arm of :func:`gbv.engine.auto.default_arms` as a fixed choice on the bundled pair
+(N GSM8K + N HumanEval prompts, 128 tokens, EOS off; arms round-robin per prompt) and stores every
+iteration's (tokens committed, seconds), in order, per arm and prompt.
+
+``replay`` runs :class:`gbv.engine.auto.AutoPolicy` over those traces instead of the models: each
+simulated prompt replays one recorded prompt, and each arm's iterations come in the order they were
+recorded, so the hard stretches of a prompt stay together (as they do for the real policy). It
+reports the policy's tokens/s over 40 prompts as a share of the best arm's, median and worst over
+the seeds (prompt orders): the policy's exploration and its wrong turns, without the noise of a
+model run. The model benchmark (scripts/bench_engine.py) remains the measurement that counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+
+from gbv.engine import auto
+
+
+def collect(args) -> None:
+    import torch
+
+    from gbv.data import load_prompts
+    from gbv.engine.generate import generate
+    from gbv.models.loading import load_pair
+
+    torch.set_num_threads(1)
+    pair = load_pair("bundled", dtype="float32")
+    ids = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
+           + load_prompts("humaneval", args.prompts)]
+    arms = auto.default_arms(False, True)
+    forced, log = {"index": 0}, []
+
+    class Forced(auto.AutoPolicy):
+        """Always the forced arm (``ar`` where its block no longer fits); logs that arm's iterations."""
+
+        def choose(self, max_block=None):
+            index = forced["index"]
+            return 0 if max_block is not None and self.arms[index].block_len > max_block else index
+
+        def record(self, index, tokens, seconds):
+            if index == forced["index"]:
+                log.append((tokens, seconds))
+
+    auto.AutoPolicy = Forced  # policy_for builds the policies of the runs below
+    traces = {}
+    for temperature in [float(t) for t in args.temperature.split(",")]:
+        generate(pair, prompt_ids=ids[0], method="auto", temperature=temperature, max_new_tokens=16, eos_token_id=[])
+        per_arm = {arm.label: [] for arm in arms}
+        for seed, prompt_ids in enumerate(ids):
+            for index, arm in enumerate(arms):
+                forced["index"] = index
+                log.clear()
+                generate(pair, prompt_ids=prompt_ids, method="auto", temperature=temperature,
+                         max_new_tokens=args.max_new_tokens, eos_token_id=[], seed=seed)
+                per_arm[arm.label].append(list(log))
+            print(f"T={temperature}: prompt {seed + 1}/{len(ids)}", file=sys.stderr)
+        traces[str(temperature)] = per_arm
+    with open(args.file, "w") as f:
+        json.dump({"arms": [vars(arm) for arm in arms], "max_new_tokens": args.max_new_tokens, "traces": traces}, f)
+
+
+def simulate(arms: list[auto.Arm], traces: dict, prompts: int, max_new: int, seed: int) -> float:
+    """Tokens/s of a fresh policy over ``prompts`` replayed prompts."""
+    rnd = random.Random(seed)
+    policy = auto.AutoPolicy(arms)
+    recorded = len(traces[arms[0].label])
+    order = list(range(recorded))
+    rnd.shuffle(order)
+    total_tokens, total_seconds = 0, 0.0
+    longest = max(arm.block_len for arm in arms)
+    for n in range(prompts):
+        source = order[n] if n < recorded else rnd.randrange(recorded)
+        position = {arm.label: 0 for arm in arms}
+        made = 0
+        while made < max_new:
+            room = max_new - made - 1  # as in generate: the block must leave room for its bonus token
+            index = policy.choose(room if room < longest else None)
+            label = arms[index].label
+            trace = traces[label][source]
+            tokens, seconds = trace[position[label] % len(trace)]
+            position[label] += 1
+            policy.record(index, tokens, seconds)
+            made += tokens
+            total_tokens += tokens
+            total_seconds += seconds
+    return total_tokens / total_seconds
+
+
+def replay(args) -> None:
+    with open(args.file) as f:
+        data = json.load(f)
+    arms = [auto.Arm(**arm) for arm in data["arms"]]
+    for temperature, traces in data["traces"].items():
+        rates = {arm.label: sum(t for prompt in traces[arm.label] for t, _ in prompt)
+                 / sum(s for prompt in traces[arm.label] for _, s in prompt) for arm in arms}
+        best = max(rates, key=rates.get)
+        shares = sorted(simulate(arms, traces, args.prompts, data["max_new_tokens"], seed) / rates[best]
+                        for seed in range(args.seeds))
+        top = ", ".join(f"{label} {rate:.0f}" for label, rate in sorted(rates.items(), key=lambda kv: -kv[1])[:4])
+        print(f"T={temperature}: auto = {statistics.median(shares):.3f}x the best arm (median of {args.seeds}), "
+              f"10th percentile {shares[len(shares) // 10]:.3f}x, worst {shares[0]:.3f}x; "
+              f"arms (tokens/s): {top}, ar {rates['ar']:.0f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect", help="record every arm's iterations on the bundled pair")
+    c.add_argument("file")
+    c.add_argument("--prompts", type=int, default=10, help="GSM8K and HumanEval prompts each (default 10)")
+    c.add_argument("--temperature", default="0.2,1.0")
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    r = sub.add_parser("replay", help="replay the auto policy over recorded traces")
+    r.add_argument("file")
+    r.add_argument("--seeds", type=int, default=40)
+    r.add_argument("--prompts", type=int, default=40, help="prompts per replayed run (default 40)")
+    args = parser.parse_args(argv)
+    collect(args) if args.command == "collect" else replay(args)
+
+
+if __name__ == "__main__":
+    main()
