@@ -19,8 +19,12 @@ q-mass ranked below a token) is :mod:`gbv.verify.ranking`, shared with GBV. Per 
   ``a(k) <- sum_n a(n) M_n(s, k)``, ``M_n = lam_n Kg_n + (1 - lam_n) Ku_n``;
 - ``q_A(y) = q_y sum_n abar(n) (lam_n S_n(W_y + q_y, W_y) + 1 - lam_n)``, ``abar = a / sum(a)``.
 
-Cost per node: one ranking of the row (the weight needs ``g_n`` at every token) and O(K^2 V) for the
-weights and the law. All arithmetic of the law is float64.
+Cost per node: O(K V) elementwise work and no sort of the row. The weight needs ``g_n``, hence ``W``, at
+every token: from V = 4096 up it takes ``W`` from key buckets
+(:func:`gbv.verify.ranking.approx_mass_below_rows`), and its breakpoint search bins the breakpoints
+(:func:`node_weights`). The law of the selected path uses exact ranks only. Its on-path ``W`` is one
+masked sum. BV's residual masses and correction row share GBV's bucketed and candidate-only code, and
+any weight keeps the method lossless. All arithmetic of the law is float64.
 """
 
 from __future__ import annotations
@@ -70,8 +74,7 @@ def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> lis
     for row in range(rows_k):
         x_pow = x_pow * x
         s_n = torch.addcmul(x_pow, s_n, below, out=d[row])  # S_{n+1} = W S_n + x^n
-    d_rows = d.clone().sub_(1.0).mul_(q64)  # (K-1, V); d keeps S_n for nothing else: reuse below
-    d = d_rows
+    d.sub_(1.0).mul_(q64)  # (K-1, V): the S_n rows become d_n (the loop is done reading them)
     diff = p64 - q64
     # Right slope at 0: d where p > q (either sign of d), plus min(d, 0) where p = q. As matrix-vector
     # products with 0/1 columns: one pass over d each (p = q exactly is rare but real: p = q rows).
