@@ -97,6 +97,8 @@ def simulate(arms: list[auto.Arm], traces: dict, prompts: int, max_new: int, see
 
 
 def replay(args) -> None:
+    if args.depth_prior is not None:
+        auto._PRIOR_DEPTH_TRIALS = args.depth_prior
     with open(args.file) as f:
         data = json.load(f)
     arms = [auto.Arm(**arm) for arm in data["arms"]]
@@ -124,6 +126,8 @@ def main(argv=None) -> None:
     r.add_argument("file")
     r.add_argument("--seeds", type=int, default=40)
     r.add_argument("--prompts", type=int, default=40, help="prompts per replayed run (default 40)")
+    r.add_argument("--depth-prior", type=float, default=None,
+                   help="override auto._PRIOR_DEPTH_TRIALS (1e-9 replays the rule without the prior)")
     args = parser.parse_args(argv)
     collect(args) if args.command == "collect" else replay(args)
 
