@@ -215,16 +215,9 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
         row_ids = torch.arange(rows, device=key.device).unsqueeze(-1)
         law_rows = law.token_law(row_ids, mass_below_rows(key, q64), q64)
         return (scale.reshape(-1, 1).to(torch.float64) * p64 - law_rows).clamp_min(0.0).sum(-1)
-    # One full-size temporary, then in place: + 0.0 maps -0.0 to +0.0, clamp puts ZERO_ZERO_KEY (-1) in
-    # bucket 0; int32 all the way (bincount and index_select take it). Fresh full-size tensors are
-    # what costs most here on CPU (page faults), so each step reuses the buffer.
-    flat = (key.float() + 0.0).view(torch.int32).clamp_min_(0).bitwise_right_shift_(_BUCKET_SHIFT)
-    flat.add_(torch.arange(rows, dtype=torch.int32, device=key.device).unsqueeze(-1) * _NUM_BUCKETS)
-    mass = torch.bincount(flat.reshape(-1), weights=q64.reshape(-1), minlength=rows * _NUM_BUCKETS)
-    mass = mass.reshape(rows, _NUM_BUCKETS)
+    flat, mass, below = _key_buckets(key, q64)
     target = torch.bincount(flat.reshape(-1), weights=p64.reshape(-1), minlength=rows * _NUM_BUCKETS)
     target = target.reshape(rows, _NUM_BUCKETS)
-    below = torch.cat([mass.new_zeros(rows, 1), mass.cumsum(-1)[:, :-1]], dim=-1)  # worst first
     row_ids = torch.arange(rows, device=key.device).unsqueeze(-1)  # broadcasts against the buckets
     ratio_lo, ratio_hi = law.ratio_bounds(row_ids, below, below + mass)
     edges = (torch.arange(_NUM_BUCKETS + 1, dtype=torch.int64) << _BUCKET_SHIFT).clamp_max(0x7F800000)
@@ -245,6 +238,25 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
     if bool(unsettled.any()):
         result = result + _unsettled_buckets(key, q64, p64, s, law, flat, unsettled.reshape(-1), below.reshape(-1))
     return result
+
+
+def _key_buckets(key: Tensor, q64: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each token's key bucket and the buckets' q-masses: (N, V) keys and float64 q -> ``flat`` (N, V)
+    int32 bucket ids, offset by ``row * _NUM_BUCKETS`` so that one ``bincount`` serves all rows; ``mass``
+    (N, buckets), and ``below`` (N, buckets), the q-mass of the buckets ranked below each one.
+
+    A bucket is a range of the key's float32 bits, so it is a contiguous run of the order.
+    """
+    rows = key.shape[0]
+    # One full-size temporary, then in place: + 0.0 maps -0.0 to +0.0, clamp puts ZERO_ZERO_KEY (-1) in
+    # bucket 0; int32 all the way (bincount and index_select take it). Fresh full-size tensors are
+    # what costs most here on CPU (page faults), so each step reuses the buffer.
+    flat = (key.float() + 0.0).view(torch.int32).clamp_min_(0).bitwise_right_shift_(_BUCKET_SHIFT)
+    flat.add_(torch.arange(rows, dtype=torch.int32, device=key.device).unsqueeze(-1) * _NUM_BUCKETS)
+    mass = torch.bincount(flat.reshape(-1), weights=q64.reshape(-1), minlength=rows * _NUM_BUCKETS)
+    mass = mass.reshape(rows, _NUM_BUCKETS)
+    below = torch.cat([mass.new_zeros(rows, 1), mass.cumsum(-1)[:, :-1]], dim=-1)  # worst first
+    return flat, mass, below
 
 
 def _unsettled_buckets(key: Tensor, q64: Tensor, p64: Tensor, s: Tensor, law: RankLaw, flat: Tensor,
@@ -334,11 +346,7 @@ def approx_mass_below_rows(key: Tensor, q64: Tensor) -> Tensor:
     rows, vocab = key.shape
     if vocab < BUCKET_MIN_VOCAB:
         return mass_below_rows(key, q64)
-    flat = (key.float() + 0.0).view(torch.int32).clamp_min_(0).bitwise_right_shift_(_BUCKET_SHIFT)
-    flat.add_(torch.arange(rows, dtype=torch.int32, device=key.device).unsqueeze(-1) * _NUM_BUCKETS)
-    mass = torch.bincount(flat.reshape(-1), weights=q64.reshape(-1), minlength=rows * _NUM_BUCKETS)
-    mass = mass.reshape(rows, _NUM_BUCKETS)
-    below = torch.cat([mass.new_zeros(rows, 1), mass.cumsum(-1)[:, :-1]], dim=-1)  # worst first
+    flat, mass, below = _key_buckets(key, q64)
     # W = below_b + (mass_b - q) / 2, gathered by bucket id.
     centre = (below + 0.5 * mass).reshape(-1)
     return centre.index_select(0, flat.reshape(-1)).reshape(rows, vocab).sub_(q64, alpha=0.5)
