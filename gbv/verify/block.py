@@ -1,16 +1,14 @@
 """Block verification, BV (Sun et al., ICLR 2025), one path. SPEC section 2.
 
 BV decides the accepted length jointly for the whole block instead of token by token, which is
-optimal for a single path. The rule's arithmetic -- the path weights ``w_i`` (:func:`path_weights`)
-and the stop probabilities ``h_i`` (:func:`stop_probabilities`) -- is written once; two drivers run it:
+optimal for a single path. Two forms of the same rule:
 
-- :func:`block_verify_on_device` (``block`` itself, and GBV with K = 1): full rows on the inputs'
-  device, one host read per verify call (the stop decisions are independent coins drawn at once, the
-  next token by inverse CDF);
-- :func:`block_verify_core` (the last step of GBV and gbv-adaptive, :mod:`gbv.verify.gbv`): given only
-  the on-path ratios and callbacks for the residual masses and the correction row, so that the
-  skewed law ``q_G`` is never built as full rows; the stop decisions are drawn one by one from
-  ``i = L`` down (the same law as the coins: ``P(tau = i) = h_i prod_{j > i} (1 - h_j)`` either way).
+- :func:`block_verify_on_device` (``block`` itself, and GBV with K = 1): tensor code on the inputs'
+  device with full rows, one host read per verify call (the stop decisions are independent coins
+  drawn at once, the next token by inverse CDF);
+- :func:`block_verify_core` (the last step of GBV and gbv-adaptive, :mod:`gbv.verify.gbv`): host
+  floats, given only the on-path ratios and callbacks for the residual masses and the correction
+  row, so that the skewed law ``q_G`` is never built as full rows.
 
 Both are proven lossless by the same exact enumeration (tests/verify), and GBV with one path, which
 runs the first form, equals BV.
@@ -33,29 +31,6 @@ ResidualMasses = Callable[[list[int], list[float]], list[float]]
 ResidualDist = Callable[[int, float], Tensor]
 
 
-def path_weights(ratios: Tensor) -> Tensor:
-    """``w_0 .. w_L``: ``w_0 = 1``, ``w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i))``. (L,) float64 -> (L+1,).
-
-    One step at a time, so that ``w`` is exactly 1 wherever the running product reaches 1 (a
-    cumulative closed form would round there)."""
-    weights = [torch.ones((), dtype=torch.float64, device=ratios.device)]
-    for i in range(ratios.shape[0]):
-        weights.append(torch.clamp(weights[-1] * ratios[i], max=1.0))
-    return torch.stack(weights)
-
-
-def stop_probabilities(weights: Tensor, residual_masses: Tensor) -> Tensor:
-    """``h_1 .. h_L`` from the weights (L+1,) and the residual masses ``r_1 .. r_{L-1}`` (L-1,): ``h_i =
-    r_i / (r_i + (1 - w_i))`` for ``i < L`` (1 on 0 / 0), ``h_L = w_L``. float64, (L,).
-
-    ``r + (1 - w)``, not ``r + 1 - w``: with ``w = 1`` this is exactly ``r / r = 1`` (no 1 - 2e-16
-    branch), and where ``w_i = 1`` the mass is not needed at all (``r_i = 0`` gives ``h_i = 1`` too)."""
-    block_len = weights.shape[0] - 1
-    denom = residual_masses + (1.0 - weights[1:block_len])
-    h = torch.where(denom > 0, residual_masses / torch.where(denom > 0, denom, 1.0), 1.0)
-    return torch.cat([h, weights[block_len:]])
-
-
 def block_verify_core(ratios: list[float], residual_masses: ResidualMasses, residual_dist: ResidualDist,
                       bonus: Tensor, rng: RandomSource) -> tuple[int, int]:
     """BV (SPEC section 2) given only what it needs of the rows.
@@ -70,14 +45,18 @@ def block_verify_core(ratios: list[float], residual_masses: ResidualMasses, resi
         ``(accepted_len, next_token)``.
     """
     block_len = len(ratios)
-    weights_t = path_weights(torch.tensor(ratios, dtype=torch.float64))
-    weights = weights_t.tolist()
+    # w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), w_0 = 1.
+    weights = [1.0]
+    for ratio in ratios:
+        weights.append(min(1.0, weights[-1] * ratio))
     needed = [i for i in range(1, block_len) if weights[i] < 1.0]
-    masses = torch.zeros(max(block_len - 1, 0), dtype=torch.float64)
-    if needed:
-        masses[[i - 1 for i in needed]] = torch.tensor(residual_masses(needed, [weights[i] for i in needed]),
-                                                       dtype=torch.float64)
-    stop_probs = [1.0] + stop_probabilities(weights_t, masses).tolist()  # index i = h_i, i = 1..L
+    r = dict(zip(needed, residual_masses(needed, [weights[i] for i in needed]))) if needed else {}
+    stop_probs = [1.0] * (block_len + 1)  # h_i, index i = 1..L
+    stop_probs[block_len] = weights[block_len]
+    for i in needed:
+        # r + (1 - w), not r + 1 - w: with w = 1 this gives exactly r / r = 1 (no 1 - 2e-16 branch).
+        denom = r[i] + (1.0 - weights[i])
+        stop_probs[i] = 1.0 if denom <= 0.0 else r[i] / denom
     accepted_len = 0
     for i in range(block_len, 0, -1):
         if rng.accept(stop_probs[i]):
@@ -105,11 +84,19 @@ def block_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: 
     """
     block_len = tokens.shape[0]
     ratios = on_path_probs(p_path[:block_len], tokens).double() / on_path_probs(q_path, tokens).double()
-    w = path_weights(ratios)  # (L+1,)
+    # w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), w_0 = 1, one step at a time so that w is exactly 1
+    # wherever the running product reaches 1 (a cumulative closed form would round there).
+    weights = [torch.ones((), dtype=torch.float64, device=p_path.device)]
+    for i in range(block_len):
+        weights.append(torch.clamp(weights[-1] * ratios[i], max=1.0))
+    w = torch.stack(weights)  # (L+1,)
     # Residual masses r_i = sum_x (w_i p_i(x) - q_i(x))+ for 1 <= i < L, all positions at once.
     w_cast = w.to(p_path.dtype)
     r = (w_cast[1:block_len, None] * p_path[1:block_len] - q_path[1:block_len]).clamp_min(0.0).sum(-1).double()
-    stop_probs = stop_probabilities(w, r)  # h_1 .. h_L
+    # h_i = r / (r + (1 - w)): with w = 1 this is exactly r / r = 1 (no 1 - 2e-16 branch); 1 on 0 / 0.
+    denom = r + (1.0 - w[1:block_len])
+    h = torch.where(denom > 0, r / torch.where(denom > 0, denom, 1.0), 1.0)
+    stop_probs = torch.cat([h, w[block_len:]])  # h_1 .. h_L
     depths = torch.arange(1, block_len + 1, device=p_path.device)
     accepted_len = torch.where(rng.coins(stop_probs), depths, 0).max()
     # Next token: p_L after a full block, else norm((w_tau p_tau - q_tau)+); the q row is zeroed at tau = L.

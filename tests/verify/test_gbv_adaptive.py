@@ -153,18 +153,22 @@ def _one_step_acceptance(p64, q64, below, n, lam):
     return torch.minimum(p64, (1.0 - lam) * q64 + lam * g).sum()
 
 
-@pytest.mark.parametrize("vocab,seed", [(5, 0), (50, 1), (2000, 2), (32768, 3)])
-def test_node_weight_is_the_smallest_maximiser(vocab, seed):
-    """The binned breakpoint search finds what a brute force over every breakpoint finds: the largest
-    F (to rounding) and, among the maximisers, the smallest weight."""
+def _node_rows(vocab: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     q_logits = 2.0 * torch.randn(vocab, generator=gen, dtype=torch.float64)
     q64 = torch.softmax(q_logits, -1)
     p64 = torch.softmax(q_logits + torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
-    key = p64 / q64
     below = torch.zeros_like(q64)
-    order = torch.sort(-key, stable=True).indices.flip(-1)  # worst first
+    order = torch.sort(-(p64 / q64), stable=True).indices.flip(-1)  # worst first
     below[order] = torch.cat([q64.new_zeros(1), q64[order].cumsum(0)[:-1]])
+    return p64, q64, below
+
+
+@pytest.mark.parametrize("vocab,seed", [(5, 0), (50, 1), (2000, 2)])
+def test_node_weight_is_the_smallest_maximiser(vocab, seed):
+    """The binned breakpoint search finds what a brute force over every breakpoint finds: the largest
+    F (to rounding) and, among the maximisers, the smallest weight."""
+    p64, q64, below = _node_rows(vocab, seed)
     lams = gbv_adaptive.node_weights(p64, q64, below, 4)
     assert lams[:2] == [0.0, 0.0]
     for n in (2, 3, 4):
@@ -177,6 +181,26 @@ def test_node_weight_is_the_smallest_maximiser(vocab, seed):
         assert ours >= best - 1e-12, (n, float(best - ours))
         smallest = candidates[values >= best - 1e-12].min()
         assert lams[n] == pytest.approx(float(smallest), abs=1e-9), n
+
+
+@pytest.mark.parametrize("vocab,seed", [(4096, 3), (32768, 4)])
+def test_node_weight_matches_a_full_sort_of_the_breakpoints(vocab, seed):
+    """At real vocabulary sizes (too many breakpoints for the brute force): the first breakpoint where
+    the slope of F stops being positive, from a full sort of all breakpoints and a running sum."""
+    p64, q64, below = _node_rows(vocab, seed)
+    lams = gbv_adaptive.node_weights(p64, q64, below, 4)
+    diff = p64 - q64
+    for n in (2, 3, 4):
+        d = gbv_adaptive.greedy_step_law(below, q64, n) - q64
+        slope0 = float(torch.where(((d > 0) & (diff > 0)) | ((d < 0) & (diff >= 0)), d, 0.0).sum())
+        t = diff / d
+        events = (t > 0) & (t < 1)
+        t_sorted, order = torch.sort(t[events])
+        reached = (slope0 - d[events].abs()[order].cumsum(0)) <= 0.0
+        expected = 0.0 if slope0 <= 0 else (float(t_sorted[reached.nonzero()[0, 0]]) if reached.any() else 1.0)
+        assert lams[n] == pytest.approx(expected, abs=1e-12), n
+        ours, ref = (_one_step_acceptance(p64, q64, below, n, lam) for lam in (lams[n], expected))
+        assert float(ours) == pytest.approx(float(ref), abs=1e-12)
 
 
 def test_weight_of_an_equal_draft_is_zero():
