@@ -94,7 +94,7 @@ class AutoPolicy:
 
     def expected_tokens(self, index: int) -> float:
         """Tokens per iteration: 1 for ``ar``; else ``1 + sum_d P(accepted >= d)`` from the pooled
-        acceptance of the arm's family (the arm's own mean while a depth has no observation)."""
+        acceptance of the arm's family (the arm's own mean before the family has any observation)."""
         arm = self.arms[index]
         if arm.method == "ar":
             return 1.0

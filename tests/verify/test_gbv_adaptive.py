@@ -21,10 +21,12 @@ from gbv.verify.block import block_verify_path, verify_block
 from gbv.verify.common import VerifyResult, check_shapes
 from gbv.verify.gbv import SkewedLaw, path_walk, verify_gbv
 from gbv.verify.gbv_adaptive import verify_gbv_adaptive
+from gbv.verify import ranking
 from gbv.verify.ranking import best_token
 
 from exact_checks import (check_reference_value, check_same_law, max_error_on_negative_set,
                           tuple_inputs, verifier_fixture)
+from test_lossless import law_error
 # The exact checks shared with the other multi-path verifiers, collected here as this file's tests:
 from exact_checks import test_temperature_zero, test_greedy_target_sampled_draft  # noqa: F401
 from exact_checks import test_negative_control_set_is_lossless_unpatched, test_large_vocab_embeds_tiny  # noqa: F401
@@ -158,9 +160,7 @@ def _node_rows(vocab: int, seed: int):
     q_logits = 2.0 * torch.randn(vocab, generator=gen, dtype=torch.float64)
     q64 = torch.softmax(q_logits, -1)
     p64 = torch.softmax(q_logits + torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
-    below = torch.zeros_like(q64)
-    order = torch.sort(-(p64 / q64), stable=True).indices.flip(-1)  # worst first
-    below[order] = torch.cat([q64.new_zeros(1), q64[order].cumsum(0)[:-1]])
+    below = ranking.mass_below_rows(ranking.ranking_key(p64, q64)[None], q64[None])[0]  # exact W
     return p64, q64, below
 
 
@@ -212,8 +212,6 @@ def test_weight_of_an_equal_draft_is_zero():
 def _coarse_buckets(monkeypatch) -> None:
     """Bucket every vocabulary, in buckets of a key ratio up to 2^16 (3 exponent bits), so that tiny
     instances have several tokens per bucket: their W from buckets is then approximate."""
-    from gbv.verify import ranking
-
     monkeypatch.setattr(ranking, "BUCKET_MIN_VOCAB", 0)
     monkeypatch.setattr(ranking, "_BUCKET_SHIFT", 27)
     monkeypatch.setattr(ranking, "_NUM_BUCKETS", (0x7F800000 >> 27) + 1)
@@ -225,8 +223,6 @@ def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, length, num_paths,
     """The large-vocabulary code (node weights from bucketed ranks, bucketed residual masses), forced
     on tiny instances and proven lossless by the same exact enumeration; a weight that is not the
     exact maximiser changes the acceptance, never the law."""
-    from test_lossless import law_error
-
     _coarse_buckets(monkeypatch)
     inst = random_instance(vocab, length, num_paths, 7, kind)
     assert law_error(verify_gbv_adaptive, inst, num_paths) < 1e-9
@@ -235,9 +231,6 @@ def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, length, num_paths,
 def test_bucketed_ranks_in_the_law_are_caught(monkeypatch):
     """Negative control of the test above: using the bucketed (approximate) W in the law of the
     selected path, instead of only in the weights, is lossy and the same check sees it."""
-    from gbv.verify import ranking
-    from test_lossless import law_error
-
     _coarse_buckets(monkeypatch)
     monkeypatch.setattr(gbv_adaptive, "mass_below", lambda key, q64, tokens: ranking.approx_mass_below_rows(
         key, q64).gather(-1, tokens.reshape(-1, 1)).squeeze(-1))
