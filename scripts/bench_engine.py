@@ -32,7 +32,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from gbv.data import load_prompts
 from gbv.engine.generate import generate
@@ -143,16 +142,16 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
             tree_pos = prefix + torch.arange(25, device=dev)[None]
             tree_mask = torch.ones(1, 1, 25, prefix + 25, dtype=torch.bool, device=dev)
             out[f"{name}_25_nodes_ms"] = median_ms(lambda: lean.forward(tree, tree_pos, prefix, cache, tree_mask))
-            x = torch.zeros(1, 1, model.config.hidden_size, dtype=lean.dtype, device=dev)
+
+            # The forward's own matrix multiplies (same layout and fusion), one input row each.
+            inputs = {}
+            for matrix in lean.matrices():
+                inputs.setdefault(matrix.in_features, torch.zeros(1, 1, matrix.in_features, dtype=lean.dtype,
+                                                                  device=dev))
 
             def matmuls():
-                for layer in lean.layers:
-                    for weight, bias in layer.qkv.parts:
-                        F.linear(x, weight, bias)
-                    F.linear(x, layer.o)
-                    gate_up = [F.linear(x, w, b) for w, b in layer.gate_up.parts]
-                    F.linear(gate_up[0][..., :layer.down.shape[1]], layer.down)
-                F.linear(x, lean.lm_head)
+                for matrix in lean.matrices():
+                    matrix(inputs[matrix.in_features])
 
             out[f"{name}_matmuls_ms"] = median_ms(matmuls)
         out["target_bytes"] = sum(p.numel() * p.element_size() for p in pair.target.parameters())

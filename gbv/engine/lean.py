@@ -4,7 +4,8 @@ Why: an eager transformers decode step of a small model is mostly framework work
 ops for the bundled 8-layer target, of which matrix multiplies are 65% of the time; a 1-layer draft
 costs 1.2 ms for 0.03 ms of arithmetic). Speculative decoding runs many small forwards, so that
 overhead eats the gain. This module runs the same mathematics with the Hugging Face modules' own
-weights (no copy) in about 25 ops per layer, and gives tree verification what it needs:
+weights (in place, or fused and transposed copies for small models) in about 25 ops per layer, and
+gives tree verification what it needs:
 
 - a preallocated cache, one tensor pair per layer, shape (B, kv_heads, capacity, head_dim): new
   entries are written into slots, rollback is a length change, and keeping the accepted path of a
@@ -108,24 +109,62 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def transposed_weights_pay(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :class:`_Linear` should hold its weight as a contiguous (in, out) copy.
+
+    Why: with MKL on these CPUs, a product of a few rows by an ``nn.Linear`` weight in its own
+    (out, in) layout streams the weight at about 9 GB/s; as ``x @ W_t`` over a contiguous (in, out)
+    copy it streams at about 15 GB/s. The bundled target's matrix multiplies drop from 3.5 to 2.2 ms
+    per decode step, and its 5- and 25-row passes gain 1.4x and 1.1x
+    (``scripts/bench_matmul_layout.py``). In bfloat16 the transposed product is 7x slower (no fast
+    kernel), and CUDA's GEMMs take either layout, so only float32 / float64 on the CPU transpose.
+    """
+    return device.type == "cpu" and dtype in (torch.float32, torch.float64)
+
+
+class _Linear:
+    """``y = x W^T + b`` for one weight ``W`` of shape (out, in); ``x`` is (..., in).
+
+    ``transpose``: hold ``W^T`` as a contiguous (in, out) copy (see :func:`transposed_weights_pay`);
+    else the given tensor is used in place (no copy).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, transpose: bool) -> None:
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self.weight = None if transpose else weight
+        self.weight_t = weight.t().contiguous() if transpose else None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.matmul(x, self.weight_t)
+        flat = torch.addmm(self.bias, x.reshape(-1, self.in_features), self.weight_t)
+        return flat.view(*x.shape[:-1], self.out_features)
+
+
 class _Projections:
     """Several ``nn.Linear`` that read the same input (q/k/v, or gate/up). Fused, their weights are
-    concatenated into one matrix (a copy; one larger matrix multiply instead of several small ones);
-    else the Hugging Face tensors are used in place."""
+    concatenated into one matrix (a copy; one larger matrix multiply instead of several small ones),
+    after ``reorder_rows`` (a function of the fused (weight, bias)) when given; else each
+    Hugging Face tensor is used as it is (transposed copies only with ``transpose``)."""
 
-    def __init__(self, linears, fuse: bool) -> None:
+    def __init__(self, linears, fuse: bool, transpose: bool = False, reorder_rows=None) -> None:
         self.sizes = [lin.weight.shape[0] for lin in linears]
         if fuse:
+            weight = torch.cat([lin.weight for lin in linears])
             bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
-            self.parts = [(torch.cat([lin.weight for lin in linears]), bias)]
+            if reorder_rows is not None:
+                weight, bias = reorder_rows(weight, bias)
+            self.parts = [_Linear(weight, bias, transpose)]
         else:
-            self.parts = [(lin.weight, lin.bias) for lin in linears]
+            self.parts = [_Linear(lin.weight, lin.bias, transpose) for lin in linears]
 
     def __call__(self, x: Tensor) -> list[Tensor] | tuple[Tensor, ...]:
         if len(self.parts) == 1:
-            weight, bias = self.parts[0]
-            return F.linear(x, weight, bias).split(self.sizes, dim=-1)
-        return [F.linear(x, weight, bias) for weight, bias in self.parts]
+            return self.parts[0](x).split(self.sizes, dim=-1)
+        return [part(x) for part in self.parts]
 
 
 def _interleave_rotary_rows(weight: Tensor, head_dim: int) -> Tensor:
@@ -140,40 +179,51 @@ def _interleave_rotary_rows(weight: Tensor, head_dim: int) -> Tensor:
 
 class _Layer:
     """The weights of one decoder layer; with ``fuse``, 4 matrix multiplies per layer instead of 7,
-    and (``interleave``) q/k rows in interleaved rotary order for :func:`_rotate_complex`."""
+    and (``interleave``) q/k rows in interleaved rotary order for the complex-multiply rotation."""
 
-    def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0) -> None:
+    def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0,
+                 transpose: bool = False) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.input_eps = layer.input_layernorm.variance_epsilon
         self.post_norm = layer.post_attention_layernorm.weight
         self.post_eps = layer.post_attention_layernorm.variance_epsilon
-        self.qkv = _Projections([attn.q_proj, attn.k_proj, attn.v_proj], fuse)
-        self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over the head dimension
-        self.k_norm = getattr(attn, "k_norm", None)
-        self.interleaved = interleave
-        if interleave:  # the fused copy is ours to reorder; q and k rows (and biases), not v
-            weight, bias = self.qkv.parts[0]
-            qk = self.qkv.sizes[0] + self.qkv.sizes[1]
+        qk = attn.q_proj.weight.shape[0] + attn.k_proj.weight.shape[0]
+
+        def interleave_qk(weight: Tensor, bias: Tensor | None):
+            # the fused copy is ours to reorder: q and k rows (and biases), not v
             weight = torch.cat([_interleave_rotary_rows(weight[:qk], head_dim), weight[qk:]])
             if bias is not None:
                 bias = torch.cat([_interleave_rotary_rows(bias[:qk], head_dim), bias[qk:]])
-            self.qkv.parts = [(weight, bias)]
-            if self.q_norm is not None:  # RMS is order-free; its per-dimension weight follows the rows
-                self.q_norm_weight = _interleave_rotary_rows(self.q_norm.weight, head_dim)
-                self.k_norm_weight = _interleave_rotary_rows(self.k_norm.weight, head_dim)
+            return weight, bias
+
+        self.qkv = _Projections([attn.q_proj, attn.k_proj, attn.v_proj], fuse, transpose,
+                                interleave_qk if interleave else None)
+        self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, transpose)
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over the head dimension
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.interleaved = interleave
+        if interleave and self.q_norm is not None:  # RMS is order-free; its weight follows the rows
+            self.q_norm_weight = _interleave_rotary_rows(self.q_norm.weight, head_dim)
+            self.k_norm_weight = _interleave_rotary_rows(self.k_norm.weight, head_dim)
         self.scaling = attn.scaling
-        self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse)
-        self.down = mlp.down_proj.weight
+        self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse, transpose)
+        self.down = _Linear(mlp.down_proj.weight, None, transpose)
         self.act = mlp.act_fn
+
+    def matrices(self) -> list[_Linear]:
+        """Every matrix multiply of the layer, in the order the forward runs them."""
+        return [*self.qkv.parts, self.o, *self.gate_up.parts, self.down]
 
 
 class LeanCausalLM:
     """The forward pass of a Hugging Face Llama-family causal LM, over a :class:`KVCache`.
 
-    ``model`` must pass :func:`lean_unsupported_reason`. The Hugging Face model is kept (its weights
-    are used in place) and stays usable as it was.
+    ``model`` must pass :func:`lean_unsupported_reason`. The Hugging Face model is kept and stays
+    usable as it was. Models up to ``FUSE_MAX_PARAMETERS`` get fused (and, where
+    :func:`transposed_weights_pay`, transposed) copies of their matrices, taken when this view is
+    built: later in-place changes to the Hugging Face weights are not seen. Larger models use the
+    Hugging Face tensors in place.
     """
 
     def __init__(self, model) -> None:
@@ -188,13 +238,16 @@ class LeanCausalLM:
         # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory).
         fuse = sum(p.numel() for p in model.parameters()) <= FUSE_MAX_PARAMETERS
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype, device = inner.embed_tokens.weight.dtype, inner.embed_tokens.weight.device
         # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.
-        self.interleaved = fuse and model.model.embed_tokens.weight.dtype in (torch.float32, torch.float64)
-        self.layers = [_Layer(layer, fuse, self.interleaved, head_dim) for layer in inner.layers]
+        self.interleaved = fuse and dtype in (torch.float32, torch.float64)
+        # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
+        # most of them): only where they pay, and under the same size limit.
+        self.transposed = fuse and transposed_weights_pay(dtype, device)
+        self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed) for layer in inner.layers]
         self.norm = inner.norm.weight
         self.norm_eps = inner.norm.variance_epsilon
-        self.lm_head = model.lm_head.weight
-        self.lm_bias = getattr(model.lm_head, "bias", None)
+        self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed)
         self.rotary = inner.rotary_emb
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -204,6 +257,10 @@ class LeanCausalLM:
         self.device = self.embed.device
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
         self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
+
+    def matrices(self) -> list[_Linear]:
+        """Every matrix multiply of a forward, in order (for measuring their share of its time)."""
+        return [m for layer in self.layers for m in layer.matrices()] + [self.lm_head]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -229,9 +286,8 @@ class LeanCausalLM:
     def _qkv_interleaved(self, layer: _Layer, x: Tensor, rot: Tensor, batch: int, n: int):
         """q, k, v as (B, heads, N, D) with the rotation applied to q and k together: one complex
         multiply instead of six ops each (rows in interleaved rotary order, see _interleave_rotary_rows)."""
-        weight, bias = layer.qkv.parts[0]
         heads = self.num_heads + 2 * self.kv_heads
-        qkv = F.linear(x, weight, bias).view(batch, n, heads, self.head_dim)
+        qkv = layer.qkv.parts[0](x).view(batch, n, heads, self.head_dim)
         qk = qkv[:, :, :self.num_heads + self.kv_heads]
         if layer.q_norm is not None:
             q_part = _rms_norm(qk[:, :, :self.num_heads], layer.q_norm_weight, layer.q_norm.variance_epsilon)
@@ -297,12 +353,12 @@ class LeanCausalLM:
             attn = F.scaled_dot_product_attention(
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, is_causal=use_causal,
                 scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
-            hidden = residual + F.linear(attn.transpose(1, 2).reshape(batch, n, -1), layer.o, layer.o_bias)
+            hidden = residual + layer.o(attn.transpose(1, 2).reshape(batch, n, -1))
             residual = hidden
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(x)
-            hidden = residual + F.linear(layer.act(gate) * up, layer.down)
+            hidden = residual + layer.down(layer.act(gate) * up)
         if last_only:
             hidden = hidden[:, -1:]
         hidden = _rms_norm(hidden, self.norm, self.norm_eps)
-        return F.linear(hidden, self.lm_head, self.lm_bias)
+        return self.lm_head(hidden)

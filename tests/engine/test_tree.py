@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gbv.engine.lean as lean_module
 import gbv.engine.tree_decoder as tree_decoder
 from gbv.engine.decoder import engine_for
 from gbv.engine.generate import generate
@@ -60,6 +61,28 @@ def test_tree_pass_logits_equal_plain_sequences(arch):
         flat = torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
         wrong = lean.forward(tree.tokens[None], (4 + tree.depth)[None], 4, cache, prefix_then(flat, 4))[0]
         assert (wrong - logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (the addmm branch)
+def test_transposed_weight_copies_give_the_same_logits(arch, monkeypatch):
+    """The (in, out) copies of the fp32 CPU path and the Hugging Face (out, in) tensors in place
+    compute the same forward; bfloat16 and CUDA keep the Hugging Face layout."""
+    assert lean_module.transposed_weights_pay(torch.float32, torch.device("cpu"))
+    assert not lean_module.transposed_weights_pay(torch.bfloat16, torch.device("cpu"))
+    assert not lean_module.transposed_weights_pay(torch.float32, torch.device("cuda"))
+    target, _ = hf_pair(arch, vocab=32, seed=2)
+    transposed = LeanCausalLM(target)
+    assert transposed.transposed and all(m.weight is None for m in transposed.matrices())
+    monkeypatch.setattr(lean_module, "transposed_weights_pay", lambda dtype, device: False)
+    in_place = LeanCausalLM(target)
+    assert not in_place.transposed and in_place.lm_head.weight is target.lm_head.weight
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.inference_mode():
+        logits = [lean.forward(tokens, torch.arange(6)[None], 0, lean.new_cache(1, 8), None, causal=True)
+                  for lean in (transposed, in_place)]
+        reference = target(input_ids=tokens).logits
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[0], reference, atol=1e-5, rtol=0)
 
 
 def test_unsupported_models_fall_back_to_hf():
