@@ -217,27 +217,48 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
         return (scale.reshape(-1, 1).to(torch.float64) * p64 - law_rows).clamp_min(0.0).sum(-1)
     flat, mass, below = _key_buckets(key, q64)
     target = torch.bincount(flat.reshape(-1), weights=p64.reshape(-1), minlength=rows * _NUM_BUCKETS)
-    target = target.reshape(rows, _NUM_BUCKETS)
-    row_ids = torch.arange(rows, device=key.device).unsqueeze(-1)  # broadcasts against the buckets
+    # Only occupied buckets count (a few hundred of the ~4,000 per row: keys are ratios near 1), so the
+    # rest of the work runs on their flat ids (row * _NUM_BUCKETS + bucket) alone: ~10x fewer elements.
+    mass, target, below = mass.reshape(-1), target.reshape(-1), below.reshape(-1)
+    occupied = ((mass > 0) | (target > 0)).nonzero().squeeze(-1)
+    row_ids, bucket = occupied // _NUM_BUCKETS, occupied % _NUM_BUCKETS
+    mass, target, below = mass[occupied], target[occupied], below[occupied]
     ratio_lo, ratio_hi = law.ratio_bounds(row_ids, below, below + mass)
-    edges = (torch.arange(_NUM_BUCKETS + 1, dtype=torch.int64) << _BUCKET_SHIFT).clamp_max(0x7F800000)
-    edge_keys = edges.to(torch.int32).view(torch.float32).to(torch.float64).to(key.device)
-    # The top bucket (+inf in float32) also holds float64 keys too large for float32: bound it by the
-    # largest float32 (never inf, so that scale = 0 gives no 0 * inf).
-    key_lo = edge_keys[:-1].clamp_max(torch.finfo(torch.float32).max) * (1 - _KEY_MARGIN)
-    key_hi = torch.where(torch.arange(_NUM_BUCKETS, device=key.device) == _NUM_BUCKETS - 1, math.inf,
-                         edge_keys[1:] * (1 + _KEY_MARGIN))
-    s = scale.reshape(-1, 1).to(torch.float64)
+    key_lo, key_hi = _bucket_key_bounds(key.device)
+    s = scale.reshape(-1).to(torch.float64)[row_ids]
     # scale * key is compared with R (law = q R), and a bucket with no q-mass has law 0 (only p counts).
-    positive = (s * key_lo >= ratio_hi) | (mass == 0)
-    zero = (s * key_hi <= ratio_lo) & (mass > 0) & ~positive
-    occupied = (mass > 0) | (target > 0)
-    unsettled = occupied & ~positive & ~zero
-    total = torch.where(positive & occupied, s * target - law.block_law(row_ids, below, mass), 0.0)
-    result = total.sum(-1)
+    positive = (s * key_lo[bucket] >= ratio_hi) | (mass == 0)
+    zero = (s * key_hi[bucket] <= ratio_lo) & ~positive
+    unsettled = ~positive & ~zero
+    terms = torch.where(positive, s * target - law.block_law(row_ids, below, mass), 0.0)
+    result = torch.zeros(rows, dtype=torch.float64, device=key.device).index_add_(0, row_ids, terms)
     if bool(unsettled.any()):
-        result = result + _unsettled_buckets(key, q64, p64, s, law, flat, unsettled.reshape(-1), below.reshape(-1))
+        flags = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.bool, device=key.device)
+        flags[occupied[unsettled]] = True
+        below_all = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.float64, device=key.device)
+        below_all[occupied] = below
+        result = result + _unsettled_buckets(key, q64, p64, scale.reshape(-1, 1).to(torch.float64), law, flat,
+                                             flags, below_all)
     return result
+
+
+_BOUNDS: dict = {}
+
+
+def _bucket_key_bounds(device: torch.device) -> tuple[Tensor, Tensor]:
+    """(buckets,) float64 lower and upper key bounds of every bucket, widened by ``_KEY_MARGIN``
+    (cached per bucket layout and device)."""
+    cached = _BOUNDS.get((_BUCKET_SHIFT, device))
+    if cached is None:
+        edges = (torch.arange(_NUM_BUCKETS + 1, dtype=torch.int64) << _BUCKET_SHIFT).clamp_max(0x7F800000)
+        edge_keys = edges.to(torch.int32).view(torch.float32).to(torch.float64)
+        # The top bucket (+inf in float32) also holds float64 keys too large for float32: bound it by the
+        # largest float32 (never inf, so that scale = 0 gives no 0 * inf).
+        key_lo = edge_keys[:-1].clamp_max(torch.finfo(torch.float32).max) * (1 - _KEY_MARGIN)
+        key_hi = edge_keys[1:] * (1 + _KEY_MARGIN)
+        key_hi[-1] = math.inf
+        cached = _BOUNDS[(_BUCKET_SHIFT, device)] = (key_lo.to(device), key_hi.to(device))
+    return cached
 
 
 def _key_buckets(key: Tensor, q64: Tensor) -> tuple[Tensor, Tensor, Tensor]:
