@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Models up to this size get fused projection weights (see LeanCausalLM.__init__).
+# Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
+# a second copy of the weights in memory (see LeanCausalLM.__init__).
 FUSE_MAX_PARAMETERS = 1_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -115,8 +116,8 @@ def transposed_weights_pay(dtype: torch.dtype, device: torch.device) -> bool:
     Why: with MKL on these CPUs, a product of a few rows by an ``nn.Linear`` weight in its own
     (out, in) layout streams the weight at about 9 GB/s; as ``x @ W_t`` over a contiguous (in, out)
     copy it streams at about 15 GB/s. The bundled target's matrix multiplies drop from 3.5 to 2.2 ms
-    per decode step, and its 5- and 25-row passes gain 1.4x and 1.1x
-    (``scripts/bench_matmul_layout.py``). In bfloat16 the transposed product is 7x slower (no fast
+    per decode step; products of 5 to 25 rows gain less (1.05-1.4x, varying from run to run;
+    ``scripts/bench_matmul_layout.py``). In bfloat16 the transposed product is 7x slower (no fast
     kernel), and CUDA's GEMMs take either layout, so only float32 / float64 on the CPU transpose.
     """
     return device.type == "cpu" and dtype in (torch.float32, torch.float64)
