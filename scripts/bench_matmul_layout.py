@@ -1,9 +1,11 @@
-"""Before/after in one run (1 thread, bundled pair): the lean forward with every matrix in the
-``nn.Linear`` layout (out, in), as before, against contiguous transposed (in, out) copies
-(``gbv.engine.lean.transposed_weights_pay``).
+"""Before/after in one run (1 thread, bundled pair): the lean forward's matrix products as the
+plain ``F.linear`` over the Hugging Face weights, against what ``gbv.engine.lean`` chooses on this
+machine: in float32, contiguous transposed (in, out) copies (``transposed_weights_pay``); in
+bfloat16, products of several rows computed in float32 (``bf16_products_upcast``).
 
-    python scripts/bench_matmul_layout.py                # 10 GSM8K + 10 HumanEval prompts, ~5 min
-    python scripts/bench_matmul_layout.py --prompts 3    # a quick look
+    python scripts/bench_matmul_layout.py                    # 10 GSM8K + 10 HumanEval prompts, ~5 min
+    python scripts/bench_matmul_layout.py --prompts 3        # a quick look
+    python scripts/bench_matmul_layout.py --dtype bfloat16   # the bf16 choice (~3x as long)
 
 1. The target's matrix multiplies alone (the forward's own ``_Linear`` objects), for 1 to 25 rows.
 2. A forward of the lean target and draft over a 128-token prefix, for 1, 5 and 25 new tokens.
@@ -25,15 +27,16 @@ from gbv.engine.lean import LeanCausalLM
 
 
 def views(pair) -> dict:
-    """{"before" | "after": {model: LeanCausalLM}} with the transposed copies off / on."""
-    chosen = lean_module.transposed_weights_pay
+    """{"before" | "after": {model: LeanCausalLM}} with the layout choices off / as on this machine."""
+    chosen = lean_module.transposed_weights_pay, lean_module.bf16_products_upcast
     out = {}
     try:
         for name, flag in (("before", False), ("after", True)):
-            lean_module.transposed_weights_pay = lambda dtype, device, flag=flag: flag and chosen(dtype, device)
+            lean_module.transposed_weights_pay = lambda dtype, device, flag=flag: flag and chosen[0](dtype, device)
+            lean_module.bf16_products_upcast = lambda dtype, device, flag=flag: flag and chosen[1](dtype, device)
             out[name] = {model: LeanCausalLM(model) for model in (pair.target, pair.draft)}
     finally:
-        lean_module.transposed_weights_pay = chosen
+        lean_module.transposed_weights_pay, lean_module.bf16_products_upcast = chosen
     return out
 
 
@@ -52,9 +55,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=10, help="prompts per data set (GSM8K, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pair = gbv.load_pair("bundled")
+    pair = gbv.load_pair("bundled", dtype=args.dtype)
     layouts = views(pair)
     with torch.inference_mode():
         print("| target matmuls, rows | before ms | after ms | before/after |\n|---|---:|---:|---:|")
@@ -62,7 +66,8 @@ def main() -> None:
             times = {}
             for name, lean in layouts.items():
                 matrices = lean[pair.target].matrices()
-                inputs = {m.in_features: torch.randn(1, rows, m.in_features) for m in matrices}
+                inputs = {m.in_features: torch.randn(1, rows, m.in_features, dtype=pair.target.dtype)
+                          for m in matrices}
                 times[name] = median_ms(lambda: [m(inputs[m.in_features]) for m in matrices])
             print(f"| {rows} | {times['before']:.2f} | {times['after']:.2f} | {times['before'] / times['after']:.2f} |")
         print("\n| forward (prefix 128) | before ms | after ms | before/after |\n|---|---:|---:|---:|")
@@ -97,7 +102,8 @@ def main() -> None:
                     rate.setdefault((temperature, method, k, length, name), []).append(
                         (out.stats.new_tokens, out.stats.time_total))
     tree_decoder._LEAN.clear()
-    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, EOS off, 1 thread, pooled tokens / seconds.\n")
+    print(f"\n{args.dtype}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, EOS off, 1 thread, "
+          "pooled tokens / seconds.\n")
     print("| method | T | before tok/s | after tok/s | after/before |\n|---|---|---:|---:|---:|")
     for temperature in (0.2, 1.0):
         for method, k, length in rows:

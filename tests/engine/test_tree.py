@@ -85,6 +85,34 @@ def test_transposed_weight_copies_give_the_same_logits(arch, monkeypatch):
     torch.testing.assert_close(logits[0], reference, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_products_of_several_rows_run_in_float32(arch, monkeypatch):
+    """Where the CPU has no fast bf16 GEMM, products of >= 3 rows are float32 sums of the bf16 values
+    rounded back to bf16 (one or two rows stay bf16); the forward agrees with the all-bf16 one."""
+    assert not lean_module.bf16_products_upcast(torch.float32, torch.device("cpu"))
+    assert not lean_module.bf16_products_upcast(torch.bfloat16, torch.device("cuda"))
+    target, _ = hf_pair(arch, vocab=32, seed=2)
+    target = target.to(torch.bfloat16)
+    monkeypatch.setattr(lean_module, "bf16_products_upcast", lambda dtype, device: True)
+    upcast = LeanCausalLM(target)
+    assert all(m.upcast for m in upcast.matrices())
+    gen = torch.Generator().manual_seed(0)
+    for matrix in upcast.matrices():
+        bias = None if matrix.bias is None else matrix.bias.float()
+        for rows in (1, 2, 3, 7):
+            x = torch.randn(1, rows, matrix.in_features, generator=gen).to(torch.bfloat16)
+            expected = (torch.nn.functional.linear(x.float(), matrix.weight.float(), bias).to(torch.bfloat16)
+                        if rows >= 3 else torch.nn.functional.linear(x, matrix.weight, matrix.bias))
+            assert torch.equal(matrix(x), expected)
+    monkeypatch.setattr(lean_module, "bf16_products_upcast", lambda dtype, device: False)
+    plain = LeanCausalLM(target)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.inference_mode():
+        logits = [lean.forward(tokens, torch.arange(6)[None], 0, lean.new_cache(1, 8), None, causal=True).float()
+                  for lean in (upcast, plain)]
+    torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
+
+
 def test_unsupported_models_fall_back_to_hf():
     for arch in ("gpt2", "opt"):
         assert engine_for(*hf_pair(arch, vocab=32)) == "hf"
