@@ -25,6 +25,8 @@ import gbv.engine.tree_decoder as tree_decoder
 from gbv.data import load_prompts
 from gbv.engine.lean import LeanCausalLM
 
+from bench_engine import _median_ms  # scripts/ is on the path when run as a script
+
 
 def views(pair) -> dict:
     """{"before" | "after": {model: LeanCausalLM}} with the layout choices off / as on this machine."""
@@ -41,14 +43,7 @@ def views(pair) -> dict:
 
 
 def median_ms(fn, inner: int = 20, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner * 1e3)
-    return statistics.median(times)
+    return _median_ms(fn, repeats, inner)
 
 
 def main() -> None:

@@ -157,7 +157,7 @@ class _Linear:
         self.out_features, self.in_features = weight.shape
         self.weight = None if transpose else weight
         self.weight_t = weight.t().contiguous() if transpose else None
-        self.upcast = upcast and not transpose
+        self.upcast = upcast  # (only in-place weights are ever upcast: no dtype is both)
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.weight is not None:

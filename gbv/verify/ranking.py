@@ -225,7 +225,8 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
     mass, target, below = mass[occupied], target[occupied], below[occupied]
     ratio_lo, ratio_hi = law.ratio_bounds(row_ids, below, below + mass)
     key_lo, key_hi = _bucket_key_bounds(key.device)
-    s = scale.reshape(-1).to(torch.float64)[row_ids]
+    scale64 = scale.reshape(-1).to(torch.float64)
+    s = scale64[row_ids]
     # scale * key is compared with R (law = q R), and a bucket with no q-mass has law 0 (only p counts).
     positive = (s * key_lo[bucket] >= ratio_hi) | (mass == 0)
     zero = (s * key_hi[bucket] <= ratio_lo) & ~positive
@@ -237,8 +238,7 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
         flags[occupied[unsettled]] = True
         below_all = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.float64, device=key.device)
         below_all[occupied] = below
-        result = result + _unsettled_buckets(key, q64, p64, scale.reshape(-1, 1).to(torch.float64), law, flat,
-                                             flags, below_all)
+        result = result + _unsettled_buckets(key, q64, p64, scale64, law, flat, flags, below_all)
     return result
 
 
@@ -282,8 +282,9 @@ def _key_buckets(key: Tensor, q64: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _unsettled_buckets(key: Tensor, q64: Tensor, p64: Tensor, s: Tensor, law: RankLaw, flat: Tensor,
                        unsettled: Tensor, below: Tensor) -> Tensor:
-    """Exact ``sum (s p - law)+`` over the tokens of the unsettled buckets, per row: sort them (worst
-    first within each bucket: key ascending, ties by larger id first) and give each its exact ``W``."""
+    """Exact ``sum (s p - law)+`` over the tokens of the unsettled buckets, per row (``s``: (N,) float64
+    scales; ``unsettled``, ``below``: flat over row * _NUM_BUCKETS + bucket): sort them (worst first
+    within each bucket: key ascending, ties by larger id first) and give each its exact ``W``."""
     rows, vocab = key.shape
     members = unsettled.index_select(0, flat.reshape(-1)).nonzero().squeeze(-1)
     row = members // vocab
@@ -299,7 +300,7 @@ def _unsettled_buckets(key: Tensor, q64: Tensor, p64: Tensor, s: Tensor, law: Ra
     seg_start = torch.cummax(torch.where(start, torch.arange(len(buck), device=key.device), 0), 0).values
     within = csum - q_m - (csum[seg_start] - q_m[seg_start])  # mass of earlier (worse) tokens in the bucket
     w_tok = below[buck] + within
-    terms = (s.reshape(-1)[row] * p64[row, tok] - law.token_law(row, w_tok, q_m)).clamp_min(0.0)
+    terms = (s[row] * p64[row, tok] - law.token_law(row, w_tok, q_m)).clamp_min(0.0)
     return torch.zeros(rows, dtype=torch.float64, device=key.device).index_add_(0, row, terms)
 
 
