@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import gbv.engine.lean as lean_module
 import gbv.engine.tree_decoder as tree_decoder
@@ -83,6 +84,26 @@ def test_transposed_weight_copies_give_the_same_logits(arch, monkeypatch):
         reference = target(input_ids=tokens).logits
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
     torch.testing.assert_close(logits[0], reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
+def test_activation_runs_as_a_function_where_it_is_silu(hidden_act):
+    """SiLU (every lean architecture's default) runs as ``F.silu``, without the module call; any other
+    activation keeps the model's own module. Both give the Hugging Face logits."""
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    lean = LeanCausalLM(target)
+    act = lean.layers[0].act
+    assert (act is torch.nn.functional.silu) == (hidden_act == "silu")
+    if hidden_act != "silu":
+        assert act is target.model.layers[0].mlp.act_fn
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.inference_mode():
+        logits = lean.forward(tokens, torch.arange(6)[None], 0, lean.new_cache(1, 8), None, causal=True)
+        torch.testing.assert_close(logits, target(input_ids=tokens).logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
