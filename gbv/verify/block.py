@@ -38,7 +38,8 @@ def block_verify_core(ratios: list[float], residual_masses: ResidualMasses, resi
     Args:
         ratios: ``p_{i-1}(x_i) / q_{i-1}(x_i)`` for ``i = 1..L`` (on-path values only).
         residual_masses: the residual masses ``r_i`` of the nodes where the weight is below 1 (asked
-            once, for all of them together; where ``w_i = 1``, ``h_i = 1`` whatever ``r_i`` is).
+            at most once, for all of them together, and not at all when the whole block is accepted;
+            where ``w_i = 1``, ``h_i = 1`` whatever ``r_i`` is).
         residual_dist: the correction distribution at the accepted length, asked at most once.
         bonus: (V,) ``p_L``, sampled when the whole block is accepted.
     Returns:
@@ -49,21 +50,22 @@ def block_verify_core(ratios: list[float], residual_masses: ResidualMasses, resi
     weights = [1.0]
     for ratio in ratios:
         weights.append(min(1.0, weights[-1] * ratio))
+    # The stop coins run from i = L down. The first one, h_L = w_L, needs no residual mass: draw it
+    # before computing any (a whole block accepted needs none; same coins in the same order).
+    if rng.accept(weights[block_len]):
+        return block_len, rng.sample(bonus)
     needed = [i for i in range(1, block_len) if weights[i] < 1.0]
     r = dict(zip(needed, residual_masses(needed, [weights[i] for i in needed]))) if needed else {}
-    stop_probs = [1.0] * (block_len + 1)  # h_i, index i = 1..L
-    stop_probs[block_len] = weights[block_len]
+    stop_probs = [1.0] * block_len  # h_i, index i = 1..L-1
     for i in needed:
         # r + (1 - w), not r + 1 - w: with w = 1 this gives exactly r / r = 1 (no 1 - 2e-16 branch).
         denom = r[i] + (1.0 - weights[i])
         stop_probs[i] = 1.0 if denom <= 0.0 else r[i] / denom
     accepted_len = 0
-    for i in range(block_len, 0, -1):
+    for i in range(block_len - 1, 0, -1):
         if rng.accept(stop_probs[i]):
             accepted_len = i
             break
-    if accepted_len == block_len:
-        return accepted_len, rng.sample(bonus)
     return accepted_len, rng.sample(residual_dist(accepted_len, weights[accepted_len]))
 
 
