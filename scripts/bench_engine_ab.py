@@ -1,0 +1,120 @@
+"""Before/after in one run (1 thread, bundled pair): the engine's lean forward, its sampler and the
+block-verification core of the multi-path verifiers as of an earlier commit, against the working
+tree, interleaved per prompt.
+
+    python scripts/bench_engine_ab.py --before db6bd01              # 10 GSM8K + 10 HumanEval prompts, ~8 min
+    python scripts/bench_engine_ab.py --before db6bd01 --prompts 3  # a quick look
+
+"Before" is ``gbv/engine/lean.py``, ``gbv.verify.common.draw_rows`` (the inverse-CDF draw every
+sampling step uses) and ``gbv.verify.block.block_verify_core`` (the last step of GBV and
+gbv-adaptive) loaded from ``git show REV:...`` under other names; each variant's lean views are
+swapped into the engine's cache of them, and its functions into the modules that call them.
+Everything else is the working tree's. Use it for changes to those three places.
+
+1. Forwards of the lean draft and target over a 128-token prefix: 1 new token, and a 25-node pass.
+2. The engine: tokens/s of ``ar``, ``block`` L=4 and L=8 and ``gbv`` K=3 L=8 with each variant.
+Medians over repeats; the machine is shared, so only ratios within this run mean anything.
+"""
+import argparse
+import subprocess
+import sys
+import types
+
+import torch
+
+import gbv
+import gbv.engine.sampling as sampling
+import gbv.engine.tree_decoder as tree_decoder
+import gbv.verify.block as block
+import gbv.verify.common as common
+import gbv.verify.gbv as gbv_module
+import gbv.verify.gbv_adaptive as gbv_adaptive
+from gbv.data import load_prompts
+
+from bench_engine import _median_ms  # scripts/ is on the path when run as a script
+
+
+def load_before(rev: str, path: str, name: str) -> types.ModuleType:
+    """The module at ``path`` as of commit ``rev``, imported as ``name``."""
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="git revision of the 'before' variant")
+    parser.add_argument("--prompts", type=int, default=10, help="prompts per data set (GSM8K, HumanEval)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lean_before = load_before(args.before, "gbv/engine/lean.py", "lean_before")
+    draw_before = load_before(args.before, "gbv/verify/common.py", "common_before").draw_rows
+    draw_after = common.draw_rows
+    core_before = load_before(args.before, "gbv/verify/block.py", "block_before").block_verify_core
+    core_after = block.block_verify_core
+    pair = gbv.load_pair("bundled", dtype=args.dtype)
+    models = (pair.target, pair.draft)
+    views = {"before": {m: lean_before.LeanCausalLM(m) for m in models},
+             "after": {m: tree_decoder.LeanCausalLM(m) for m in models}}
+
+    def use(variant: str) -> None:
+        for model, lean in views[variant].items():
+            tree_decoder._LEAN[model] = lean
+        common.draw_rows = sampling.draw_rows = draw_before if variant == "before" else draw_after
+        gbv_module.block_verify_core = gbv_adaptive.block_verify_core = (core_before if variant == "before"
+                                                                         else core_after)
+
+    with torch.inference_mode():
+        print("| forward | before ms | after ms | before/after |\n|---|---:|---:|---:|")
+        prefix = 128
+        for label, model in (("draft", pair.draft), ("target", pair.target)):
+            for nodes in (1, 25):
+                times = {}
+                for _ in range(5):
+                    for variant in ("before", "after"):
+                        lean = views[variant][model]
+                        cache = lean.new_cache(1, 512)
+                        lean.forward(torch.arange(prefix)[None] % 100, torch.arange(prefix)[None], 0, cache, None,
+                                     causal=True)
+                        tokens = torch.full((1, nodes), 7)
+                        positions = prefix + torch.arange(nodes)[None]
+                        mask = torch.ones(1, 1, nodes, prefix + nodes, dtype=torch.bool) if nodes > 1 else None
+                        times.setdefault(variant, []).append(_median_ms(
+                            lambda: lean.forward(tokens, positions, prefix, cache, mask), 5, 20 if nodes == 1 else 5))
+                before, after = (sorted(times[v])[len(times[v]) // 2] for v in ("before", "after"))
+                print(f"| {label}, {nodes} token{'s' if nodes > 1 else ''} | {before:.3f} | {after:.3f} | "
+                      f"{before / after:.3f}x |")
+
+    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
+    rows = [("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8)]
+    for variant in ("before", "after"):  # warm-up
+        use(variant)
+        gbv.generate(pair, prompt_ids=ids[0], method="block", block_len=4, max_new_tokens=8, eos_token_id=[])
+    print(f"\n| method | T | before tok/s | after tok/s | after/before |\n|---|---|---:|---:|---:|")
+    for temperature in (0.2, 1.0):
+        totals = {}
+        for seed, prompt_ids in enumerate(ids):
+            for variant in ("before", "after"):
+                use(variant)
+                for method, k, length in rows:
+                    out = gbv.generate(pair, prompt_ids=prompt_ids, method=method, num_paths=k, block_len=length,
+                                       temperature=temperature, max_new_tokens=args.max_new_tokens,
+                                       eos_token_id=[], seed=seed)
+                    tokens, seconds = totals.get((method, length, variant), (0, 0.0))
+                    totals[(method, length, variant)] = (tokens + out.stats.new_tokens,
+                                                         seconds + out.stats.time_total)
+        for method, k, length in rows:
+            before, after = (totals[(method, length, v)][0] / totals[(method, length, v)][1]
+                             for v in ("before", "after"))
+            label = "ar" if method == "ar" else f"{method} K={k} L={length}"
+            print(f"| {label} | {temperature} | {before:.1f} | {after:.1f} | {after / before:.3f}x |")
+    use("after")
+
+
+if __name__ == "__main__":
+    main()
