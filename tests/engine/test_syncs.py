@@ -1,44 +1,22 @@
 """Host reads (device -> host synchronisations on a GPU) per verify call and per engine iteration.
 
 On CPU nothing waits, but every ``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)`` of a
-tensor is a place where a GPU pipeline would stall; they are counted by wrapping those methods.
+tensor is a place where a GPU pipeline would stall; :func:`gbv.bench.host_reads.count_host_reads`
+counts them by wrapping those methods.
 Budget (issue 8): at most 1 per verify call, at most L + 3 per iteration.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
+from gbv.bench.host_reads import count_host_reads
 from gbv.engine.generate import generate
 from gbv.models.loading import ModelPair
 from gbv.verify import TorchRandom, get_verifier
 
 from engine_toy import hf_pair, sharpen
-
-READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    counter = {"n": 0}
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def wrap(original):
-        def counted(self, *args, **kwargs):
-            counter["n"] += 1
-            return original(self, *args, **kwargs)
-        return counted
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(original))
-    try:
-        yield counter
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _inputs(num_paths=1, block_len=8, vocab=1000, seed=0):
@@ -54,6 +32,22 @@ def test_counter_counts():
         torch.ones(3).sum().item()
         bool(torch.tensor(True))
     assert reads["n"] == 2
+
+
+def test_accept_reads_uniforms_in_blocks():
+    """TorchRandom.accept draws its float64 uniforms ACCEPT_BLOCK at a time: 128 undecided coins read
+    the host twice (one read per coin before), certain ones (prob <= 0 or >= 1) use no uniform, and
+    the coins follow their probabilities."""
+    from gbv.verify.common import ACCEPT_BLOCK
+
+    rng = TorchRandom(seed=0)
+    with count_host_reads() as reads:
+        coins = [rng.accept(0.3) for _ in range(2 * ACCEPT_BLOCK)]
+        assert all(rng.accept(1.0) for _ in range(10)) and not any(rng.accept(0.0) for _ in range(10))
+    assert reads["n"] == 2
+    assert sum(coins) > 0
+    many = [rng.accept(0.3) for _ in range(20000)]
+    assert abs(sum(many) / len(many) - 0.3) < 0.015
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
