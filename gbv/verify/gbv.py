@@ -64,12 +64,15 @@ def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
     division by zero even when ``p`` and ``q`` are one-hot (temperature 0).
     """
     num_paths, block_len = draft_tokens.shape
-    tokens = draft_tokens.tolist()
+    if num_paths == 1:
+        return 0
     path_ids = torch.arange(num_paths, device=draft_tokens.device).unsqueeze(-1)
     depth_ids = torch.arange(block_len, device=draft_tokens.device)
     on_p = p[path_ids, depth_ids, draft_tokens]  # (K, L): each path's own rows at its own tokens
     on_q = q[path_ids, depth_ids, draft_tokens]
-    keys = ranking_key(on_p, on_q).tolist()  # one host transfer for the whole selection
+    # One host transfer for the whole selection: the tokens (exact in float64) and their keys.
+    both = torch.cat([draft_tokens.to(torch.float64), ranking_key(on_p, on_q).to(torch.float64)]).tolist()
+    tokens, keys = [[int(t) for t in row] for row in both[:num_paths]], both[num_paths:]
     alive = list(range(num_paths))
     for depth in range(block_len):
         if len(alive) == 1:
@@ -158,18 +161,22 @@ def skewed_draft_law(selected_tokens: Tensor, q_path: Tensor, p_path: Tensor, nu
     return law.token_law(rows, mass_below_rows(key, q64), q64)
 
 
-def _walk_law(key: Tensor, q64: Tensor, tokens: Tensor, num_paths: int) -> tuple[SkewedLaw, list[float]]:
-    """The :class:`SkewedLaw` of the selected path and its on-path values ``q_G(s_{i+1})``, from one
-    masked sum per node and one host transfer."""
+def _walk_law(key: Tensor, q64: Tensor, tokens: Tensor, num_paths: int, extra: Tensor | None = None
+              ) -> tuple[SkewedLaw, list[float], list[float]]:
+    """The :class:`SkewedLaw` of the selected path, its on-path values ``q_G(s_{i+1})``, and the values
+    of ``extra`` ((L,) or None), from one masked sum per node and one host transfer."""
     q_on_t = q64.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    below_on, q_on = torch.stack([mass_below(key, q64, tokens), q_on_t]).tolist()
+    rows = [mass_below(key, q64, tokens), q_on_t.to(torch.float64)]
+    if extra is not None:
+        rows.append(extra.to(torch.float64))
+    below_on, q_on, *rest = torch.stack(rows).tolist()
     v, u = path_walk(below_on, q_on)
     law = SkewedLaw(torch.tensor(v, dtype=torch.float64, device=key.device),
                     torch.tensor(u, dtype=torch.float64, device=key.device), num_paths)
-    denom = law.denom.tolist()
-    on_path = [q_s * power_sum(u_i + v_i * (w + q_s), u_i + v_i * w, num_paths) / d
-               for q_s, w, v_i, u_i, d in zip(q_on, below_on, v, u, denom)]
-    return law, on_path
+    # S_K(1, u) on the host: the same float64 operations as law.denom, without reading it back.
+    on_path = [q_s * power_sum(u_i + v_i * (w + q_s), u_i + v_i * w, num_paths) / power_sum(1.0, u_i, num_paths)
+               for q_s, w, v_i, u_i in zip(q_on, below_on, v, u)]
+    return law, on_path, rest[0] if rest else []
 
 
 def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
@@ -191,8 +198,8 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     q_path, p_path = q[path], p[path]
     key = ranking_key(p_path[:block_len], q_path)
     # float64 only where the law is summed over rows: the masked sums convert on the fly.
-    law, q_g_on = _walk_law(key, q_path, tokens, num_paths)
-    p_on = p_path[:block_len].gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+    law, q_g_on, p_on = _walk_law(key, q_path, tokens, num_paths,
+                                  extra=p_path[:block_len].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
     ratios = [pp / qg if qg > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qg in zip(p_on, q_g_on)]
 
     def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
