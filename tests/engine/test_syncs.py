@@ -50,8 +50,9 @@ def test_accept_reads_uniforms_in_blocks():
     assert abs(sum(many) / len(many) - 0.3) < 0.015
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("method", ["token", "block", "gbv", "gbv-adaptive"])
 def test_verify_call_reads_the_host_once(method):
+    """One path: token and BV, and GBV / gbv-adaptive, which are BV with one path."""
     tokens, q, p = _inputs()
     verifier = get_verifier(method)
     rng = TorchRandom(seed=0)
