@@ -6,9 +6,6 @@ every node's row for its weight) against the current sort-free form, interleaved
 The "before" verifier is the module's source at that commit, loaded under another name (it only
 uses helpers that still exist), and registered in place of the current one for its rows.
 """
-import subprocess
-import sys
-import types
 
 import torch
 
@@ -16,12 +13,10 @@ import gbv
 import gbv.verify as registry
 from gbv.data import load_prompts
 
+from bench_engine_ab import load_before  # scripts/ is on the path when run as a script
+
 BEFORE = "506b865"
-source = subprocess.run(["git", "show", f"{BEFORE}:gbv/verify/gbv_adaptive.py"], capture_output=True, text=True,
-                        check=True).stdout
-old = types.ModuleType("gbv_adaptive_before")
-sys.modules["gbv_adaptive_before"] = old  # before exec: its dataclasses look their module up
-exec(compile(source, "gbv_adaptive_before.py", "exec"), old.__dict__)
+load_before(BEFORE, "gbv/verify/gbv_adaptive.py", "gbv_adaptive_before")
 current = registry._REGISTRY["gbv-adaptive"]
 
 

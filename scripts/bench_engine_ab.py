@@ -38,7 +38,7 @@ def load_before(rev: str, path: str, name: str) -> types.ModuleType:
     """The module at ``path`` as of commit ``rev``, imported as ``name``."""
     source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
     module = types.ModuleType(name)
-    sys.modules[name] = module
+    sys.modules[name] = module  # before exec: dataclasses look their module up
     exec(compile(source, f"{name}.py", "exec"), module.__dict__)
     return module
 

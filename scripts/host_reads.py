@@ -3,7 +3,7 @@
     python scripts/host_reads.py                      # K = 3, L = 8, V = 1000, 40 calls each
     python scripts/host_reads.py --per-coin           # accept() drawing and reading one uniform per coin
 
-Inputs as in tests/engine/test_syncs.py (random softmax rows, tokens drawn from q), a fresh
+Inputs from ``gbv.bench.host_reads.verify_inputs`` (as in tests/engine/test_syncs.py), a fresh
 ``TorchRandom`` per call (so each call also pays the first read of its block of uniforms; in the
 engine the random source lives as long as the sequence). ``--per-coin`` replaces
 ``TorchRandom.accept`` by the form before the blocks of uniforms (one draw and one read per coin),
@@ -13,28 +13,15 @@ import argparse
 
 import torch
 
-from gbv.bench.host_reads import count_host_reads
+from gbv.bench.host_reads import count_host_reads, verify_inputs
 from gbv.verify import METHODS, TorchRandom, get_verifier
 
 
 class PerCoinRandom(TorchRandom):
     """accept() with one uniform drawn and read back per coin (float32, as before ACCEPT_BLOCK)."""
 
-    def accept(self, prob: float) -> bool:
-        prob = float(prob)
-        if prob >= 1.0:
-            return True
-        if prob <= 0.0:
-            return False
-        return bool(torch.rand((), generator=self.generator).item() < prob)
-
-
-def inputs(num_paths: int, block_len: int, vocab: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.softmax(torch.randn(num_paths, block_len, vocab, generator=gen), -1)
-    p = torch.softmax(torch.randn(num_paths, block_len + 1, vocab, generator=gen), -1)
-    tokens = torch.stack([torch.multinomial(q[k], 1, generator=gen).squeeze(-1) for k in range(num_paths)])
-    return tokens, q, p
+    def _uniform(self) -> float:
+        return torch.rand((), generator=self.generator).item()
 
 
 def main() -> None:
@@ -52,7 +39,7 @@ def main() -> None:
     for method in METHODS:
         counts = []
         for seed in range(args.calls):
-            draft_tokens, q, p = inputs(args.paths, args.block_len, args.vocab, seed)
+            draft_tokens, q, p = verify_inputs(args.paths, args.block_len, args.vocab, seed)
             rng = source(seed=seed)
             with count_host_reads() as reads:
                 get_verifier(method)(draft_tokens, q, p, rng)

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import Tensor
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
@@ -35,3 +36,14 @@ def count_host_reads() -> Iterator[dict[str, int]]:
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+
+
+def verify_inputs(num_paths: int = 1, block_len: int = 8, vocab: int = 1000, seed: int = 0
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Random verifier inputs: (K, L) tokens drawn from softmax rows q (K, L, V), and independent
+    softmax rows p (K, L+1, V), as tests/engine/test_syncs.py and scripts/host_reads.py count on."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(num_paths, block_len, vocab, generator=gen), -1)
+    p = torch.softmax(torch.randn(num_paths, block_len + 1, vocab, generator=gen), -1)
+    tokens = torch.stack([torch.multinomial(q[k], 1, generator=gen).squeeze(-1) for k in range(num_paths)])
+    return tokens, q, p

@@ -77,10 +77,14 @@ class TorchRandom:
             return True
         if prob <= 0.0:
             return False
+        return self._uniform() < prob
+
+    def _uniform(self) -> float:
+        """The next U[0, 1) of :meth:`accept`, from the current block (a new block when it is used up)."""
         if not self._uniforms:
             self._uniforms = torch.rand(ACCEPT_BLOCK, generator=self.generator, dtype=torch.float64,
                                         device=self.generator.device).tolist()
-        return self._uniforms.pop() < prob
+        return self._uniforms.pop()
 
     def sample(self, dist: Tensor) -> int:
         # (torch.multinomial draws one exponential per token; the inverse CDF one uniform.)

@@ -11,20 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gbv.bench.host_reads import count_host_reads
+from gbv.bench.host_reads import count_host_reads, verify_inputs
 from gbv.engine.generate import generate
 from gbv.models.loading import ModelPair
 from gbv.verify import TorchRandom, get_verifier
 
 from engine_toy import hf_pair, sharpen
-
-
-def _inputs(num_paths=1, block_len=8, vocab=1000, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.softmax(torch.randn(num_paths, block_len, vocab, generator=gen), -1)
-    p = torch.softmax(torch.randn(num_paths, block_len + 1, vocab, generator=gen), -1)
-    tokens = torch.stack([torch.multinomial(q[k], 1, generator=gen).squeeze(-1) for k in range(num_paths)])
-    return tokens, q, p
 
 
 def test_counter_counts():
@@ -53,7 +45,7 @@ def test_accept_reads_uniforms_in_blocks():
 @pytest.mark.parametrize("method", ["token", "block", "gbv", "gbv-adaptive"])
 def test_verify_call_reads_the_host_once(method):
     """One path: token and BV, and GBV / gbv-adaptive, which are BV with one path."""
-    tokens, q, p = _inputs()
+    tokens, q, p = verify_inputs()
     verifier = get_verifier(method)
     rng = TorchRandom(seed=0)
     for _ in range(5):
