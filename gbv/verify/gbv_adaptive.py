@@ -62,7 +62,7 @@ def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> lis
     longer positive (0 if it starts so, 1 if it never gets there).
 
     No sort of the row: the breakpoints go into ``_WEIGHT_BINS`` equal bins of (0, 1) with their
-    slope drops summed per bin (one ``bincount``); the bin where the slope crosses 0 is found from
+    slope drops summed per bin (one ``scatter_add_``); the bin where the slope crosses 0 is found from
     the bins' running sum, and only that bin's breakpoints are sorted. All ``n`` at once.
     """
     if num_paths == 1:
@@ -91,7 +91,8 @@ def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> lis
     bins = t.mul_(_WEIGHT_BINS).floor_().clamp_(-1.0, float(_WEIGHT_BINS)).long().add_(1)
     width = _WEIGHT_BINS + 2
     bins += torch.arange(rows_k, device=d.device).unsqueeze(-1) * width
-    drops = torch.bincount(bins.reshape(-1), weights=d.abs().reshape(-1), minlength=rows_k * width)
+    # scatter_add_: the same float64 sums as bincount (index order), without its min/max passes.
+    drops = d.new_zeros(rows_k * width).scatter_add_(0, bins.reshape(-1), d.abs().reshape(-1))
     cum = drops.reshape(rows_k, width)[:, 1:_WEIGHT_BINS + 1].cumsum(-1)  # (K-1, bins): t-bins only
     slopes, totals = slope0.tolist(), cum[:, -1].tolist()
     lams = [0.0, 0.0]
