@@ -3,12 +3,17 @@
 
 Inputs are float32 random softmax distributions (target logits = draft logits + noise, so tokens
 are sometimes accepted; the root rows are shared by all paths, as in a real draft tree) and tokens
-drafted from q. One thread, a seeded TorchRandom per configuration, warm-up calls, then the median
-and 90th percentile over the timed repeats, of wall time or (``--clock cpu``) process CPU time, which
+drafted from q, ``--instances`` of them per configuration (seeds ``--seed``, ``--seed`` + 1, ...); the
+timed calls cycle through them. Why several: the cost of a call depends on the instance (GBV with a
+whole block accepted computes no residual mass and takes a fraction of the time of one that stops
+early), so a single instance can make a method look several times cheaper or dearer than it is on
+average. One thread, a seeded TorchRandom per configuration, warm-up calls, then the mean, median
+and 90th percentile over the timed calls, of wall time or (``--clock cpu``) process CPU time, which
 is steadier on a busy machine. Methods whose module does not import (yet) are skipped with a note.
-Every configuration also times one ``torch.softmax`` over ``p`` (the (K, L+1, V) tensor) in the same
-process, and reports each method's median as a multiple of it (the yardstick of issue 8: ``gbv`` at
-K = 4, L = 8 within 3x). Prints a markdown table; ``--out FILE`` also writes it.
+Every configuration also times one ``torch.softmax`` over ``p`` (the (K, L+1, V) tensor) on the same
+instances in the same process, and reports each method's mean as a multiple of its mean (the
+yardstick of issue 8: ``gbv`` at K = 4, L = 8 within 3x). Prints a markdown table; ``--out FILE``
+also writes it.
 
     python3 scripts/bench_verifiers.py --out bench.md
     python3 scripts/bench_verifiers.py --clock cpu --out bench_cpu.md
@@ -44,13 +49,15 @@ def make_inputs(vocab: int, num_paths: int, block_len: int, seed: int
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def time_method(verifier, inputs, seed: int, repeats: int, warmup: int, clock=time.perf_counter) -> list[float]:
-    """Milliseconds of each timed call."""
+def time_method(verifier, instances: list, seed: int, repeats: int, warmup: int, clock=time.perf_counter
+                ) -> list[float]:
+    """Milliseconds of each timed call; call ``i`` runs ``instances[i % len(instances)]``."""
     rng = TorchRandom(seed=seed)
-    for _ in range(warmup):
-        verifier(*inputs, rng)
+    for i in range(warmup):
+        verifier(*instances[i % len(instances)], rng)
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        inputs = instances[i % len(instances)]
         start = clock()
         verifier(*inputs, rng)
         times.append((clock() - start) * 1e3)
@@ -73,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per configuration (>= 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--instances", type=int, default=10,
+                        help="random instances per configuration, cycled through by the timed calls")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: process CPU time (steadier on a busy machine)")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args(argv)
+    if args.instances < 1:
+        parser.error("--instances must be at least 1")
     torch.set_num_threads(args.threads)
 
     verifiers, notes = {}, []
@@ -87,28 +98,32 @@ def main(argv: list[str] | None = None) -> int:
         except (ImportError, AttributeError) as exc:
             notes.append(f"- `{name}` skipped: {type(exc).__name__}: {exc}")
 
-    rows = ["| method | V | K | L | median ms | p90 ms | x softmax(p) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| method | V | K | L | mean ms | median ms | p90 ms | x softmax(p) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def row(name: str, vocab: int, num_paths: int, times: list[float], ratio: float) -> str:
+        return (f"| {name} | {vocab} | {num_paths} | {args.block_len} | {statistics.fmean(times):.2f} | "
+                f"{statistics.median(times):.2f} | {percentile(times, 0.9):.2f} | {ratio:.1f} |")
+
     for vocab in args.vocab:
         for num_paths in args.paths:
-            inputs = make_inputs(vocab, num_paths, args.block_len, args.seed)
-            # The yardstick, in the same process and on the same tensor: one softmax over p (K, L+1, V).
-            softmax_times = time_method(lambda t, q, p, rng: torch.softmax(p, dim=-1), inputs, args.seed,
+            instances = [make_inputs(vocab, num_paths, args.block_len, args.seed + i) for i in range(args.instances)]
+            # The yardstick, in the same process and on the same tensors: one softmax over p (K, L+1, V).
+            softmax_times = time_method(lambda t, q, p, rng: torch.softmax(p, dim=-1), instances, args.seed,
                                         args.repeats, args.warmup, CLOCKS[args.clock])
-            softmax_ms = statistics.median(softmax_times)
-            rows.append(f"| softmax(p) | {vocab} | {num_paths} | {args.block_len} | {softmax_ms:.2f} | "
-                        f"{percentile(softmax_times, 0.9):.2f} | 1.0 |")
+            softmax_ms = statistics.fmean(softmax_times)
+            rows.append(row("softmax(p)", vocab, num_paths, softmax_times, 1.0))
             for name, verifier in verifiers.items():
                 try:
-                    times = time_method(verifier, inputs, args.seed, args.repeats, args.warmup, CLOCKS[args.clock])
+                    times = time_method(verifier, instances, args.seed, args.repeats, args.warmup, CLOCKS[args.clock])
                 except Exception as exc:  # a method under construction must not stop the others
                     notes.append(f"- `{name}` failed at V={vocab}, K={num_paths}: {type(exc).__name__}: {exc}")
                     continue
-                rows.append(f"| {name} | {vocab} | {num_paths} | {args.block_len} | "
-                            f"{statistics.median(times):.2f} | {percentile(times, 0.9):.2f} | "
-                            f"{statistics.median(times) / softmax_ms:.1f} |")
+                rows.append(row(name, vocab, num_paths, times, statistics.fmean(times) / softmax_ms))
                 print(rows[-1], file=sys.stderr, flush=True)
     header = (f"CPU, torch {torch.__version__}, {args.threads} thread(s), float32 inputs, {args.clock} clock, "
-              f"{args.repeats} timed calls after {args.warmup} warm-up calls per row.")
+              f"{args.instances} random instance(s) per configuration, {args.repeats} timed calls cycling "
+              f"through them after {args.warmup} warm-up calls per row; x softmax(p) = ratio of the means.")
     table = "\n".join([header, "", *rows] + (["", *notes] if notes else [])) + "\n"
     print(table)
     if args.out:

@@ -1,0 +1,61 @@
+"""``auto`` against every fixed block length of BV (its main family) and ``ar``, in one run.
+
+    python scripts/bench_auto_vs_block.py --prompts 10 --temperature 0.2   # ~3 min, 1 thread
+
+Rows: ``ar``, ``block`` at L = 2, 3, 4, 6, 8, and ``auto`` (one policy, learning over the prompts of
+the run, its exploration included). Each prompt runs every row, in alternating order, with the same
+seed; 128 new tokens, EOS off. Prints pooled tokens/s per row, its ratio to ``ar`` and to the best
+fixed row. Why this script: ``scripts/bench_engine.py`` has only L = 4 and 8 among the BV rows, so it
+cannot say whether ``auto``'s choice of another length (it often runs L = 2 or 6) costs or pays.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from gbv.data import load_prompts
+from gbv.engine.generate import generate
+from gbv.models.loading import load_pair
+
+ROWS = [("ar", 0), ("block", 2), ("block", 3), ("block", 4), ("block", 6), ("block", 8), ("auto", 0)]
+
+
+def label(row: tuple[str, int]) -> str:
+    return f"block L={row[1]}" if row[0] == "block" else row[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=10, help="prompts per data set (GSM8K, HumanEval)")
+    parser.add_argument("--temperature", type=float, default=0.2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    pair = load_pair("bundled", dtype="float32")
+    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
+               + load_prompts("humaneval", args.prompts)]
+    settings = dict(temperature=args.temperature, eos_token_id=[])
+    for method, block_len in ROWS:  # warm-up (and auto's policy sees 16 tokens before the timed run)
+        generate(pair, prompt_ids=prompts[0], method=method, block_len=max(block_len, 1), max_new_tokens=16, **settings)
+    tokens = {row: 0 for row in ROWS}
+    seconds = {row: 0.0 for row in ROWS}
+    for seed, prompt_ids in enumerate(prompts):
+        for method, block_len in (ROWS if seed % 2 == 0 else ROWS[::-1]):
+            start = time.perf_counter()
+            out = generate(pair, prompt_ids=prompt_ids, method=method, block_len=max(block_len, 1),
+                           max_new_tokens=args.max_new_tokens, seed=seed, **settings)
+            seconds[(method, block_len)] += time.perf_counter() - start
+            tokens[(method, block_len)] += out.stats.to_dict()["new_tokens"]
+    rate = {row: tokens[row] / seconds[row] for row in ROWS}
+    best = max((r for r in ROWS if r[0] == "block"), key=rate.get)
+    print(f"T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, 1 thread")
+    print("| row | tokens/s | vs ar | vs best fixed |\n|---|---:|---:|---:|")
+    for row in ROWS:
+        mark = " (best fixed)" if row == best else ""
+        print(f"| {label(row)}{mark} | {rate[row]:.1f} | {rate[row] / rate[ROWS[0]]:.3f}x | {rate[row] / rate[best]:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Before/after of GBV or gbv-adaptive in one process: the verifier and ``gbv/verify/ranking.py`` as of
+a git revision against the working tree, on the same instances and seeds.
+
+    python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --vocab 32768 --instances 40
+    python scripts/bench_verify_ab.py --before HEAD~1 --method gbv-adaptive --vocab 4096 --paths 3
+
+Instances are ``scripts/bench_verifiers.py``'s (seeds 0 .. N-1). Each instance runs three rounds,
+before and after alternating in order, each call with a fresh ``TorchRandom`` seeded by the instance;
+the first round is a warm-up. Prints the median time per call of each side, their ratio, and on how
+many instances the two sides returned the same (path, accepted length, next token): a change meant
+to be exact must show all of them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import gbv.verify.gbv as gbv_after
+import gbv.verify.gbv_adaptive as adaptive_after
+from gbv.verify import TorchRandom
+
+from bench_engine_ab import load_before  # scripts/ is on the path when run as a script
+from bench_verifiers import make_inputs
+
+MODULES = {"gbv": ("gbv/verify/gbv.py", gbv_after, "verify_gbv"),
+           "gbv-adaptive": ("gbv/verify/gbv_adaptive.py", adaptive_after, "verify_gbv_adaptive")}
+
+
+def load_verifier_before(rev: str, method: str):
+    """``method``'s verify function as of ``rev``, importing the ranking module of ``rev`` too."""
+    import sys
+    import types
+    import subprocess
+
+    load_before(rev, "gbv/verify/ranking.py", "ranking_before")
+    path, _, function = MODULES[method]
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    source = source.replace("from gbv.verify.ranking import", "from ranking_before import")
+    module = types.ModuleType(f"{method}_before")
+    sys.modules[module.__name__] = module
+    exec(compile(source, f"{module.__name__}.py", "exec"), module.__dict__)
+    return getattr(module, function)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="git revision of the 'before' side")
+    parser.add_argument("--method", choices=sorted(MODULES), default="gbv")
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--paths", type=int, default=4)
+    parser.add_argument("--block-len", type=int, default=8)
+    parser.add_argument("--instances", type=int, default=30)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    sides = {"before": load_verifier_before(args.before, args.method),
+             "after": getattr(MODULES[args.method][1], MODULES[args.method][2])}
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    same = 0
+    for seed in range(args.instances):
+        inputs = make_inputs(args.vocab, args.paths, args.block_len, seed)
+        results = {}
+        for round_ in range(3):
+            for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
+                rng = TorchRandom(torch.Generator().manual_seed(seed))
+                start = time.perf_counter()
+                result = sides[name](*inputs, rng)
+                elapsed = time.perf_counter() - start
+                if round_ > 0:
+                    times[name].append(elapsed)
+                results[name] = (result.path, result.accepted_len, int(result.next_token))
+        same += results["before"] == results["after"]
+    before, after = statistics.median(times["before"]), statistics.median(times["after"])
+    print(f"{args.method} V={args.vocab} K={args.paths} L={args.block_len}: before {before * 1e3:.2f} ms, "
+          f"after {after * 1e3:.2f} ms, after/before {after / before:.3f}; "
+          f"identical results on {same}/{args.instances} instances")
+
+
+if __name__ == "__main__":
+    main()
