@@ -5,11 +5,12 @@ tree, interleaved per prompt.
     python scripts/bench_engine_ab.py --before db6bd01              # 10 GSM8K + 10 HumanEval prompts, ~8 min
     python scripts/bench_engine_ab.py --before db6bd01 --prompts 3  # a quick look
 
-"Before" is ``gbv/engine/lean.py``, ``gbv.verify.common.draw_rows`` (the inverse-CDF draw every
-sampling step uses) and ``gbv.verify.block.block_verify_core`` (the last step of GBV and
-gbv-adaptive) loaded from ``git show REV:...`` under other names; each variant's lean views are
-swapped into the engine's cache of them, and its functions into the modules that call them.
-Everything else is the working tree's. Use it for changes to those three places.
+"Before" is ``gbv/engine/lean.py``, ``TreeDecoder.step`` (one iteration of the tree engine),
+``gbv.verify.common.draw_rows`` (the inverse-CDF draw every sampling step uses) and
+``gbv.verify.block.block_verify_core`` (the last step of GBV and gbv-adaptive) loaded from
+``git show REV:...`` under other names; each variant's lean views are swapped into the engine's
+cache of them, and its functions into the classes and modules that call them. Everything else is
+the working tree's. Use it for changes to those four places.
 
 1. Forwards of the lean draft and target over a 128-token prefix: 1 new token, and a 25-node pass.
 2. The engine: tokens/s of ``ar``, ``block`` L=4 and L=8 and ``gbv`` K=3 L=8 with each variant.
@@ -56,6 +57,8 @@ def main() -> None:
     draw_after = common.draw_rows
     core_before = load_before(args.before, "gbv/verify/block.py", "block_before").block_verify_core
     core_after = block.block_verify_core
+    step_before = load_before(args.before, "gbv/engine/tree_decoder.py", "tree_decoder_before").TreeDecoder.step
+    step_after = tree_decoder.TreeDecoder.step
     pair = gbv.load_pair("bundled", dtype=args.dtype)
     models = (pair.target, pair.draft)
     views = {"before": {m: lean_before.LeanCausalLM(m) for m in models},
@@ -67,6 +70,7 @@ def main() -> None:
         common.draw_rows = sampling.draw_rows = draw_before if variant == "before" else draw_after
         gbv_module.block_verify_core = gbv_adaptive.block_verify_core = (core_before if variant == "before"
                                                                          else core_after)
+        tree_decoder.TreeDecoder.step = step_before if variant == "before" else step_after
 
     with torch.inference_mode():
         print("| forward | before ms | after ms | before/after |\n|---|---:|---:|---:|")
@@ -83,8 +87,10 @@ def main() -> None:
                         tokens = torch.full((1, nodes), 7)
                         positions = prefix + torch.arange(nodes)[None]
                         mask = torch.ones(1, 1, nodes, prefix + nodes, dtype=torch.bool) if nodes > 1 else None
+                        # One token as the engine's 1-token steps run it (causal, no mask given).
                         times.setdefault(variant, []).append(_median_ms(
-                            lambda: lean.forward(tokens, positions, prefix, cache, mask), 5, 20 if nodes == 1 else 5))
+                            lambda: lean.forward(tokens, positions, prefix, cache, mask, causal=nodes == 1), 5,
+                            20 if nodes == 1 else 5))
                 before, after = (sorted(times[v])[len(times[v]) // 2] for v in ("before", "after"))
                 print(f"| {label}, {nodes} token{'s' if nodes > 1 else ''} | {before:.3f} | {after:.3f} | "
                       f"{before / after:.3f}x |")

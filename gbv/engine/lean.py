@@ -370,8 +370,10 @@ class LeanCausalLM:
         hidden = torch.embedding(self.embed, tokens)  # (F.embedding's Python checks cost per call)
         if mask is None and n > 1 and not causal:
             raise ValueError("several queries need a mask or causal=True")
-        use_causal = mask is None and causal and start == 0
-        if mask is None and causal and start > 0:
+        use_causal = mask is None and causal and start == 0 and n > 1
+        # One query needs no mask: it attends every slot up to its own, which is all of them. (A mask
+        # of all True costs its construction and SDPA's float conversion of it in every layer.)
+        if mask is None and causal and start > 0 and n > 1:
             slots = torch.arange(end, device=tokens.device)
             mask = (slots[None, :] <= slots[start:end, None])[None, None]
         for index, layer in enumerate(self.layers):

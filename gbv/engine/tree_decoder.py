@@ -109,15 +109,18 @@ class TreeDecoder(DecoderState):
         q[:, 0] = q_first
         drafted[:, 0] = sample(q_first.expand(rows, -1), self.generator, greedy)
         if block > 1:
-            # Node of path k at depth i (tokens x_1..x_{L-1}) sits in slot base + (i-1)*rows + k.
-            slot_path = torch.arange((block - 1) * rows, device=self.device) % rows
-            own = slot_path[None, :] == torch.arange(rows, device=self.device)[:, None]
-            mask = prefix_then(own, base)
+            # Node of path k at depth i (tokens x_1..x_{L-1}) sits in slot base + (i-1)*rows + k. One path
+            # needs no mask: its tip attends every slot up to its own (a mask of all True only costs).
+            mask = None
+            if rows > 1:
+                slot_path = torch.arange((block - 1) * rows, device=self.device) % rows
+                own = slot_path[None, :] == torch.arange(rows, device=self.device)[:, None]
+                mask = prefix_then(own, base)
             for i in range(1, block):
                 width = base + i * rows
                 logits = self.draft.forward(drafted[:, i - 1][None], torch.full((1, rows), committed + i,
                                             device=self.device), base + (i - 1) * rows, self.draft_cache,
-                                            mask[..., :width])
+                                            None if mask is None else mask[..., :width])
                 q_i = process_logits(logits[0, :, :self.vocab], self.draft_sampling)
                 q[:, i] = q_i
                 drafted[:, i] = sample(q_i, self.generator, greedy)

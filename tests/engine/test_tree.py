@@ -64,6 +64,31 @@ def test_tree_pass_logits_equal_plain_sequences(arch):
         assert (wrong - logits).abs().max() > 1e-3
 
 
+def test_one_query_without_a_mask_attends_exactly_its_prefix():
+    """A 1-token step (``causal``, no mask: ``ar`` and the draft's one-path steps) attends slots
+    ``0 .. start`` and nothing after, even when the later slots hold garbage from rolled-back drafts;
+    its logits are those of the plain sequence, and those of the same step with an explicit mask."""
+    target, _ = hf_pair("llama", vocab=32, seed=3)
+    lean = LeanCausalLM(target)
+    prefix = [3, 1, 4, 1, 5, 9, 2]
+    with torch.inference_mode():
+        cache = lean.new_cache(1, 16)
+        lean.forward(torch.tensor([prefix[:-1]]), torch.arange(6)[None], 0, cache, None, causal=True)
+        for layer in range(len(cache.keys)):  # rejected drafts leave stale entries after the prefix
+            cache.keys[layer][:, :, 7:] = 50.0
+            cache.values[layer][:, :, 7:] = -50.0
+        step = lean.forward(torch.tensor([prefix[-1:]]), torch.tensor([[6]]), 6, cache, None, causal=True)[0, -1]
+        masked = lean.forward(torch.tensor([prefix[-1:]]), torch.tensor([[6]]), 6, cache,
+                              torch.ones(1, 1, 1, 7, dtype=torch.bool))[0, -1]
+        assert torch.equal(step, masked)
+        torch.testing.assert_close(step, target(input_ids=torch.tensor([prefix])).logits[0, -1], atol=1e-5, rtol=0)
+        # The check can fail: the same garbage in one attended slot changes the logits.
+        cache.keys[0][:, :, 3] = 50.0
+        cache.values[0][:, :, 3] = -50.0
+        spoiled = lean.forward(torch.tensor([prefix[-1:]]), torch.tensor([[6]]), 6, cache, None, causal=True)[0, -1]
+        assert (spoiled - step).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (the addmm branch)
 def test_transposed_weight_copies_give_the_same_logits(arch, monkeypatch):
     """The (in, out) copies of the fp32 CPU path and the Hugging Face (out, in) tensors in place
