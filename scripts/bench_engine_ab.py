@@ -35,9 +35,12 @@ from gbv.data import load_prompts
 from bench_engine import _median_ms  # scripts/ is on the path when run as a script
 
 
-def load_before(rev: str, path: str, name: str) -> types.ModuleType:
-    """The module at ``path`` as of commit ``rev``, imported as ``name``."""
+def load_before(rev: str, path: str, name: str, replace: dict[str, str] | None = None) -> types.ModuleType:
+    """The module at ``path`` as of commit ``rev``, imported as ``name`` (after replacing each key of
+    ``replace`` by its value in the source: to import another 'before' module instead of ours)."""
     source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    for old, new in (replace or {}).items():
+        source = source.replace(old, new)
     module = types.ModuleType(name)
     sys.modules[name] = module  # before exec: dataclasses look their module up
     exec(compile(source, f"{name}.py", "exec"), module.__dict__)

@@ -31,17 +31,10 @@ MODULES = {"gbv": ("gbv/verify/gbv.py", gbv_after, "verify_gbv"),
 
 def load_verifier_before(rev: str, method: str):
     """``method``'s verify function as of ``rev``, importing the ranking module of ``rev`` too."""
-    import sys
-    import types
-    import subprocess
-
     load_before(rev, "gbv/verify/ranking.py", "ranking_before")
     path, _, function = MODULES[method]
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
-    source = source.replace("from gbv.verify.ranking import", "from ranking_before import")
-    module = types.ModuleType(f"{method}_before")
-    sys.modules[module.__name__] = module
-    exec(compile(source, f"{module.__name__}.py", "exec"), module.__dict__)
+    module = load_before(rev, path, f"{method.replace('-', '_')}_before",
+                         {"from gbv.verify.ranking import": "from ranking_before import"})
     return getattr(module, function)
 
 
