@@ -7,15 +7,19 @@ the run, its exploration included). Each prompt runs every row, in alternating o
 seed; 128 new tokens, EOS off. Prints pooled tokens/s per row, its ratio to ``ar`` and to the best
 fixed row. Why this script: ``scripts/bench_engine.py`` has only L = 4 and 8 among the BV rows, so it
 cannot say whether ``auto``'s choice of another length (it often runs L = 2 or 6) costs or pays.
+``--log-policy`` also prints, for ``auto``'s timed iterations, how often it ran each arm and what
+each arm measured (tokens per iteration, ms per iteration, tokens/s).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import torch
 
 from gbv.data import load_prompts
+from gbv.engine import auto
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
 
@@ -31,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=10, help="prompts per data set (GSM8K, HumanEval)")
     parser.add_argument("--temperature", type=float, default=0.2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--log-policy", action="store_true", help="per-arm iterations of auto's timed run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype="float32")
@@ -39,6 +44,15 @@ def main(argv: list[str] | None = None) -> None:
     settings = dict(temperature=args.temperature, eos_token_id=[])
     for method, block_len in ROWS:  # warm-up (and auto's policy sees 16 tokens before the timed run)
         generate(pair, prompt_ids=prompts[0], method=method, block_len=max(block_len, 1), max_new_tokens=16, **settings)
+    log: list[tuple[str, int, float]] = []
+    if args.log_policy:
+        record = auto.AutoPolicy.record
+
+        def logged(self, index, tokens, seconds):
+            log.append((self.arms[index].label, tokens, seconds))
+            return record(self, index, tokens, seconds)
+
+        auto.AutoPolicy.record = logged
     tokens = {row: 0 for row in ROWS}
     seconds = {row: 0.0 for row in ROWS}
     for seed, prompt_ids in enumerate(prompts):
@@ -48,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
                            max_new_tokens=args.max_new_tokens, seed=seed, **settings)
             seconds[(method, block_len)] += time.perf_counter() - start
             tokens[(method, block_len)] += out.stats.to_dict()["new_tokens"]
+    if args.log_policy:
+        auto.AutoPolicy.record = record
     rate = {row: tokens[row] / seconds[row] for row in ROWS}
     best = max((r for r in ROWS if r[0] == "block"), key=rate.get)
     print(f"T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, 1 thread")
@@ -55,6 +71,15 @@ def main(argv: list[str] | None = None) -> None:
     for row in ROWS:
         mark = " (best fixed)" if row == best else ""
         print(f"| {label(row)}{mark} | {rate[row]:.1f} | {rate[row] / rate[ROWS[0]]:.3f}x | {rate[row] / rate[best]:.3f}x |")
+    if args.log_policy:
+        arms: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0])
+        for arm, made, spent in log:
+            arms[arm][0] += 1
+            arms[arm][1] += made
+            arms[arm][2] += spent
+        print("\n| auto's arm | iterations | tokens / iteration | ms / iteration | tokens/s |\n|---|---:|---:|---:|---:|")
+        for arm, (count, made, spent) in sorted(arms.items(), key=lambda kv: -kv[1][0]):
+            print(f"| {arm} | {count} | {made / count:.2f} | {spent / count * 1e3:.2f} | {made / spent:.0f} |")
 
 
 if __name__ == "__main__":
