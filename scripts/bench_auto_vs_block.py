@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             out = generate(pair, prompt_ids=prompt_ids, method=method, block_len=max(block_len, 1),
                            max_new_tokens=args.max_new_tokens, seed=seed, **settings)
             seconds[(method, block_len)] += time.perf_counter() - start
-            tokens[(method, block_len)] += out.stats.to_dict()["new_tokens"]
+            tokens[(method, block_len)] += out.stats.new_tokens
     if args.log_policy:
         auto.AutoPolicy.record = record
     rate = {row: tokens[row] / seconds[row] for row in ROWS}
