@@ -10,6 +10,9 @@ early), so a single instance can make a method look several times cheaper or dea
 average. One thread, a seeded TorchRandom per configuration, warm-up calls, then the mean, median
 and 90th percentile over the timed calls, of wall time or (``--clock cpu``) process CPU time, which
 is steadier on a busy machine. Methods whose module does not import (yet) are skipped with a note.
+``gbv-device`` is GBV's device form (:func:`gbv.verify.gbv.verify_gbv_on_device`, what ``gbv`` runs
+on a GPU: full sorted rows, one host read); ``--device cuda`` runs everything on a GPU (the clock is
+read after a device synchronisation).
 Every configuration also times one ``torch.softmax`` over ``p`` (the (K, L+1, V) tensor) on the same
 instances in the same process, and reports each method's mean as a multiple of its mean (the
 yardstick of issue 8: ``gbv`` at K = 4, L = 8 within 3x). Prints a markdown table; ``--out FILE``
@@ -29,6 +32,10 @@ import time
 import torch
 
 from gbv.verify import METHODS, TorchRandom, get_verifier
+from gbv.verify.gbv import verify_gbv_on_device
+
+# Forms beside the registered methods (the name -> function of the rows).
+EXTRA_FORMS = {"gbv-device": verify_gbv_on_device}
 
 
 def make_inputs(vocab: int, num_paths: int, block_len: int, seed: int
@@ -51,15 +58,21 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 def time_method(verifier, instances: list, seed: int, repeats: int, warmup: int, clock=time.perf_counter
                 ) -> list[float]:
-    """Milliseconds of each timed call; call ``i`` runs ``instances[i % len(instances)]``."""
-    rng = TorchRandom(seed=seed)
+    """Milliseconds of each timed call; call ``i`` runs ``instances[i % len(instances)]``. On a GPU
+    the clock is read after a synchronisation, and the random source's generator lives there."""
+    device = instances[0][2].device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rng = TorchRandom(generator=generator)
     for i in range(warmup):
         verifier(*instances[i % len(instances)], rng)
     times = []
     for i in range(repeats):
         inputs = instances[i % len(instances)]
+        sync()
         start = clock()
         verifier(*inputs, rng)
+        sync()
         times.append((clock() - start) * 1e3)
     return times
 
@@ -73,7 +86,8 @@ def percentile(values: list[float], frac: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), help="default: all of gbv.verify.METHODS")
+    parser.add_argument("--methods", nargs="+", default=[*METHODS, *EXTRA_FORMS],
+                        help="default: all of gbv.verify.METHODS and " + ", ".join(EXTRA_FORMS))
     parser.add_argument("--vocab", nargs="+", type=int, default=[32000, 128000])
     parser.add_argument("--paths", nargs="+", type=int, default=[1, 4], help="K values")
     parser.add_argument("--block-len", type=int, default=8, help="L")
@@ -85,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: process CPU time (steadier on a busy machine)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        parser.error(f"--device {args.device}: only cpu, or cuda where a CUDA device is present")
     if args.instances < 1:
         parser.error("--instances must be at least 1")
     torch.set_num_threads(args.threads)
@@ -94,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     verifiers, notes = {}, []
     for name in args.methods:
         try:
-            verifiers[name] = get_verifier(name)
-        except (ImportError, AttributeError) as exc:
+            verifiers[name] = EXTRA_FORMS[name] if name in EXTRA_FORMS else get_verifier(name)
+        except (ImportError, AttributeError, ValueError) as exc:
             notes.append(f"- `{name}` skipped: {type(exc).__name__}: {exc}")
 
     rows = ["| method | V | K | L | mean ms | median ms | p90 ms | x softmax(p) |",
@@ -107,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for vocab in args.vocab:
         for num_paths in args.paths:
-            instances = [make_inputs(vocab, num_paths, args.block_len, args.seed + i) for i in range(args.instances)]
+            instances = [tuple(t.to(args.device) for t in make_inputs(vocab, num_paths, args.block_len, args.seed + i))
+                         for i in range(args.instances)]
             # The yardstick, in the same process and on the same tensors: one softmax over p (K, L+1, V).
             softmax_times = time_method(lambda t, q, p, rng: torch.softmax(p, dim=-1), instances, args.seed,
                                         args.repeats, args.warmup, CLOCKS[args.clock])
@@ -121,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 rows.append(row(name, vocab, num_paths, times, statistics.fmean(times) / softmax_ms))
                 print(rows[-1], file=sys.stderr, flush=True)
-    header = (f"CPU, torch {torch.__version__}, {args.threads} thread(s), float32 inputs, {args.clock} clock, "
+    where = "CPU" if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device))
+    header = (f"{where}, torch {torch.__version__}, {args.threads} thread(s), float32 inputs, {args.clock} clock, "
               f"{args.instances} random instance(s) per configuration, {args.repeats} timed calls cycling "
               f"through them after {args.warmup} warm-up calls per row; x softmax(p) = ratio of the means.")
     table = "\n".join([header, "", *rows] + (["", *notes] if notes else [])) + "\n"

@@ -15,6 +15,7 @@ import torch
 
 from gbv.bench.host_reads import count_host_reads, verify_inputs
 from gbv.verify import METHODS, TorchRandom, get_verifier
+from gbv.verify.gbv import verify_gbv_on_device
 
 
 class PerCoinRandom(TorchRandom):
@@ -36,13 +37,15 @@ def main() -> None:
     source = PerCoinRandom if args.per_coin else TorchRandom
     print(f"| method (K={args.paths}, L={args.block_len}, V={args.vocab}) | host reads per call, mean | max |")
     print("|---|---:|---:|")
-    for method in METHODS:
+    rows = [(method, get_verifier(method)) for method in METHODS]
+    rows.append(("gbv, device form (on a GPU)", verify_gbv_on_device))
+    for method, verifier in rows:
         counts = []
         for seed in range(args.calls):
             draft_tokens, q, p = verify_inputs(args.paths, args.block_len, args.vocab, seed)
             rng = source(seed=seed)
             with count_host_reads() as reads:
-                get_verifier(method)(draft_tokens, q, p, rng)
+                verifier(draft_tokens, q, p, rng)
             counts.append(reads["n"])
         print(f"| {method} | {sum(counts) / len(counts):.1f} | {max(counts)} |")
 

@@ -1,8 +1,11 @@
 """Counting host reads: the device -> host synchronisations a GPU pipeline would stall on.
 
 On CPU nothing waits, but every ``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)``,
-``t.__index__()`` and ``.numpy()`` of a tensor is such a place; :func:`count_host_reads` counts them by
-wrapping those tensor methods for the duration of a ``with`` block. Used by tests/engine/test_syncs.py
+``t.__index__()`` and ``.numpy()`` of a tensor is such a place, and so are the implicit ones: indexing
+with a 0-dim integer tensor (``x[t]``: torch reads ``t`` to the host and slices, pytorch/pytorch#105641)
+or with a boolean mask, and ``nonzero`` (both need the count of hits on the host).
+:func:`count_host_reads` counts them by wrapping those tensor methods for the duration of a
+``with`` block. Used by tests/engine/test_syncs.py
 (the budget of issue 8) and scripts/host_reads.py (the per-verifier table in docs/ENGINE.md).
 """
 
@@ -14,14 +17,24 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero")
+INDEXING = ("__getitem__", "__setitem__")
+
+
+def _index_reads(index) -> bool:
+    """Whether an index reads the host on a GPU: a 0-dim integer tensor or a boolean tensor in it."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, Tensor) and (part.dtype == torch.bool or
+                                             (part.dim() == 0 and not part.is_floating_point()))
+               for part in parts)
 
 
 @contextlib.contextmanager
 def count_host_reads() -> Iterator[dict[str, int]]:
     """``with count_host_reads() as reads: ...`` -- ``reads["n"]`` is the number of host reads inside."""
     counter = {"n": 0}
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
+    originals = {name: getattr(torch.Tensor, name) for name in READS + INDEXING}
+    original_nonzero = torch.nonzero
 
     def wrap(original):
         def counted(self, *args, **kwargs):
@@ -29,13 +42,28 @@ def count_host_reads() -> Iterator[dict[str, int]]:
             return original(self, *args, **kwargs)
         return counted
 
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(original))
+    def wrap_indexing(original):
+        def counted(self, index, *args):
+            if _index_reads(index):
+                counter["n"] += 1
+            return original(self, index, *args)
+        return counted
+
+    def nonzero(*args, **kwargs):
+        counter["n"] += 1
+        return original_nonzero(*args, **kwargs)
+
+    for name in READS:
+        setattr(torch.Tensor, name, wrap(originals[name]))
+    for name in INDEXING:
+        setattr(torch.Tensor, name, wrap_indexing(originals[name]))
+    torch.nonzero = nonzero
     try:
         yield counter
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        torch.nonzero = original_nonzero
 
 
 def verify_inputs(num_paths: int = 1, block_len: int = 8, vocab: int = 1000, seed: int = 0

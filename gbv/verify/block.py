@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs,
-                               residual_on_device)
+                               residual_on_device, take_row)
 
 
 # residual_masses(rows, weights) -> r_i = sum_x (w_i p_i(x) - q_i(x))+ for the given nodes i (1 <= i < L).
@@ -102,9 +102,9 @@ def block_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: 
     depths = torch.arange(1, block_len + 1, device=p_path.device)
     accepted_len = torch.where(rng.coins(stop_probs), depths, 0).max()
     # Next token: p_L after a full block, else norm((w_tau p_tau - q_tau)+); the q row is zeroed at tau = L.
-    p_tau = p_path[accepted_len]
-    q_tau = q_path[accepted_len.clamp(max=block_len - 1)] * (accepted_len < block_len)
-    next_token = rng.draw(residual_on_device(p_tau, q_tau, w_cast[accepted_len]))
+    p_tau = take_row(p_path, accepted_len)
+    q_tau = take_row(q_path, accepted_len.clamp(max=block_len - 1)) * (accepted_len < block_len)
+    next_token = rng.draw(residual_on_device(p_tau, q_tau, take_row(w_cast, accepted_len)))
     return accepted_len, next_token
 
 

@@ -171,6 +171,14 @@ def host_ints(*values: Tensor | int) -> list[int]:
     return [int(v) for v in torch.stack([torch.as_tensor(v).reshape(()) for v in values]).tolist()]
 
 
+def take_row(rows: Tensor, index: Tensor) -> Tensor:
+    """``rows[index]`` for a 0-dim long tensor ``index``, without a host read: (N, ...) -> (...).
+
+    Indexing with a 0-dim tensor makes torch read it back and slice (pytorch/pytorch#105641), a
+    pipeline stall on a GPU; ``index_select`` stays on the device."""
+    return rows.index_select(0, index.reshape(1))[0]
+
+
 def on_path_probs(dist: Tensor, tokens: Tensor) -> Tensor:
     """``dist[..., i, tokens[..., i]]``: probability of each drafted token. (…, L, V), (…, L) -> (…, L)."""
     return dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

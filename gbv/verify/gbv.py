@@ -33,18 +33,19 @@ bit for bit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from gbv.verify.block import block_verify_core, block_verify_path
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes
-from gbv.verify.ranking import (ZERO_ZERO_KEY, best_token, mass_below, mass_below_rows, power_sum, ranking_key,
-                                residual_masses_ranked, residual_row)
+from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints
+from gbv.verify.ranking import (ZERO_ZERO_KEY, best_token, mass_below, mass_below_rows, mass_below_rows_sorted,
+                                power_sum, ranking_key, residual_masses_ranked, residual_row)
 
-__all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "ranking_key", "select_path", "skewed_draft_law",
-           "verify_gbv"]
+__all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "path_walk_on_device", "ranking_key", "select_path",
+           "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device", "verify_gbv", "verify_gbv_on_device"]
 
 
 def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
@@ -82,6 +83,31 @@ def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
     return alive[0]
 
 
+def select_path_on_device(draft_tokens: Tensor, q: Tensor, p: Tensor) -> Tensor:
+    """:func:`select_path` as tensor code without a host read: the same index, as a 0-d long tensor.
+
+    Every pair of paths ``(a, b)`` is compared at the first depth where their tokens differ (the two
+    tokens share a node there, so their keys are comparable): ``a`` beats ``b`` by a larger key, or an
+    equal key and a smaller token id. The lexicographic maximum is beaten by no path, every other
+    path by it, so the smallest index beaten by none is :func:`select_path`'s answer. ``O(K^2 L)``
+    comparisons in a fixed number of tensor calls, instead of a depth loop on the host.
+    """
+    num_paths, block_len = draft_tokens.shape
+    device = draft_tokens.device
+    if num_paths == 1:
+        return torch.zeros((), dtype=torch.long, device=device)
+    path_ids = torch.arange(num_paths, device=device).unsqueeze(-1)
+    depth_ids = torch.arange(block_len, device=device)
+    key = ranking_key(p[path_ids, depth_ids, draft_tokens], q[path_ids, depth_ids, draft_tokens])  # (K, L)
+    differs = draft_tokens.unsqueeze(1) != draft_tokens.unsqueeze(0)  # (K, K, L): [a, b, depth]
+    first = differs.to(torch.uint8).argmax(-1)  # (K, K) first differing depth (argmax: the first maximum)
+    key_a, token_a = key.gather(1, first), draft_tokens.gather(1, first)  # [a, b] = path a's at first[a, b]
+    # first is symmetric, so path b's values at first[a, b] are the transposes.
+    key_b, token_b = key_a.transpose(0, 1), token_a.transpose(0, 1)
+    beats = differs.any(-1) & ((key_a > key_b) | ((key_a == key_b) & (token_a < token_b)))
+    return (~beats.any(0)).to(torch.uint8).argmax()
+
+
 def path_walk(below_on: list[float], q_on: list[float]) -> tuple[list[float], list[float]]:
     """``(v, u)`` at the nodes ``s_{1:i}``, ``i = 0..L-1``, of the selected path (SPEC section 3).
 
@@ -102,6 +128,27 @@ def path_walk(below_on: list[float], q_on: list[float]) -> tuple[list[float], li
         else:  # s_{i+1} has q-probability 0 (not a real draft): any v in [0, 1] keeps rows normalised
             v, u = 0.0, 1.0
     return v_list, u_list
+
+
+def path_walk_on_device(below_on: Tensor, q_on: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`path_walk` as tensor code without a host read: (L,) float64 ``below_on``, ``q_on`` ->
+    ``(v, u)``, (L,) float64 each, equal to the host walk's up to rounding.
+
+    The walk's update is projective: ``(v, u)`` is proportional to ``(a, b)`` with ``a <- a q(s)`` and
+    ``b <- b + a W(s)`` (``a = 1``, ``b = 0`` at the root), so ``a_i = prod_{j<i} q_j`` and
+    ``b_i = sum_{j<i} a_j W_j``: a cumulative product and a cumulative sum instead of an L-step loop.
+    Both are formed in logarithms (``a_i`` underflows for long blocks of unlikely tokens), and
+    ``v = a / (a + b) = sigmoid(log a - log b)``, ``u = sigmoid(log b - log a)``: no subtraction of
+    nearly equal masses. A prefix with ``a = 0`` (a token of q-probability 0) gets the host walk's
+    ``v = 0``, ``u = 1``.
+    """
+    with torch.no_grad():
+        log_q, log_w = torch.log(q_on), torch.log(below_on)  # -inf at 0
+        log_a = torch.cat([log_q.new_zeros(1), torch.cumsum(log_q, 0)[:-1]])
+        log_b = torch.cat([log_q.new_full((1,), -math.inf), torch.logcumsumexp(log_a + log_w, 0)[:-1]])
+        dead = log_a == -math.inf
+        diff = torch.where(dead, 0.0, log_a - log_b)  # +inf where b = 0 (v = 1, u = 0)
+        return torch.where(dead, 0.0, torch.sigmoid(diff)), torch.where(dead, 1.0, torch.sigmoid(-diff))
 
 
 @dataclass
@@ -179,6 +226,11 @@ def _walk_law(key: Tensor, q64: Tensor, tokens: Tensor, num_paths: int, extra: T
     return law, on_path, rest[0] if rest else []
 
 
+def uses_device_form(p: Tensor) -> bool:
+    """Whether :func:`verify_gbv` runs :func:`verify_gbv_on_device`: on every device but the CPU."""
+    return p.device.type != "cpu"
+
+
 def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
     """GBV: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
 
@@ -189,6 +241,8 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     (one-hot ``p`` and ``q``) reduces to the longest drafted prefix matching the target's argmax,
     then its argmax.
     """
+    if uses_device_form(p):  # one host read instead of ~9: see verify_gbv_on_device
+        return verify_gbv_on_device(draft_tokens, q, p, rng)
     num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
     path = select_path(draft_tokens, q, p)
     tokens = draft_tokens[path]
@@ -212,3 +266,47 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist, p_path[block_len], rng)
     return VerifyResult(path, accepted_len, next_token)
 
+
+
+def verify_gbv_on_device(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """GBV as tensor code on the inputs' device with one host read per call (:func:`verify_gbv` on
+    a GPU). Same law as the lazy host walk, by other means:
+
+    :func:`select_path_on_device` (all pairwise comparisons at once), full rows of ``W`` by one sort
+    per node (:func:`gbv.verify.ranking.mass_below_rows_sorted`), :func:`path_walk_on_device` (a
+    cumulative product and sum), the full ``(L, V)`` rows of ``q_G``, and BV as tensor code on them
+    (:func:`gbv.verify.block.block_verify_on_device`: the stop decisions as independent coins, the
+    next token by inverse CDF), in float64. The path, the accepted length and the next token are read
+    back together. Why two forms: on a GPU a host read stalls the pipeline and a sort of ``L`` rows
+    is cheap; on a CPU the sorts cost 4-20x the lazy walk's masked sums and key buckets, while a read
+    costs ~2 us. The exact enumeration proves both lossless (tests/verify/test_gbv.py).
+    """
+    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    if num_paths == 1:
+        return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
+    path = select_path_on_device(draft_tokens, q, p)
+    pick = path.reshape(1)
+    tokens = draft_tokens.index_select(0, pick)[0]
+    p_path = p.index_select(0, pick)[0]
+    q_g = skewed_law_rows_on_device(tokens, q.index_select(0, pick)[0], p_path, num_paths)  # (L, V) float64
+    accepted_len, next_token = block_verify_on_device(tokens, q_g, p_path.to(torch.float64), rng)
+    return VerifyResult(*host_ints(path, accepted_len, next_token))
+
+
+def skewed_law_rows_on_device(selected_tokens: Tensor, q_path: Tensor, p_path: Tensor, num_paths: int) -> Tensor:
+    """:func:`skewed_draft_law` without a host read (the rows :func:`verify_gbv_on_device` verifies
+    with): (L,) tokens, (L, V) q and (L+1, V) p along the selected path -> (L, V) float64 ``q_G``.
+
+    One sort per node for ``W`` (:func:`gbv.verify.ranking.mass_below_rows_sorted`, from the very keys
+    the selection compared: :func:`ranking_key` of the inputs as given) and the walk by
+    :func:`path_walk_on_device`.
+    """
+    block_len = q_path.shape[0]
+    q64 = q_path.to(torch.float64)
+    if num_paths == 1:
+        return q64.clone()
+    below = mass_below_rows_sorted(ranking_key(p_path[:block_len], q_path), q64)  # (L, V)
+    on = selected_tokens.reshape(block_len, 1)
+    v, u = path_walk_on_device(below.gather(-1, on).squeeze(-1), q64.gather(-1, on).squeeze(-1))
+    rows = torch.arange(block_len, device=q_path.device).unsqueeze(-1)
+    return SkewedLaw(v, u, num_paths).token_law(rows, below, q64)

@@ -145,6 +145,12 @@ def mass_below_rows(key: Tensor, q64: Tensor) -> Tensor:
     if count * 4 < key.shape[-1]:
         # Rank only the support: the other tokens' W is the support mass whose key is below theirs.
         return _mass_below_rows_support(key, q64, support)
+    return mass_below_rows_sorted(key, q64)
+
+
+def mass_below_rows_sorted(key: Tensor, q64: Tensor) -> Tensor:
+    """:func:`mass_below_rows` by one sort of every whole row, without a host read (the device form
+    of GBV, :func:`gbv.verify.gbv.verify_gbv_on_device`): (N, V), (N, V) float64 -> (N, V) float64."""
     order = rank_order(key).flip(-1)
     q_sorted = q64.gather(-1, order)
     below_sorted = torch.cat([torch.zeros_like(q_sorted[:, :1]), q_sorted.cumsum(-1)[:, :-1]], dim=-1)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs, residual_on_device
+from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs, residual_on_device,
+                               take_row)
 
 
 def verify_token(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
@@ -25,7 +26,7 @@ def verify_token(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) 
     accept_probs = (on_path_probs(p0[:block_len], tokens) / on_path_probs(q0, tokens)).clamp(max=1.0)
     accepted_len = rng.coins(accept_probs).long().cumprod(0).sum()
     # After a rejection at tau: norm((p_tau - q_tau)+); after a full block: p_L (q row zeroed).
-    q_tau = q0[accepted_len.clamp(max=block_len - 1)] * (accepted_len < block_len)
-    next_token = rng.draw(residual_on_device(p0[accepted_len], q_tau))
+    q_tau = take_row(q0, accepted_len.clamp(max=block_len - 1)) * (accepted_len < block_len)
+    next_token = rng.draw(residual_on_device(take_row(p0, accepted_len), q_tau))
     tau, token = host_ints(accepted_len, next_token)
     return VerifyResult(0, tau, token)

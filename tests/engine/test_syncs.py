@@ -54,10 +54,29 @@ def test_verify_call_reads_the_host_once(method):
         assert reads["n"] <= 1, f"{method}: {reads['n']} host reads in one verify call"
 
 
-@pytest.mark.parametrize("method,num_paths", [("ar", 1), ("token", 1), ("block", 1)])
+@pytest.mark.parametrize("num_paths", [2, 3, 8])
+def test_gbv_device_form_reads_the_host_once(num_paths):
+    """GBV's device form (what ``verify_gbv`` runs on a GPU) with several paths: the selection, the
+    walk, BV and the draws as tensor code, one read for the result."""
+    from gbv.verify.gbv import verify_gbv_on_device
+
+    rng = TorchRandom(seed=0)
+    for seed in range(5):
+        tokens, q, p = verify_inputs(num_paths, seed=seed)
+        with count_host_reads() as reads:
+            verify_gbv_on_device(tokens, q, p, rng)
+        assert reads["n"] <= 1, f"{reads['n']} host reads in one verify call"
+
+
+@pytest.mark.parametrize("method,num_paths", [("ar", 1), ("token", 1), ("block", 1), ("gbv", 3)])
 def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
-    """A whole tree-engine iteration (draft, trie, target pass, verify, commit) stays within L + 3."""
+    """A whole tree-engine iteration (draft, trie, target pass, verify, commit) stays within L + 3
+    (issue 8's budget) and in fact reads twice; gbv with its device form (what runs on a GPU), forced
+    here on CPU tensors."""
     import gbv.engine.tree_decoder as tree_decoder
+    import gbv.verify.gbv as gbv_module
+
+    monkeypatch.setattr(gbv_module, "uses_device_form", lambda p: True)
 
     target, draft = hf_pair("llama", vocab=64, seed=2)
     sharpen(target, draft, scale=3.0)
@@ -75,3 +94,5 @@ def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
     generate(ModelPair(target, draft), prompt_ids=[1, 2, 3], method=method, num_paths=num_paths,
              block_len=block_len, max_new_tokens=40, eos_token_id=[], seed=0)
     assert counts and max(counts) <= block_len + 3, counts
+    # What the tree path does today: the drafts read once (to build the trie) and the verify result.
+    assert max(counts) <= 2, counts

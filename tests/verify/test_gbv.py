@@ -17,9 +17,10 @@ from gbv.theory import context_free_instance, enumerate_branches, exact_analysis
 from gbv.verify import TorchRandom, get_verifier
 from gbv.verify.block import block_verify_core
 from gbv.verify.common import VerifyResult, on_path_probs, residual
-from gbv.verify.gbv import ranking_key, select_path, skewed_draft_law, verify_gbv
+from gbv.verify.gbv import (ranking_key, select_path, select_path_on_device, skewed_draft_law,
+                            skewed_law_rows_on_device, verify_gbv, verify_gbv_on_device)
 
-from exact_checks import KINDS, LOSSLESS_TOL, path_tensors, tuple_inputs
+from exact_checks import FAST, KINDS, LOSSLESS_TOL, grid_seed, path_tensors, tuple_inputs
 
 
 def _seed(vocab: int, block_len: int, num_paths: int, kind: str, rep: int = 0) -> int:
@@ -208,10 +209,10 @@ def _one_hot(token: int, vocab: int, dtype) -> torch.Tensor:
     return row
 
 
+@pytest.mark.parametrize("verifier", [verify_gbv, verify_gbv_on_device], ids=["host", "device"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_temperature_zero_is_longest_argmax_match(dtype):
+def test_temperature_zero_is_longest_argmax_match(dtype, verifier):
     rng = np.random.default_rng(4)
-    verifier = get_verifier("gbv")
     for _ in range(150):
         num_paths, block_len, vocab = int(rng.integers(1, 5)), int(rng.integers(1, 5)), int(rng.integers(2, 6))
         argmax_table: dict[tuple[int, ...], int] = {}
@@ -393,3 +394,114 @@ def test_bucketed_positive_part_mass_is_exact(dtype):
     for law in laws:
         fast = ranking.positive_part_mass(key, q, p, scale, law)
         assert torch.allclose(fast, _brute_positive_part(key, q, p, scale, law), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- 9
+# The device form (verify_gbv_on_device: what verify_gbv runs on a GPU; one host read per call) is
+# production code too: the same exact checks, run here on CPU tensors.
+@pytest.mark.parametrize("vocab,block_len,num_paths,kind", [point for point in FAST if point[2] > 1])
+def test_device_form_is_lossless(vocab, block_len, num_paths, kind):
+    inst = random_instance(vocab, block_len, num_paths, seed=grid_seed(vocab, block_len, num_paths, kind), kind=kind)
+    result = exact_analysis(verify_gbv_on_device, inst)
+    assert result.max_law_error < LOSSLESS_TOL
+    assert abs(result.expected_accepted - exact_analysis(verify_gbv, inst).expected_accepted) < 1e-12
+
+
+@pytest.mark.parametrize("num_paths,expected", [(2, 131 / 81), (3, 1289 / 729)])
+def test_device_form_spec_reference_values(num_paths, expected):
+    inst = context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, num_paths)
+    assert abs(exact_analysis(verify_gbv_on_device, inst).expected_accepted - expected) < 1e-12
+
+
+@pytest.mark.parametrize("kind,vocab,block_len,num_paths,seed", BRUTE_FORCE_CASES)
+def test_device_form_has_the_host_forms_outcome_law(kind, vocab, block_len, num_paths, seed):
+    """Per drafted tuple, the law of (path, accepted length, next token) equals the lazy host form's
+    to 1e-12 (the two consume their randomness differently, so only laws can be compared)."""
+    inst = _brute_force_instance(kind, vocab, block_len, num_paths, seed)
+    seqs = [s for s in itertools.product(range(vocab), repeat=block_len) if inst.seq_prob(inst.draft, s) > 0]
+    for paths in itertools.islice(itertools.product(seqs, repeat=num_paths), 50):
+        inputs = tuple_inputs(inst, list(paths))
+        ours, host = _outcome_law(verify_gbv_on_device, inputs), _outcome_law(verify_gbv, inputs)
+        assert all(abs(ours.get(k, 0.0) - host.get(k, 0.0)) < 1e-12 for k in set(ours) | set(host))
+
+
+def _tree_inputs(gen: torch.Generator, num_paths: int, block_len: int, vocab: int, coarse: bool):
+    """K random paths over a random tree of rows (a shared prefix shares its rows, as drafted paths
+    do); ``coarse`` rows take few distinct values, so keys tie and some q are 0 at drafted tokens."""
+    tokens = torch.randint(vocab, (num_paths, block_len), generator=gen)
+    rows: dict[tuple[int, ...], torch.Tensor] = {}
+    q = torch.zeros(num_paths, block_len, vocab)
+    p = torch.zeros(num_paths, block_len + 1, vocab)
+    for k in range(num_paths):
+        for d in range(block_len + 1):
+            ctx = tuple(tokens[k, :d].tolist())
+            if ctx not in rows:
+                pair = torch.rand(2, vocab, generator=gen)
+                rows[ctx] = (pair * 3).round() / 3 if coarse else pair
+            p[k, d] = rows[ctx][0]
+            if d < block_len:
+                q[k, d] = rows[ctx][1]
+    return tokens, q, p
+
+
+def test_select_path_on_device_equals_select_path():
+    gen = torch.Generator().manual_seed(8)
+    chosen = set()
+    for trial in range(600):
+        num_paths, block_len = 2 + trial % 6, 1 + trial % 4
+        inputs = _tree_inputs(gen, num_paths, block_len, 3, coarse=trial % 2 == 1)
+        expected = select_path(*inputs)
+        assert int(select_path_on_device(*inputs)) == expected
+        chosen.add(expected)
+    assert len(chosen) > 3  # not always path 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("vocab", [1000, 5000])
+def test_device_rows_equal_the_host_walks_rows(vocab, dtype):
+    """The full rows of q_G from the device form (one sort per node, the walk as a cumulative
+    product and sum in logarithms) against :func:`skewed_draft_law` (masked sums, the host walk), to
+    1e-12 relative, on heavy-tailed rows (masses down to 1e-30, zeros, ties) and paths through
+    tokens of tiny or zero q-mass, at L = 32, K = 16."""
+    gen = torch.Generator().manual_seed(vocab)
+    block_len, num_paths = 32, 16
+    for drafted in (True, False):
+        q = _heavy_tailed(gen, (block_len, vocab)).to(dtype)
+        p = _heavy_tailed(gen, (block_len + 1, vocab)).to(dtype)
+        if drafted:
+            tokens = torch.multinomial(q.double(), 1, generator=gen).squeeze(-1)
+        else:
+            tokens = torch.randint(vocab, (block_len,), generator=gen)
+            tokens[::4] = 4
+        host = skewed_draft_law(tokens, q, p, num_paths)
+        device = skewed_law_rows_on_device(tokens, q, p, num_paths)
+        assert device.dtype == torch.float64 and torch.all(torch.isfinite(device))
+        assert torch.all((device - host).abs() <= 1e-12 * host.abs())
+
+
+_REAL_WALK = gbv_module.path_walk_on_device
+
+
+def _walk_without_rank_mass(below_on, q_on):
+    """Broken: the walk forgets the mass ranked below the selected token (u stays 0)."""
+    return _REAL_WALK(torch.zeros_like(below_on), q_on)
+
+
+def _selection_always_first(draft_tokens, q, p):
+    """Broken: always path 0 (BV on path 0, but told the law of the greedy selection)."""
+    return torch.zeros((), dtype=torch.long)
+
+
+def _rows_ranked_by_q(key, q64):
+    """Broken: the law ranks by q alone (the selection still by p / q)."""
+    return ranking.mass_below_rows_sorted(q64, q64)
+
+
+@pytest.mark.parametrize("name,broken", [("path_walk_on_device", _walk_without_rank_mass),
+                                         ("select_path_on_device", _selection_always_first),
+                                         ("mass_below_rows_sorted", _rows_ranked_by_q)])
+def test_device_form_negative_controls(monkeypatch, name, broken):
+    instances = [random_instance(v, l, k, seed=seed, kind=kind) for kind, v, l, k, seed in NEGATIVE_CONTROL_INSTANCES]
+    assert max(exact_analysis(verify_gbv_on_device, inst).max_law_error for inst in instances) < LOSSLESS_TOL
+    monkeypatch.setattr(gbv_module, name, broken)
+    assert max(exact_analysis(verify_gbv_on_device, inst).max_law_error for inst in instances) > 1e-6
