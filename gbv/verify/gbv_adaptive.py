@@ -30,20 +30,22 @@ any weight keeps the method lossless. All arithmetic of the law is float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from math import comb
 
 import torch
 from torch import Tensor
 
-from gbv.verify.block import block_verify_core, block_verify_path
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes
-from gbv.verify.ranking import (approx_mass_below_rows, best_token, mass_below, power_sum, ranking_key,
-                                residual_masses_ranked, residual_row)
+from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
+from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints, take_row
+from gbv.verify.ranking import (approx_mass_below_rows, best_token, mass_below, mass_below_rows_sorted, power_sum,
+                                ranking_key, residual_masses_ranked, residual_row)
 
 # Bins of (0, 1) for the node weight's breakpoints (node_weights): only the crossing bin is sorted.
 _WEIGHT_BINS = 1024
 
-__all__ = ["AdaptiveLaw", "greedy_step_law", "node_weights", "verify_gbv_adaptive"]
+__all__ = ["AdaptiveLaw", "greedy_step_law", "node_weights", "node_weights_on_device", "uses_device_form",
+           "verify_gbv_adaptive", "verify_gbv_adaptive_on_device"]
 
 
 def greedy_step_law(below: Tensor, q64: Tensor, n: int) -> Tensor:
@@ -117,6 +119,35 @@ def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> lis
     return lams
 
 
+def node_weights_on_device(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> Tensor:
+    """:func:`node_weights` as tensor code without a host read: (V,) float64 rows -> (K,) float64,
+    ``lam_n`` at index ``n - 1`` (``lam_1 = 0``). The same smallest maximiser of ``F``, found by one
+    sort of each row's breakpoints in (0, 1) instead of bins (the bins need a read to pick the
+    crossing bin): ``lam_n`` is the first breakpoint at which the summed slope drops reach the right
+    slope at 0, 0 if that slope is not positive, 1 if the drops never reach it.
+    """
+    if num_paths == 1:
+        return q64.new_zeros(1)
+    # d_n = q (S_n(W + q, W) - 1) for n = 2..K, as in node_weights.
+    x, s_n, x_pow, rows = below + q64, torch.ones_like(q64), torch.ones_like(q64), []
+    for _ in range(num_paths - 1):
+        x_pow = x_pow * x
+        s_n = torch.addcmul(x_pow, s_n, below)  # S_{n+1} = W S_n + x^n
+        rows.append(s_n)
+    d = torch.stack(rows).sub_(1.0).mul_(q64)  # (K-1, V)
+    diff = p64 - q64
+    ties = diff == 0
+    slope0 = d @ (diff > 0).to(d.dtype) + d.clamp_max(0.0) @ ties.to(d.dtype)  # right slope at 0, (K-1,)
+    t = diff / d
+    valid = (t > 0) & (t < 1) & ~ties  # breakpoints in (0, 1) (NaN compares False)
+    t_sorted, order = torch.sort(torch.where(valid, t, math.inf), dim=-1)
+    dropped = torch.where(valid, d.abs(), 0.0).gather(-1, order).cumsum(-1)  # slope lost up to each breakpoint
+    reached = dropped >= slope0.unsqueeze(-1)  # grows only at breakpoints, so the first hit is one
+    first = reached.to(torch.uint8).argmax(-1, keepdim=True)
+    lam = torch.where(reached.any(-1), t_sorted.gather(-1, first).squeeze(-1), 1.0)
+    return torch.cat([q64.new_zeros(1), torch.where(slope0 > 0, lam, 0.0)])
+
+
 def choose_next(candidates: list[int], keys: list[float], lam: float, rng: RandomSource) -> int:
     """The selection step at a node: with probability ``lam`` the best-ranked of the candidates' next
     tokens (largest key, ties -> smaller id), else the lowest-index candidate's. The coin is drawn only
@@ -179,6 +210,12 @@ class AdaptiveLaw:
         return self._ratio(row, low, low), self._ratio(row, high, high)  # S_n(x, z) in [S_n(z, z), S_n(x, x)]
 
 
+def uses_device_form(p: Tensor) -> bool:
+    """Whether :func:`verify_gbv_adaptive` runs :func:`verify_gbv_adaptive_on_device`: on every device
+    but the CPU."""
+    return p.device.type != "cpu"
+
+
 def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
     """gbv-adaptive: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
 
@@ -187,6 +224,8 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     the node's rows are read from the lowest-index one (the path finally selected is the lowest-index
     survivor, so these are its rows). ``K = 1`` is BV (``q_A = q`` up to rounding).
     """
+    if uses_device_form(p):  # one host read instead of ~100: see verify_gbv_adaptive_on_device
+        return verify_gbv_adaptive_on_device(draft_tokens, q, p, rng)
     num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
     if num_paths == 1:  # one path: nothing to select, q_A = q; BV on the inputs as given, bit for bit
         return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
@@ -236,3 +275,85 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist,
                                                  p[path, block_len], rng)
     return VerifyResult(path, accepted_len, next_token)
+
+
+def _count_kernels(num_paths: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``C(n, k)``, ``C(n-1, k-1)`` and the exponents ``max(n - k, 0)`` as (K, K) float64 tables,
+    row ``n - 1``, column ``k - 1`` (zero binomials where ``k > n``), for :func:`update_counts_on_device`."""
+    n = torch.arange(1, num_paths + 1, dtype=torch.float64)
+    greedy = torch.tensor([[comb(a, b) for b in range(1, num_paths + 1)] for a in range(1, num_paths + 1)],
+                          dtype=torch.float64)
+    uniform = torch.tensor([[comb(a - 1, b - 1) for b in range(1, num_paths + 1)] for a in range(1, num_paths + 1)],
+                           dtype=torch.float64)
+    exponents = (n.unsqueeze(-1) - n).clamp_min(0.0)
+    return greedy.to(device), uniform.to(device), exponents.to(device)
+
+
+def update_counts_on_device(counts: Tensor, lams: Tensor, q_s: Tensor, below_s: Tensor,
+                            kernels: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """:func:`update_counts` as tensor code: (K,) ``counts`` and ``lams`` (index ``n - 1``), (1,)
+    ``q_s`` and ``below_s`` -> (K,) ``a(k) <- sum_n a(n) M_n(s, k)``, renormalised (kept as they
+    were if the update has no mass, as in :func:`update_counts`)."""
+    greedy, uniform, exponents = kernels
+    k = torch.arange(1, counts.shape[0] + 1, dtype=torch.float64, device=counts.device)
+    q_k = q_s ** k  # (K,): q^k, a column factor of both kernels
+    mix = (lams.unsqueeze(-1) * greedy * below_s ** exponents
+           + (1.0 - lams).unsqueeze(-1) * uniform * (1.0 - q_s) ** exponents) * q_k  # (K, K): M_n(s, k)
+    new = counts @ mix
+    total = new.sum()
+    return torch.where(total > 0, new / torch.where(total > 0, total, 1.0), counts)
+
+
+def verify_gbv_adaptive_on_device(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """gbv-adaptive as tensor code on the inputs' device with one host read per call
+    (:func:`verify_gbv_adaptive` on a GPU). The same selection rule and law, by other means:
+
+    the alive paths are a (K,) mask, the node's rows those of the first alive path (a ``take_row``);
+    ``W`` of the whole row by one sort (:func:`gbv.verify.ranking.mass_below_rows_sorted`: exact, so
+    the node weights use the exact ``W``, where the host form bins them from V = 4096 up -- any
+    weight keeps the method lossless); the weights by :func:`node_weights_on_device`; the selection
+    coin is always drawn, with probability 1 where the best-ranked and the first candidate's tokens
+    agree (the host form draws it only where they differ: the same law); ``a(n)`` by
+    :func:`update_counts_on_device`; then BV as tensor code on the full rows of ``q_A``
+    (:func:`gbv.verify.block.block_verify_on_device`). The path, the accepted length and the next
+    token are read back together.
+    """
+    num_paths, block_len, vocab = check_shapes(draft_tokens, q, p)
+    if num_paths == 1:
+        return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
+    device = q.device
+    kernels = _count_kernels(num_paths, device)
+    alive = torch.ones(num_paths, dtype=torch.bool, device=device)
+    counts = torch.zeros(num_paths, dtype=torch.float64, device=device)
+    counts[-1] = 1.0  # a = e_K at the root
+    rows_q, rows_w, counts_rows, lams_rows = [], [], [], []
+    no_key = torch.tensor(-math.inf, dtype=torch.float64, device=device)
+    for depth in range(block_len):
+        lead = alive.to(torch.uint8).argmax()  # the first alive path: its rows are the node's
+        q_row, p_row = take_row(q[:, depth], lead), take_row(p[:, depth], lead)
+        q64, p64 = q_row.to(torch.float64), p_row.to(torch.float64)
+        key = ranking_key(p_row, q_row)
+        below = mass_below_rows_sorted(key.unsqueeze(0), q64.unsqueeze(0))[0]  # (V,) exact W
+        lams = node_weights_on_device(p64, q64, below, num_paths)  # (K,)
+        tokens_d = draft_tokens[:, depth]
+        keys_d = torch.where(alive, key.gather(0, tokens_d).to(torch.float64), no_key)
+        # The best-ranked of the alive paths' tokens: the largest key, ties -> the smaller id.
+        best = torch.where(alive & (keys_d == keys_d.max()), tokens_d, vocab).min()
+        first = take_row(tokens_d, lead)
+        lam = take_row(lams, alive.sum() - 1)
+        take_best = rng.coins(torch.where(best == first, 1.0, lam))
+        chosen = torch.where(take_best, best, first)
+        alive = alive & (tokens_d == chosen)
+        rows_q.append(q64)
+        rows_w.append(below)
+        counts_rows.append(counts)
+        lams_rows.append(lams)
+        pick = chosen.reshape(1)
+        counts = update_counts_on_device(counts, lams, q64.gather(0, pick), below.gather(0, pick), kernels)
+    path = alive.to(torch.uint8).argmax()  # the lowest-index survivor
+    law = AdaptiveLaw(torch.stack(counts_rows), torch.stack(lams_rows))
+    rows = torch.arange(block_len, device=device).unsqueeze(-1)
+    q_a = law.token_law(rows, torch.stack(rows_w), torch.stack(rows_q))  # (L, V) float64
+    accepted_len, next_token = block_verify_on_device(take_row(draft_tokens, path), q_a,
+                                                      take_row(p, path).to(torch.float64), rng)
+    return VerifyResult(*host_ints(path, accepted_len, next_token))

@@ -14,24 +14,27 @@ import numpy as np
 import pytest
 import torch
 
-from gbv.theory import context_free_instance, enumerate_branches, random_instance
+from gbv.theory import context_free_instance, enumerate_branches, exact_analysis, random_instance
 from gbv.verify import get_verifier, is_multi_path
 from gbv.verify import gbv_adaptive
 from gbv.verify.block import block_verify_path, verify_block
 from gbv.verify.common import VerifyResult, check_shapes
 from gbv.verify.gbv import SkewedLaw, path_walk, verify_gbv
-from gbv.verify.gbv_adaptive import verify_gbv_adaptive
+from gbv.verify.gbv_adaptive import verify_gbv_adaptive, verify_gbv_adaptive_on_device
 from gbv.verify import ranking
 from gbv.verify.ranking import best_token
 
-from exact_checks import (check_reference_value, check_same_law, max_error_on_negative_set,
-                          tuple_inputs, verifier_fixture)
+from exact_checks import (FAST, LOSSLESS_TOL, check_reference_value, check_same_law, grid_seed,
+                          max_error_on_negative_set, tuple_inputs)
 from test_lossless import law_error
 # The exact checks shared with the other multi-path verifiers, collected here as this file's tests:
 from exact_checks import test_temperature_zero, test_greedy_target_sampled_draft  # noqa: F401
 from exact_checks import test_negative_control_set_is_lossless_unpatched, test_large_vocab_embeds_tiny  # noqa: F401
 
-verifier = verifier_fixture(verify_gbv_adaptive)  # what the shared tests run on
+# What the shared tests run on: the host form and the device form (what runs on a GPU), both.
+@pytest.fixture(name="verifier", params=[verify_gbv_adaptive, verify_gbv_adaptive_on_device], ids=["host", "device"])
+def _both_forms(request):
+    return request.param
 
 
 def test_registry():
@@ -237,3 +240,81 @@ def test_bucketed_ranks_in_the_law_are_caught(monkeypatch):
     errors = [law_error(verify_gbv_adaptive, random_instance(v, l, k, 7, kind), k)
               for v, l, k, kind in [(3, 2, 2, "dirichlet"), (3, 2, 3, "mixed"), (4, 2, 2, "sharp")]]
     assert max(errors) > 1e-6, errors
+
+
+# ---------------------------------------------------------------------- the device form
+# verify_gbv_adaptive_on_device (what verify_gbv_adaptive runs on a GPU; one host read per call) is
+# production code too: the exact checks above (temperature 0, large vocabulary, the negative set)
+# run on it through the fixture, and these on its own parts, on CPU tensors.
+# The master grid's multi-path points up to 256 draft tuples (the 729-tuple ones cost ~15 s each here).
+DEVICE_GRID = [point for point in FAST if point[2] > 1 and point[0] ** (point[1] * point[2]) <= 256]
+
+
+@pytest.mark.parametrize("vocab,block_len,num_paths,kind", DEVICE_GRID)
+def test_device_form_is_lossless(vocab, block_len, num_paths, kind):
+    """The master grid's instances (K > 1); below V = 4096 both forms use the exact W in the weights,
+    so their expected accepted lengths agree too."""
+    inst = random_instance(vocab, block_len, num_paths, seed=grid_seed(vocab, block_len, num_paths, kind), kind=kind)
+    result = exact_analysis(verify_gbv_adaptive_on_device, inst)
+    assert result.max_law_error < LOSSLESS_TOL
+    assert abs(result.expected_accepted - exact_analysis(verify_gbv_adaptive, inst).expected_accepted) < 1e-12
+
+
+@pytest.mark.parametrize("num_paths", [2, 3])
+def test_device_form_spec_reference_values(num_paths):
+    inst = context_free_instance([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, num_paths)
+    ours = exact_analysis(verify_gbv_adaptive_on_device, inst).expected_accepted
+    assert ours == pytest.approx(exact_analysis(verify_gbv_adaptive, inst).expected_accepted, abs=1e-12)
+
+
+def _forced_weight_on_device(value: float):
+    return lambda p64, q64, below, num_paths: torch.cat([q64.new_zeros(1), q64.new_full((num_paths - 1,), value)])
+
+
+@pytest.mark.parametrize("vocab,block_len,num_paths,seed,kind", [i for i in REDUCTION_INSTANCES if i[:3] != (3, 2, 3)])
+def test_device_form_reductions(monkeypatch, vocab, block_len, num_paths, seed, kind):
+    """Weight 1 everywhere is GBV, weight 0 everywhere BV on path 0, through the device form's
+    selection, counts and law."""
+    inst = random_instance(vocab, block_len, num_paths, seed, kind)
+    monkeypatch.setattr(gbv_adaptive, "node_weights_on_device", _forced_weight_on_device(1.0))
+    check_same_law(verify_gbv_adaptive_on_device, verify_gbv, inst)
+    monkeypatch.setattr(gbv_adaptive, "node_weights_on_device", _forced_weight_on_device(0.0))
+    check_same_law(verify_gbv_adaptive_on_device, verify_block, inst)
+
+
+@pytest.mark.parametrize("vocab,seed", [(5, 0), (50, 1), (2000, 2), (4096, 3)])
+def test_device_node_weights_equal_the_host_ones(vocab, seed):
+    """One sort of the breakpoints finds the weight the binned search finds (same exact W)."""
+    p64, q64, below = _node_rows(vocab, seed)
+    host = gbv_adaptive.node_weights(p64, q64, below, 4)
+    device = gbv_adaptive.node_weights_on_device(p64, q64, below, 4)
+    assert device.shape == (4,) and float(device[0]) == 0.0
+    for n in (2, 3, 4):
+        assert float(device[n - 1]) == pytest.approx(host[n], abs=1e-12), n
+    assert gbv_adaptive.node_weights_on_device(q64.clone(), q64, below, 4).tolist() == [0.0] * 4
+
+
+def test_device_counts_update_equals_the_host_one():
+    gen = torch.Generator().manual_seed(9)
+    for num_paths in (2, 3, 5):
+        kernels = gbv_adaptive._count_kernels(num_paths, torch.device("cpu"))
+        for _ in range(20):
+            counts = torch.rand(num_paths, generator=gen, dtype=torch.float64)
+            counts /= counts.sum()
+            lams = torch.rand(num_paths, generator=gen, dtype=torch.float64)
+            lams[0] = 0.0
+            q_s, below_s = torch.rand(2, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 0.5])
+            host = gbv_adaptive.update_counts([0.0, *counts.tolist()], [0.0, *lams.tolist()], float(q_s), float(below_s))
+            device = gbv_adaptive.update_counts_on_device(counts, lams, q_s.reshape(1), below_s.reshape(1), kernels)
+            assert torch.allclose(device, torch.tensor(host[1:], dtype=torch.float64), atol=1e-15, rtol=1e-12)
+
+
+def test_device_form_counts_not_updated_are_caught(monkeypatch):
+    monkeypatch.setattr(gbv_adaptive, "update_counts_on_device", lambda counts, lams, q_s, below_s, kernels: counts)
+    assert max_error_on_negative_set(verify_gbv_adaptive_on_device) > 1e-6
+
+
+def test_device_form_inconsistent_ranking_is_caught(monkeypatch):
+    """The law's W ranked by q alone while the selection ranks by p / q."""
+    monkeypatch.setattr(gbv_adaptive, "mass_below_rows_sorted", lambda key, q64: ranking.mass_below_rows_sorted(q64, q64))
+    assert max_error_on_negative_set(verify_gbv_adaptive_on_device) > 1e-6
