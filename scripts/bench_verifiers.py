@@ -10,8 +10,9 @@ early), so a single instance can make a method look several times cheaper or dea
 average. One thread, a seeded TorchRandom per configuration, warm-up calls, then the mean, median
 and 90th percentile over the timed calls, of wall time or (``--clock cpu``) process CPU time, which
 is steadier on a busy machine. Methods whose module does not import (yet) are skipped with a note.
-``gbv-device`` is GBV's device form (:func:`gbv.verify.gbv.verify_gbv_on_device`, what ``gbv`` runs
-on a GPU: full sorted rows, one host read); ``--device cuda`` runs everything on a GPU (the clock is
+``gbv-device`` and ``gbv-adaptive-device`` are the device forms (:func:`gbv.verify.gbv.verify_gbv_on_device`,
+:func:`gbv.verify.gbv_adaptive.verify_gbv_adaptive_on_device`: what ``gbv`` and ``gbv-adaptive`` run
+on a GPU, full sorted rows, one host read); ``--device cuda`` runs everything on a GPU (the clock is
 read after a device synchronisation).
 Every configuration also times one ``torch.softmax`` over ``p`` (the (K, L+1, V) tensor) on the same
 instances in the same process, and reports each method's mean as a multiple of its mean (the
@@ -33,9 +34,10 @@ import torch
 
 from gbv.verify import METHODS, TorchRandom, get_verifier
 from gbv.verify.gbv import verify_gbv_on_device
+from gbv.verify.gbv_adaptive import verify_gbv_adaptive_on_device
 
 # Forms beside the registered methods (the name -> function of the rows).
-EXTRA_FORMS = {"gbv-device": verify_gbv_on_device}
+EXTRA_FORMS = {"gbv-device": verify_gbv_on_device, "gbv-adaptive-device": verify_gbv_adaptive_on_device}
 
 
 def make_inputs(vocab: int, num_paths: int, block_len: int, seed: int

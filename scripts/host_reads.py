@@ -16,6 +16,7 @@ import torch
 from gbv.bench.host_reads import count_host_reads, verify_inputs
 from gbv.verify import METHODS, TorchRandom, get_verifier
 from gbv.verify.gbv import verify_gbv_on_device
+from gbv.verify.gbv_adaptive import verify_gbv_adaptive_on_device
 
 
 class PerCoinRandom(TorchRandom):
@@ -39,6 +40,7 @@ def main() -> None:
     print("|---|---:|---:|")
     rows = [(method, get_verifier(method)) for method in METHODS]
     rows.append(("gbv, device form (on a GPU)", verify_gbv_on_device))
+    rows.append(("gbv-adaptive, device form (on a GPU)", verify_gbv_adaptive_on_device))
     for method, verifier in rows:
         counts = []
         for seed in range(args.calls):
