@@ -30,11 +30,14 @@ MODULES = {"gbv": ("gbv/verify/gbv.py", gbv_after, "verify_gbv"),
 
 
 def load_verifier_before(rev: str, method: str):
-    """``method``'s verify function as of ``rev``, importing the ranking module of ``rev`` too."""
+    """``method``'s verify function as of ``rev``, importing the ranking and block modules of ``rev`` too
+    (the verifier calls ``block_verify_core``, whose callbacks may differ between revisions)."""
     load_before(rev, "gbv/verify/ranking.py", "ranking_before")
+    load_before(rev, "gbv/verify/block.py", "block_before")
     path, _, function = MODULES[method]
     module = load_before(rev, path, f"{method.replace('-', '_')}_before",
-                         {"from gbv.verify.ranking import": "from ranking_before import"})
+                         {"from gbv.verify.ranking import": "from ranking_before import",
+                          "from gbv.verify.block import": "from block_before import"})
     return getattr(module, function)
 
 
