@@ -7,16 +7,18 @@ tree, interleaved per prompt.
 
 "Before" is ``gbv/engine/lean.py``, ``TreeDecoder.step`` (one iteration of the tree engine),
 ``gbv.verify.common.draw_rows`` (the inverse-CDF draw every sampling step uses) and
-``gbv.verify.block.block_verify_core`` (the last step of GBV and gbv-adaptive) loaded from
+``gbv.verify.block.block_verify_core`` (the last step of GBV and gbv-adaptive) and the single-path
+verifiers ``verify_block`` and ``verify_token`` loaded from
 ``git show REV:...`` under other names; each variant's lean views are swapped into the engine's
 cache of them, and its functions into the classes and modules that call them. Everything else is
-the working tree's. Use it for changes to those four places.
+the working tree's. Use it for changes to those places.
 
 1. Forwards of the lean draft and target over a 128-token prefix: 1 new token, and a 25-node pass.
 2. The engine: tokens/s of ``ar``, ``block`` L=4 and L=8 and ``gbv`` K=3 L=8 with each variant.
 Medians over repeats; the machine is shared, so only ratios within this run mean anything.
 """
 import argparse
+import inspect
 import subprocess
 import sys
 import types
@@ -30,6 +32,7 @@ import gbv.verify.block as block
 import gbv.verify.common as common
 import gbv.verify.gbv as gbv_module
 import gbv.verify.gbv_adaptive as gbv_adaptive
+import gbv.verify.token as token
 from gbv.data import load_prompts
 
 from bench_engine import _median_ms  # scripts/ is on the path when run as a script
@@ -58,8 +61,18 @@ def main() -> None:
     lean_before = load_before(args.before, "gbv/engine/lean.py", "lean_before")
     draw_before = load_before(args.before, "gbv/verify/common.py", "common_before").draw_rows
     draw_after = common.draw_rows
-    core_before = load_before(args.before, "gbv/verify/block.py", "block_before").block_verify_core
-    core_after = block.block_verify_core
+    block_before = load_before(args.before, "gbv/verify/block.py", "block_before")
+    core_before, core_after = block_before.block_verify_core, block.block_verify_core
+    if "residual_bounds" not in inspect.signature(core_before).parameters:
+        # Before the residual masses came as bounds (seventh session), the core took a list of exact
+        # masses: today's verifiers cannot call that core, so both sides run the working tree's.
+        print(f"note: block_verify_core of {args.before} takes exact residual masses; the working tree's core "
+              "runs on both sides", file=sys.stderr)
+        core_before = core_after
+    # The single-path verifiers as the engine calls them (it looks them up when a decoder is made).
+    single_before = {"block": block_before.verify_block,
+                     "token": load_before(args.before, "gbv/verify/token.py", "token_before").verify_token}
+    single_after = {"block": block.verify_block, "token": token.verify_token}
     step_before = load_before(args.before, "gbv/engine/tree_decoder.py", "tree_decoder_before").TreeDecoder.step
     step_after = tree_decoder.TreeDecoder.step
     pair = gbv.load_pair("bundled", dtype=args.dtype)
@@ -74,6 +87,8 @@ def main() -> None:
         gbv_module.block_verify_core = gbv_adaptive.block_verify_core = (core_before if variant == "before"
                                                                          else core_after)
         tree_decoder.TreeDecoder.step = step_before if variant == "before" else step_after
+        single = single_before if variant == "before" else single_after
+        block.verify_block, token.verify_token = single["block"], single["token"]
 
     with torch.inference_mode():
         print("| forward | before ms | after ms | before/after |\n|---|---:|---:|---:|")

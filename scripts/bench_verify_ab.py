@@ -3,12 +3,18 @@ a git revision against the working tree, on the same instances and seeds.
 
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --vocab 32768 --instances 40
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv-adaptive --vocab 4096 --paths 3
+    python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --engine   # in the engine, bundled pair
 
 Instances are ``scripts/bench_verifiers.py``'s (seeds 0 .. N-1). Each instance runs three rounds,
 before and after alternating in order, each call with a fresh ``TorchRandom`` seeded by the instance;
 the first round is a warm-up. Prints the median time per call of each side, their ratio, and on how
 many instances the two sides returned the same (path, accepted length, next token): a change meant
 to be exact must show all of them.
+
+``--engine``: the method in the engine instead (K = ``--paths``, L = ``--block-len``), on ``--prompts``
+GSM8K + HumanEval prompts each, the two sides per prompt in alternating order (the engine looks the
+verifier up when it makes a decoder, so the module attribute is swapped), T = 0.2 and 1, 96 new
+tokens: tokens/s, verify milliseconds per iteration, and the share of the forwards in the wall time.
 """
 from __future__ import annotations
 
@@ -49,10 +55,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--paths", type=int, default=4)
     parser.add_argument("--block-len", type=int, default=8)
     parser.add_argument("--instances", type=int, default=30)
+    parser.add_argument("--engine", action="store_true", help="in the engine on the bundled pair instead")
+    parser.add_argument("--prompts", type=int, default=8, help="--engine: prompts per data set")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     sides = {"before": load_verifier_before(args.before, args.method),
              "after": getattr(MODULES[args.method][1], MODULES[args.method][2])}
+    if args.engine:
+        engine(args, sides)
+        return
     times: dict[str, list[float]] = {"before": [], "after": []}
     same = 0
     for seed in range(args.instances):
@@ -72,6 +83,35 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.method} V={args.vocab} K={args.paths} L={args.block_len}: before {before * 1e3:.2f} ms, "
           f"after {after * 1e3:.2f} ms, after/before {after / before:.3f}; "
           f"identical results on {same}/{args.instances} instances")
+
+
+def engine(args, sides) -> None:
+    import gbv
+    from gbv.data import load_prompts
+
+    module, function = MODULES[args.method][1], MODULES[args.method][2]
+    pair = gbv.load_pair("bundled")
+    prompts = load_prompts("gsm8k")[:args.prompts] + load_prompts("humaneval")[:args.prompts]
+    print(f"| {args.method} K={args.paths} L={args.block_len}, T | side | tokens/s | verify ms / iteration | "
+          "forwards share |\n|---|---|---:|---:|---:|")
+    for temperature in (0.2, 1.0):
+        totals = {name: [0, 0.0, 0.0, 0.0, 0] for name in sides}
+        for i, prompt in enumerate(prompts):
+            for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                setattr(module, function, sides[name])
+                stats = gbv.generate(pair, prompt=prompt, method=args.method, num_paths=args.paths,
+                                     block_len=args.block_len, temperature=temperature, max_new_tokens=96,
+                                     eos_token_id=[], seed=i).stats.to_dict()
+                row = totals[name]
+                row[0] += stats["new_tokens"]
+                row[1] += stats["time_total"]
+                row[2] += stats["time_verify"]
+                row[3] += stats["time_draft"] + stats["time_target"]
+                row[4] += stats["target_calls"]
+        setattr(module, function, sides["after"])
+        for name, (tokens, total, verify, forwards, calls) in totals.items():
+            print(f"| {temperature} | {name} | {tokens / total:.1f} | {verify / calls * 1e3:.2f} | "
+                  f"{forwards / total:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

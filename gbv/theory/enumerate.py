@@ -23,6 +23,8 @@ from gbv.verify.common import Verifier, VerifyResult
 
 # A verifier may only sample from a normalised distribution; anything further off is a bug.
 SAMPLE_SUM_TOLERANCE = 1e-9
+# The bounds of accept_within may miss the exact probability by rounding only.
+BOUND_TOLERANCE = 1e-12
 
 
 class ReplayRandom:
@@ -51,6 +53,14 @@ class ReplayRandom:
     def accept(self, prob: float) -> bool:
         prob = min(1.0, max(0.0, float(prob)))
         return self._choose([prob, 1.0 - prob]) == 0
+
+    def accept_within(self, low: float, high: float, exact) -> bool:
+        """The exact probability, branched on as by :meth:`accept`; the bounds must contain it (a
+        verifier whose bounds did not would decide some coins wrongly in production)."""
+        prob = float(exact())
+        if not low - BOUND_TOLERANCE <= prob <= high + BOUND_TOLERANCE:
+            raise AssertionError(f"verifier's bounds [{low!r}, {high!r}] do not contain its probability {prob!r}")
+        return self.accept(prob)
 
     def coins(self, probs: Tensor) -> Tensor:
         """Independent coins: one decision per coin (the deterministic ones, p in {0, 1}, branch once)."""

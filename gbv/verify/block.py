@@ -23,23 +23,28 @@ from torch import Tensor
 
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs,
                                residual_on_device, take_row)
+from gbv.verify.ranking import MassBounds
 
 
-# residual_masses(rows, weights) -> r_i = sum_x (w_i p_i(x) - q_i(x))+ for the given nodes i (1 <= i < L).
-ResidualMasses = Callable[[list[int], list[float]], list[float]]
+# residual_bounds(rows, weights) -> the residual masses r_i = sum_x (w_i p_i(x) - q_i(x))+ of the given
+# nodes i (1 <= i < L), as gbv.verify.ranking.MassBounds (bounds, each exact value on demand).
+ResidualBounds = Callable[[list[int], list[float]], MassBounds]
 # residual_dist(i, w_i) -> (V,) norm((w_i p_i - q_i)+), the correction distribution at node i < L.
 ResidualDist = Callable[[int, float], Tensor]
 
 
-def block_verify_core(ratios: list[float], residual_masses: ResidualMasses, residual_dist: ResidualDist,
+def block_verify_core(ratios: list[float], residual_bounds: ResidualBounds, residual_dist: ResidualDist,
                       bonus: Tensor, rng: RandomSource) -> tuple[int, int]:
     """BV (SPEC section 2) given only what it needs of the rows.
 
     Args:
         ratios: ``p_{i-1}(x_i) / q_{i-1}(x_i)`` for ``i = 1..L`` (on-path values only).
-        residual_masses: the residual masses ``r_i`` of the nodes where the weight is below 1 (asked
-            at most once, for all of them together, and not at all when the whole block is accepted;
-            where ``w_i = 1``, ``h_i = 1`` whatever ``r_i`` is).
+        residual_bounds: the residual masses ``r_i`` of the nodes where the weight is below 1, as
+            bounds with the exact values on demand (asked at most once, for all of them together,
+            and not at all when the whole block is accepted; where ``w_i = 1``, ``h_i = 1`` whatever
+            ``r_i`` is). ``h_i = r_i / (r_i + 1 - w_i)`` grows with ``r_i``, so the bounds of ``r_i``
+            bound ``h_i``, and the stop coin needs the exact ``r_i`` only when its uniform falls
+            between them (``rng.accept_within``: the same law as ``rng.accept(h_i)``).
         residual_dist: the correction distribution at the accepted length, asked at most once.
         bonus: (V,) ``p_L``, sampled when the whole block is accepted.
     Returns:
@@ -55,15 +60,23 @@ def block_verify_core(ratios: list[float], residual_masses: ResidualMasses, resi
     if rng.accept(weights[block_len]):
         return block_len, rng.sample(bonus)
     needed = [i for i in range(1, block_len) if weights[i] < 1.0]
-    r = dict(zip(needed, residual_masses(needed, [weights[i] for i in needed]))) if needed else {}
-    stop_probs = [1.0] * block_len  # h_i, index i = 1..L-1
-    for i in needed:
+    bounds = residual_bounds(needed, [weights[i] for i in needed]) if needed else None
+    slot = {i: j for j, i in enumerate(needed)}
+
+    def stop_prob(r: float, w: float) -> float:
         # r + (1 - w), not r + 1 - w: with w = 1 this gives exactly r / r = 1 (no 1 - 2e-16 branch).
-        denom = r[i] + (1.0 - weights[i])
-        stop_probs[i] = 1.0 if denom <= 0.0 else r[i] / denom
+        denom = r + (1.0 - w)
+        return 1.0 if denom <= 0.0 else r / denom
+
     accepted_len = 0
     for i in range(block_len - 1, 0, -1):
-        if rng.accept(stop_probs[i]):
+        if i not in slot:
+            stop = rng.accept(1.0)  # w_i = 1: h_i = 1
+        else:
+            j, w = slot[i], weights[i]
+            stop = rng.accept_within(stop_prob(bounds.low[j], w), stop_prob(bounds.high[j], w),
+                                     lambda j=j, w=w: stop_prob(bounds.exact(j), w))
+        if stop:
             accepted_len = i
             break
     return accepted_len, rng.sample(residual_dist(accepted_len, weights[accepted_len]))

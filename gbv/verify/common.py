@@ -44,6 +44,11 @@ class RandomSource(Protocol):
         (elementwise, clipped to [0, 1]); on the device, without reading anything back to the host."""
         ...
 
+    def accept_within(self, low: float, high: float, exact: Callable[[], float]) -> bool:
+        """Like ``accept(exact())`` for a probability known to lie in ``[low, high]``; ``exact`` is
+        called only where the bounds cannot decide the coin (it may be costly)."""
+        ...
+
     def draw(self, dist: Tensor) -> Tensor:
         """Like :meth:`sample`, but returns a 0-d long tensor on the device (no host read)."""
         ...
@@ -78,6 +83,20 @@ class TorchRandom:
         if prob <= 0.0:
             return False
         return self._uniform() < prob
+
+    def accept_within(self, low: float, high: float, exact: Callable[[], float]) -> bool:
+        # One uniform, as accept: True below low, False from high up, and only in between compared with
+        # the exact probability. P(True) = low + (exact - low) = exact for low <= exact <= high.
+        if low >= 1.0:
+            return True
+        if high <= 0.0:
+            return False
+        u = self._uniform()
+        if u < low:
+            return True
+        if u >= high:
+            return False
+        return u < float(exact())
 
     def _uniform(self) -> float:
         """The next U[0, 1) of :meth:`accept`, from the current block (a new block when it is used up)."""

@@ -41,8 +41,9 @@ from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
 from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints
-from gbv.verify.ranking import (ZERO_ZERO_KEY, best_token, mass_below, mass_below_rows, mass_below_rows_sorted,
-                                power_sum, ranking_key, residual_masses_ranked, residual_row)
+from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, mass_below, mass_below_rows,
+                                mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
+                                residual_row)
 
 __all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "path_walk_on_device", "ranking_key", "select_path",
            "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device", "verify_gbv", "verify_gbv_on_device"]
@@ -256,14 +257,14 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
                                   extra=p_path[:block_len].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
     ratios = [pp / qg if qg > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qg in zip(p_on, q_g_on)]
 
-    def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
-        return residual_masses_ranked(key, q_path, p_path, rows, weights, law)
+    def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
+        return residual_bounds_ranked(key, q_path, p_path, rows, weights, law)
 
     def residual_dist(i: int, w: float) -> Tensor:
         return residual_row(key[i], q_path[i], p_path[i], w, law, i)
 
     # The bonus row as given (float32 rows sample faster; its law is p_L either way).
-    accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist, p_path[block_len], rng)
+    accepted_len, next_token = block_verify_core(ratios, residual_bounds, residual_dist, p_path[block_len], rng)
     return VerifyResult(path, accepted_len, next_token)
 
 

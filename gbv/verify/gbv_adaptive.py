@@ -38,8 +38,9 @@ from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
 from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints, take_row
-from gbv.verify.ranking import (approx_mass_below_rows, best_token, mass_below, mass_below_rows_sorted, power_sum,
-                                ranking_key, residual_masses_ranked, residual_row)
+from gbv.verify.ranking import (MassBounds, approx_mass_below_rows, best_token, mass_below,
+                                mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
+                                residual_row)
 
 # Bins of (0, 1) for the node weight's breakpoints (node_weights): only the crossing bin is sorted.
 _WEIGHT_BINS = 1024
@@ -265,14 +266,14 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
                       torch.tensor(lams_rows, dtype=torch.float64, device=q.device))
     q_all, p_all, key_all = torch.stack(rows_q), torch.stack(rows_p), torch.stack(keys)
 
-    def residual_masses(rows: list[int], weights: list[float]) -> list[float]:
-        return residual_masses_ranked(key_all, q_all, p_all, rows, weights, law)
+    def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
+        return residual_bounds_ranked(key_all, q_all, p_all, rows, weights, law)
 
     def residual_dist(i: int, w: float) -> Tensor:
         return residual_row(key_all[i], q_all[i], p_all[i], w, law, i)
 
     ratios = [pp / qa if qa > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qa in zip(p_on, law_on)]
-    accepted_len, next_token = block_verify_core(ratios, residual_masses, residual_dist,
+    accepted_len, next_token = block_verify_core(ratios, residual_bounds, residual_dist,
                                                  p[path, block_len], rng)
     return VerifyResult(path, accepted_len, next_token)
 

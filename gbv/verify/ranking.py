@@ -216,11 +216,58 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
     buckets are sorted (usually a few, around the crossings of ``scale * key`` and ``R``), and their
     tokens get their exact ``W``. Matches the per-token sum up to rounding.
     """
+    split = _split_buckets(key, q64, p64, scale, law)
+    if split is None:  # small rows: ranked whole
+        return _ranked_positive_part(key, q64, p64, scale, law)
+    return split.settled + split.unsettled_exact()
+
+
+def _ranked_positive_part(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law: RankLaw) -> Tensor:
+    row_ids = torch.arange(key.shape[0], device=key.device).unsqueeze(-1)
+    law_rows = law.token_law(row_ids, mass_below_rows(key, q64), q64)
+    return (scale.reshape(-1, 1).to(torch.float64) * p64 - law_rows).clamp_min(0.0).sum(-1)
+
+
+@dataclass
+class _BucketSplit:
+    """What :func:`positive_part_mass` knows of each row before it sorts anything: the settled
+    buckets' exact part, and the unsettled buckets' part as bounds (:func:`residual_bounds_ranked`)."""
+
+    key: Tensor
+    q64: Tensor
+    p64: Tensor
+    scale64: Tensor  # (N,)
+    law: RankLaw
+    flat: Tensor  # (N, V) flat bucket ids
+    occupied: Tensor  # (B,) flat ids of the occupied buckets
+    unsettled: Tensor  # (B,) bool
+    below: Tensor  # (B,) q-mass below each occupied bucket
+    settled: Tensor  # (N,) the settled buckets' sum
+    low: Tensor  # (N,) settled + lower bounds of the unsettled buckets
+    high: Tensor  # (N,) settled + upper bounds of the unsettled buckets
+
+    def unsettled_exact(self, only_row: int | None = None) -> Tensor:
+        """(N,) the unsettled buckets' exact sum per row (of row ``only_row`` alone when given)."""
+        rows = self.key.shape[0]
+        pick = self.unsettled
+        if only_row is not None:
+            pick = pick & (self.occupied // _NUM_BUCKETS == only_row)
+        if not bool(pick.any()):
+            return torch.zeros(rows, dtype=torch.float64, device=self.key.device)
+        flags = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.bool, device=self.key.device)
+        flags[self.occupied[pick]] = True
+        below_all = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.float64, device=self.key.device)
+        below_all[self.occupied] = self.below
+        return _unsettled_buckets(self.key, self.q64, self.p64, self.scale64, self.law, self.flat, flags, below_all)
+
+
+def _split_buckets(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law: RankLaw) -> _BucketSplit | None:
+    """The bucket step of :func:`positive_part_mass` (None below ``BUCKET_MIN_VOCAB``). An unsettled
+    bucket's exact part lies in ``[max(0, s P_b - law_b), s P_b]``: a sum of positive parts is at
+    least the positive part of the sum, and at most the sum of the ``s p`` terms."""
     rows, vocab = key.shape
     if vocab < BUCKET_MIN_VOCAB:
-        row_ids = torch.arange(rows, device=key.device).unsqueeze(-1)
-        law_rows = law.token_law(row_ids, mass_below_rows(key, q64), q64)
-        return (scale.reshape(-1, 1).to(torch.float64) * p64 - law_rows).clamp_min(0.0).sum(-1)
+        return None
     flat, mass, below = _key_buckets(key, q64)
     target = _bucket_sums(flat, p64, rows * _NUM_BUCKETS)
     # Only occupied buckets count (a few hundred of the ~4,000 per row: keys are ratios near 1), so the
@@ -237,15 +284,13 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
     positive = (s * key_lo[bucket] >= ratio_hi) | (mass == 0)
     zero = (s * key_hi[bucket] <= ratio_lo) & ~positive
     unsettled = ~positive & ~zero
-    terms = torch.where(positive, s * target - law.block_law(row_ids, below, mass), 0.0)
-    result = torch.zeros(rows, dtype=torch.float64, device=key.device).index_add_(0, row_ids, terms)
-    if bool(unsettled.any()):
-        flags = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.bool, device=key.device)
-        flags[occupied[unsettled]] = True
-        below_all = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.float64, device=key.device)
-        below_all[occupied] = below
-        result = result + _unsettled_buckets(key, q64, p64, scale64, law, flat, flags, below_all)
-    return result
+    s_target = s * target
+    net = s_target - law.block_law(row_ids, below, mass)
+    per_row = torch.zeros(rows, dtype=torch.float64, device=key.device)
+    settled = per_row.index_add(0, row_ids, torch.where(positive, net, 0.0))
+    low = settled.index_add(0, row_ids, torch.where(unsettled, net.clamp_min(0.0), 0.0))
+    high = settled.index_add(0, row_ids, torch.where(unsettled, s_target, 0.0))
+    return _BucketSplit(key, q64, p64, scale64, law, flat, occupied, unsettled, below, settled, low, high)
 
 
 _BOUNDS: dict = {}
@@ -355,9 +400,59 @@ def residual_masses_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
     (L, V) keys, q and p along the path, the weights ``w_i``; by :func:`positive_part_mass`."""
     idx = torch.tensor(rows, device=key.device)
     w = torch.tensor(weights, dtype=torch.float64, device=key.device)
-    # A contiguous run of nodes (the usual case) is a slice: no gather copies.
-    pick = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else idx
+    pick = _rows_pick(rows, idx)
     return positive_part_mass(key[pick], q[pick].double(), p[pick].double(), w, RowsOf(law, idx)).tolist()
+
+
+def _rows_pick(rows: list[int], idx: Tensor) -> slice | Tensor:
+    """A contiguous run of nodes (the usual case) as a slice: no gather copies."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else idx
+
+
+class MassBounds:
+    """Residual masses of some nodes as bounds, with each exact value computed only when asked
+    (:func:`residual_bounds_ranked`; what :func:`gbv.verify.block.block_verify_core` takes).
+
+    ``low[j] <= exact(j) <= high[j]``. A stop coin whose uniform falls outside the probabilities of
+    the bounds is decided without the exact mass (:meth:`gbv.verify.common.TorchRandom.accept_within`).
+    """
+
+    def __init__(self, low: list[float], high: list[float], exact=None) -> None:
+        self.low, self.high = low, high
+        self._exact = exact
+        self._known: dict[int, float] = {}
+
+    @classmethod
+    def exactly(cls, values: list[float]) -> "MassBounds":
+        """Masses known exactly (bounds equal to them)."""
+        return cls(list(values), list(values))
+
+    def exact(self, j: int) -> float:
+        if self._exact is None or self.low[j] == self.high[j]:
+            return self.low[j]
+        if j not in self._known:
+            self._known[j] = self._exact(j)
+        return self._known[j]
+
+
+def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], weights: list[float],
+                           law: RankLaw) -> MassBounds:
+    """:func:`residual_masses_ranked` as bounds: the settled buckets exactly, the unsettled ones
+    (whose tokens need a sort) as ``[max(0, w P_b - law_b), w P_b]``, and each node's exact mass on
+    demand (sorting that node's unsettled buckets only). Below ``BUCKET_MIN_VOCAB``, exact masses."""
+    idx = torch.tensor(rows, device=key.device)
+    w = torch.tensor(weights, dtype=torch.float64, device=key.device)
+    pick = _rows_pick(rows, idx)
+    key_n, q_n, p_n, law_n = key[pick], q[pick].double(), p[pick].double(), RowsOf(law, idx)
+    split = _split_buckets(key_n, q_n, p_n, w, law_n)
+    if split is None:
+        return MassBounds.exactly(_ranked_positive_part(key_n, q_n, p_n, w, law_n).tolist())
+
+    def exact(j: int) -> float:
+        return float(split.settled[j] + split.unsettled_exact(only_row=j)[j])
+
+    low, high = torch.stack([split.low, split.high]).tolist()
+    return MassBounds(low, high, exact)
 
 
 def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row: int) -> Tensor:

@@ -42,6 +42,28 @@ def test_accept_reads_uniforms_in_blocks():
     assert abs(sum(many) / len(many) - 0.3) < 0.015
 
 
+def test_accept_within_decides_as_accept_of_the_exact_probability():
+    """The coin with bounds takes the same uniform as accept(exact) and decides the same way, for every
+    bound pair around the exact probability; exact is computed only when the uniform falls between
+    the bounds' probabilities."""
+    gen = torch.Generator().manual_seed(3)
+    calls = {"n": 0}
+    for trial in range(3000):
+        exact = float(torch.rand((), generator=gen))
+        spread = float(torch.rand((), generator=gen)) * [0.0, 0.01, 0.3, 1.0][trial % 4]
+        low, high = max(0.0, exact - spread), min(1.0, exact + spread * 0.5)
+        if trial % 7 == 0:
+            exact = low = high = float(trial % 2)  # certain coins use no uniform
+        seed = 1000 + trial
+
+        def counted(value=exact):
+            calls["n"] += 1
+            return value
+
+        assert TorchRandom(seed=seed).accept_within(low, high, counted) == TorchRandom(seed=seed).accept(exact)
+    assert 0 < calls["n"] < 3000
+
+
 @pytest.mark.parametrize("method", ["token", "block", "gbv", "gbv-adaptive"])
 def test_verify_call_reads_the_host_once(method):
     """One path: token and BV, and GBV / gbv-adaptive, which are BV with one path."""

@@ -296,7 +296,7 @@ def reference_gbv(draft_tokens, q, p, rng):
 
     def masses(rows, weights):
         w = torch.tensor(weights, dtype=torch.float64).unsqueeze(-1)
-        return (w * p_path[rows] - q_g[rows]).clamp_min(0.0).sum(-1).tolist()
+        return ranking.MassBounds.exactly((w * p_path[rows] - q_g[rows]).clamp_min(0.0).sum(-1).tolist())
 
     return VerifyResult(path, *block_verify_core(ratios, masses, lambda i, w: residual(p_path[i], q_g[i], w),
                                                  p_path[block_len], rng))
@@ -333,6 +333,11 @@ class _Recorder:
         self.log.append(float(prob))
         self.calls += 1
         return self.calls - 1 == self.accept_at
+
+    def accept_within(self, low: float, high: float, exact) -> bool:
+        prob = exact()
+        assert low - 1e-12 <= prob <= high + 1e-12
+        return self.accept(prob)
 
     def sample(self, dist: torch.Tensor) -> int:
         self.log.append(dist.double())
@@ -505,3 +510,81 @@ def test_device_form_negative_controls(monkeypatch, name, broken):
     assert max(exact_analysis(verify_gbv_on_device, inst).max_law_error for inst in instances) < LOSSLESS_TOL
     monkeypatch.setattr(gbv_module, name, broken)
     assert max(exact_analysis(verify_gbv_on_device, inst).max_law_error for inst in instances) > 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- 10
+# The residual masses as bounds (ranking.residual_bounds_ranked): the settled buckets exact, the
+# unsettled ones bounded, a node's exact mass sorted only when a stop coin falls between the bounds.
+def _coarse_buckets(monkeypatch) -> None:
+    """Bucket every vocabulary, in buckets of a key ratio up to 2^16, so that tiny instances have
+    several tokens per bucket, and unsettled buckets whose bounds differ from the exact mass."""
+    monkeypatch.setattr(ranking, "BUCKET_MIN_VOCAB", 0)
+    monkeypatch.setattr(ranking, "_BUCKET_SHIFT", 27)
+    monkeypatch.setattr(ranking, "_NUM_BUCKETS", (0x7F800000 >> 27) + 1)
+
+
+BUCKETED_INSTANCES = [(3, 2, 2, "dirichlet", 7), (3, 2, 3, "mixed", 7), (2, 3, 3, "truncated", 7),
+                      (4, 2, 2, "sharp", 7), (3, 3, 2, "equal", 8)]
+
+
+@pytest.mark.parametrize("vocab,block_len,num_paths,kind,seed", BUCKETED_INSTANCES)
+def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, block_len, num_paths, kind, seed):
+    """The large-vocabulary code (bucketed residual masses as bounds) forced on tiny instances and
+    proven lossless by exact enumeration; the enumerator also checks, on every branch, that the
+    bounds contain the exact stop probability."""
+    _coarse_buckets(monkeypatch)
+    inst = random_instance(vocab, block_len, num_paths, seed, kind)
+    assert exact_analysis(verify_gbv, inst).max_law_error < LOSSLESS_TOL
+
+
+@pytest.mark.parametrize("broken", ["upper", "lower"])
+def test_bounds_that_miss_the_exact_mass_are_caught(monkeypatch, broken):
+    """Negative control: one bound collapsed onto the other (the unsettled buckets' upper bound
+    forgotten, or their lower bound raised to the upper one). Equal bounds are taken as the exact
+    mass, so the law goes wrong, or the enumerator sees bounds that miss the exact probability:
+    either way the check fails."""
+    _coarse_buckets(monkeypatch)
+    real_split = ranking._split_buckets
+
+    def split_with_one_bound(*args):
+        split = real_split(*args)
+        if split is not None:
+            if broken == "upper":
+                split.high = split.low.clone()
+            else:
+                split.low = split.high.clone()
+        return split
+
+    monkeypatch.setattr(ranking, "_split_buckets", split_with_one_bound)
+    errors = []
+    for v, l, k, kind, seed in BUCKETED_INSTANCES:
+        try:
+            errors.append(exact_analysis(verify_gbv, random_instance(v, l, k, seed, kind)).max_law_error)
+        except AssertionError as exc:  # the enumerator saw bounds that miss the exact probability
+            assert "bounds" in str(exc)
+            errors.append(math.inf)
+    assert max(errors) > 1e-6
+
+
+@pytest.mark.parametrize("vocab", [5000, 20000])
+def test_residual_bounds_contain_the_exact_masses(vocab):
+    """Bounds and on-demand exact masses against the full-row sums, at real vocabulary sizes."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    rows = 6
+    q = _heavy_tailed(gen, (rows, vocab))
+    p = torch.softmax(torch.log(q.clamp_min(1e-300)) + 0.3 * torch.randn(rows, vocab, generator=gen,
+                                                                         dtype=torch.float64), -1)
+    p[0] = q[0]
+    key = ranking_key(p.float(), q.float())
+    q, p = q.float(), p.float()
+    law = gbv_module.SkewedLaw(torch.rand(rows, generator=gen, dtype=torch.float64), torch.zeros(rows, dtype=torch.float64), 4)
+    law.u = 1 - law.v
+    law.__post_init__()
+    nodes, weights = [1, 2, 3, 5], [0.9, 0.5, 1e-3, 0.99]
+    bounds = ranking.residual_bounds_ranked(key, q, p, nodes, weights, law)
+    exact = ranking.residual_masses_ranked(key, q, p, nodes, weights, law)
+    brute = _brute_positive_part(key[nodes], q[nodes].double(), p[nodes].double(),
+                                 torch.tensor(weights, dtype=torch.float64), ranking.RowsOf(law, torch.tensor(nodes)))
+    for j in range(len(nodes)):
+        assert bounds.low[j] - 1e-12 <= exact[j] <= bounds.high[j] + 1e-12
+        assert bounds.exact(j) == pytest.approx(float(brute[j]), abs=1e-12)
