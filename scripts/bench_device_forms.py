@@ -11,8 +11,9 @@ what the device forms would cost if the CPU ran them too, which is why it does n
 Verify calls: the inputs of scripts/bench_verifiers.py (``--instances`` per configuration), the two
 forms called alternately on each instance (the order swapped every round), 1 thread; the ratio of
 mean times device / host. ``--engine``: ``gbv`` K = 3 L = 8 and ``gbv-adaptive`` K = 3 L = 4 on
-``--prompts`` GSM8K + HumanEval prompts each, both forms per prompt in alternating order (the form
-forced through ``uses_device_form``), T = 0.2 and 1; tokens/s and verify milliseconds per iteration.
+``--prompts`` GSM8K + HumanEval prompts each, both forms per prompt in alternating order
+(``bench_verify_ab.engine_ab``), T = 0.2 and 1, 96 new tokens; tokens/s, verify milliseconds per
+iteration and the forwards' share of the wall time.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from gbv.verify import TorchRandom  # noqa: E402
 
 FORMS = {"gbv": (gbv_module.verify_gbv, gbv_module.verify_gbv_on_device),
          "gbv-adaptive": (adaptive_module.verify_gbv_adaptive, adaptive_module.verify_gbv_adaptive_on_device)}
-MODULES = {"gbv": gbv_module, "gbv-adaptive": adaptive_module}
 
 
 def verify_calls(args) -> None:
@@ -61,35 +61,14 @@ def verify_calls(args) -> None:
 
 
 def engine(args) -> None:
-    import gbv
-    from gbv.data import load_prompts
+    """Both forms in the engine: the host form is the registered function itself (CPU tensors), the
+    device form swapped in for it (bench_verify_ab.engine_ab)."""
+    from bench_verify_ab import engine_ab
 
-    pair = gbv.load_pair("bundled")
-    prompts = load_prompts("gsm8k")[:args.prompts] + load_prompts("humaneval")[:args.prompts]
     settings = {"gbv": (3, 8), "gbv-adaptive": (3, 4)}
-    print("| method | T | form | tokens/s | verify ms / iteration | iteration ms | block efficiency |")
-    print("|---|---:|---|---:|---:|---:|---:|")
     for method in args.methods:
-        module, (num_paths, block_len) = MODULES[method], settings[method]
-        for temperature in (0.2, 1.0):
-            totals = {False: [0, 0.0, 0.0, 0], True: [0, 0.0, 0.0, 0]}
-            for i, prompt in enumerate(prompts):
-                for on_device in ((False, True) if i % 2 == 0 else (True, False)):
-                    module.uses_device_form = (lambda p: True) if on_device else (lambda p: False)
-                    out = gbv.generate(pair, prompt=prompt, method=method, num_paths=num_paths, block_len=block_len,
-                                       temperature=temperature, max_new_tokens=args.max_new_tokens,
-                                       eos_token_id=[], seed=i)
-                    stats = out.stats.to_dict()
-                    row = totals[on_device]
-                    row[0] += stats["new_tokens"]
-                    row[1] += stats["time_total"]
-                    row[2] += stats["time_verify"]
-                    row[3] += stats["target_calls"]
-            for on_device, (tokens, total, verify, calls) in totals.items():
-                print(f"| {method} K={num_paths} L={block_len} | {temperature} | {'device' if on_device else 'host'} | "
-                      f"{tokens / total:.1f} | {verify / calls * 1e3:.2f} | {total / calls * 1e3:.2f} | "
-                      f"{tokens / calls:.2f} |", flush=True)
-    module.uses_device_form = lambda p: p.device.type != "cpu"
+        host, device = FORMS[method]
+        engine_ab(method, *settings[method], args.prompts, {"host": host, "device": device})
 
 
 def main() -> int:
@@ -100,7 +79,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="calls of each form per instance")
     parser.add_argument("--engine", action="store_true", help="the engine on the bundled pair instead")
     parser.add_argument("--prompts", type=int, default=8, help="--engine: GSM8K + HumanEval prompts, each")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
     torch.set_num_threads(1)
     engine(args) if args.engine else verify_calls(args)

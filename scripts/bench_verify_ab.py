@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     sides = {"before": load_verifier_before(args.before, args.method),
              "after": getattr(MODULES[args.method][1], MODULES[args.method][2])}
     if args.engine:
-        engine(args, sides)
+        engine_ab(args.method, args.paths, args.block_len, args.prompts, sides)
         return
     times: dict[str, list[float]] = {"before": [], "after": []}
     same = 0
@@ -85,33 +85,42 @@ def main(argv: list[str] | None = None) -> None:
           f"identical results on {same}/{args.instances} instances")
 
 
-def engine(args, sides) -> None:
+def engine_ab(method: str, num_paths: int, block_len: int, prompts_per_set: int, sides: dict) -> None:
+    """Two verify functions of ``method`` (``sides``: name -> function) in the engine on the bundled
+    pair: ``prompts_per_set`` GSM8K + HumanEval prompts, both sides per prompt in alternating order,
+    T = 0.2 and 1, 96 new tokens. The engine looks the verifier up when it makes a decoder, so the
+    module attribute is swapped (and put back afterwards). Prints tokens/s, verify milliseconds per
+    iteration and the forwards' share of the wall time, per side. Also used by bench_device_forms.py."""
     import gbv
     from gbv.data import load_prompts
 
-    module, function = MODULES[args.method][1], MODULES[args.method][2]
+    module, function = MODULES[method][1], MODULES[method][2]
+    original = getattr(module, function)
+    names = list(sides)
     pair = gbv.load_pair("bundled")
-    prompts = load_prompts("gsm8k")[:args.prompts] + load_prompts("humaneval")[:args.prompts]
-    print(f"| {args.method} K={args.paths} L={args.block_len}, T | side | tokens/s | verify ms / iteration | "
+    prompts = load_prompts("gsm8k")[:prompts_per_set] + load_prompts("humaneval")[:prompts_per_set]
+    print(f"| {method} K={num_paths} L={block_len}, T | side | tokens/s | verify ms / iteration | "
           "forwards share |\n|---|---|---:|---:|---:|")
-    for temperature in (0.2, 1.0):
-        totals = {name: [0, 0.0, 0.0, 0.0, 0] for name in sides}
-        for i, prompt in enumerate(prompts):
-            for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
-                setattr(module, function, sides[name])
-                stats = gbv.generate(pair, prompt=prompt, method=args.method, num_paths=args.paths,
-                                     block_len=args.block_len, temperature=temperature, max_new_tokens=96,
-                                     eos_token_id=[], seed=i).stats.to_dict()
-                row = totals[name]
-                row[0] += stats["new_tokens"]
-                row[1] += stats["time_total"]
-                row[2] += stats["time_verify"]
-                row[3] += stats["time_draft"] + stats["time_target"]
-                row[4] += stats["target_calls"]
-        setattr(module, function, sides["after"])
-        for name, (tokens, total, verify, forwards, calls) in totals.items():
-            print(f"| {temperature} | {name} | {tokens / total:.1f} | {verify / calls * 1e3:.2f} | "
-                  f"{forwards / total:.1%} |", flush=True)
+    try:
+        for temperature in (0.2, 1.0):
+            totals = {name: [0, 0.0, 0.0, 0.0, 0] for name in names}
+            for i, prompt in enumerate(prompts):
+                for name in (names if i % 2 == 0 else names[::-1]):
+                    setattr(module, function, sides[name])
+                    stats = gbv.generate(pair, prompt=prompt, method=method, num_paths=num_paths,
+                                         block_len=block_len, temperature=temperature, max_new_tokens=96,
+                                         eos_token_id=[], seed=i).stats.to_dict()
+                    row = totals[name]
+                    row[0] += stats["new_tokens"]
+                    row[1] += stats["time_total"]
+                    row[2] += stats["time_verify"]
+                    row[3] += stats["time_draft"] + stats["time_target"]
+                    row[4] += stats["target_calls"]
+            for name, (tokens, total, verify, forwards, calls) in totals.items():
+                print(f"| {temperature} | {name} | {tokens / total:.1f} | {verify / calls * 1e3:.2f} | "
+                      f"{forwards / total:.1%} |", flush=True)
+    finally:
+        setattr(module, function, original)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,13 @@ def host_ints(*values: Tensor | int) -> list[int]:
     return [int(v) for v in torch.stack([torch.as_tensor(v).reshape(()) for v in values]).tolist()]
 
 
+def uses_device_form(p: Tensor) -> bool:
+    """Whether a verifier with two forms (GBV, gbv-adaptive) runs its device form, tensor code with one
+    host read: on every device but the CPU, where the lazy host form is faster. Each verifier module
+    imports this name, so a test can force one form per module."""
+    return p.device.type != "cpu"
+
+
 def take_row(rows: Tensor, index: Tensor) -> Tensor:
     """``rows[index]`` for a 0-dim long tensor ``index``, without a host read: (N, ...) -> (...).
 

@@ -40,13 +40,15 @@ import torch
 from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints
+from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
+                               uses_device_form)
 from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, mass_below, mass_below_rows,
                                 mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
                                 residual_row)
 
 __all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "path_walk_on_device", "ranking_key", "select_path",
-           "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device", "verify_gbv", "verify_gbv_on_device"]
+           "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device", "verify_gbv",
+           "verify_gbv_on_device"]
 
 
 def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
@@ -227,11 +229,6 @@ def _walk_law(key: Tensor, q64: Tensor, tokens: Tensor, num_paths: int, extra: T
     return law, on_path, rest[0] if rest else []
 
 
-def uses_device_form(p: Tensor) -> bool:
-    """Whether :func:`verify_gbv` runs :func:`verify_gbv_on_device`: on every device but the CPU."""
-    return p.device.type != "cpu"
-
-
 def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
     """GBV: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
 
@@ -279,17 +276,16 @@ def verify_gbv_on_device(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: Random
     (:func:`gbv.verify.block.block_verify_on_device`: the stop decisions as independent coins, the
     next token by inverse CDF), in float64. The path, the accepted length and the next token are read
     back together. Why two forms: on a GPU a host read stalls the pipeline and a sort of ``L`` rows
-    is cheap; on a CPU the sorts cost 4-20x the lazy walk's masked sums and key buckets, while a read
-    costs ~2 us. The exact enumeration proves both lossless (tests/verify/test_gbv.py).
+    is cheap; on this CPU the sorts made the call 1.8-1.9x the lazy host form's time at V = 32000, and
+    slower in the engine at V = 4096, while a read costs ~2 us (scripts/bench_device_forms.py). The
+    exact enumeration proves both lossless (tests/verify/test_gbv.py).
     """
     num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
     if num_paths == 1:
         return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
     path = select_path_on_device(draft_tokens, q, p)
-    pick = path.reshape(1)
-    tokens = draft_tokens.index_select(0, pick)[0]
-    p_path = p.index_select(0, pick)[0]
-    q_g = skewed_law_rows_on_device(tokens, q.index_select(0, pick)[0], p_path, num_paths)  # (L, V) float64
+    tokens, p_path = take_row(draft_tokens, path), take_row(p, path)
+    q_g = skewed_law_rows_on_device(tokens, take_row(q, path), p_path, num_paths)  # (L, V) float64
     accepted_len, next_token = block_verify_on_device(tokens, q_g, p_path.to(torch.float64), rng)
     return VerifyResult(*host_ints(path, accepted_len, next_token))
 

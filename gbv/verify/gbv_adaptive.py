@@ -30,6 +30,7 @@ any weight keeps the method lossless. All arithmetic of the law is float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 import math
 from math import comb
 
@@ -37,7 +38,8 @@ import torch
 from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
-from gbv.verify.common import RandomSource, VerifyResult, check_shapes, host_ints, take_row
+from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
+                               uses_device_form)
 from gbv.verify.ranking import (MassBounds, approx_mass_below_rows, best_token, mass_below,
                                 mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
                                 residual_row)
@@ -45,8 +47,8 @@ from gbv.verify.ranking import (MassBounds, approx_mass_below_rows, best_token, 
 # Bins of (0, 1) for the node weight's breakpoints (node_weights): only the crossing bin is sorted.
 _WEIGHT_BINS = 1024
 
-__all__ = ["AdaptiveLaw", "greedy_step_law", "node_weights", "node_weights_on_device", "uses_device_form",
-           "verify_gbv_adaptive", "verify_gbv_adaptive_on_device"]
+__all__ = ["AdaptiveLaw", "greedy_step_law", "node_weights", "node_weights_on_device", "verify_gbv_adaptive",
+           "verify_gbv_adaptive_on_device"]
 
 
 def greedy_step_law(below: Tensor, q64: Tensor, n: int) -> Tensor:
@@ -211,12 +213,6 @@ class AdaptiveLaw:
         return self._ratio(row, low, low), self._ratio(row, high, high)  # S_n(x, z) in [S_n(z, z), S_n(x, x)]
 
 
-def uses_device_form(p: Tensor) -> bool:
-    """Whether :func:`verify_gbv_adaptive` runs :func:`verify_gbv_adaptive_on_device`: on every device
-    but the CPU."""
-    return p.device.type != "cpu"
-
-
 def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
     """gbv-adaptive: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
 
@@ -278,9 +274,11 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     return VerifyResult(path, accepted_len, next_token)
 
 
+@functools.lru_cache(maxsize=None)
 def _count_kernels(num_paths: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """``C(n, k)``, ``C(n-1, k-1)`` and the exponents ``max(n - k, 0)`` as (K, K) float64 tables,
-    row ``n - 1``, column ``k - 1`` (zero binomials where ``k > n``), for :func:`update_counts_on_device`."""
+    row ``n - 1``, column ``k - 1`` (zero binomials where ``k > n``), for :func:`update_counts_on_device`.
+    Built once per (K, device): never written to."""
     n = torch.arange(1, num_paths + 1, dtype=torch.float64)
     greedy = torch.tensor([[comb(a, b) for b in range(1, num_paths + 1)] for a in range(1, num_paths + 1)],
                           dtype=torch.float64)

@@ -398,15 +398,18 @@ def residual_masses_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
                            law: RankLaw) -> list[float]:
     """BV's residual masses ``r_i = sum_x (w_i p_i(x) - law_i(x))+`` at the nodes ``rows`` of a path:
     (L, V) keys, q and p along the path, the weights ``w_i``; by :func:`positive_part_mass`."""
+    return positive_part_mass(*_path_nodes(key, q, p, rows, weights, law)).tolist()
+
+
+def _path_nodes(key: Tensor, q: Tensor, p: Tensor, rows: list[int], weights: list[float], law: RankLaw
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, RankLaw]:
+    """The nodes ``rows`` of a path as :func:`positive_part_mass` takes them: keys, float64 q and p,
+    the (N,) float64 weights, and the law restricted to those nodes. A contiguous run of nodes (the
+    usual case) is taken as a slice: no gather copies."""
     idx = torch.tensor(rows, device=key.device)
     w = torch.tensor(weights, dtype=torch.float64, device=key.device)
-    pick = _rows_pick(rows, idx)
-    return positive_part_mass(key[pick], q[pick].double(), p[pick].double(), w, RowsOf(law, idx)).tolist()
-
-
-def _rows_pick(rows: list[int], idx: Tensor) -> slice | Tensor:
-    """A contiguous run of nodes (the usual case) as a slice: no gather copies."""
-    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else idx
+    pick = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else idx
+    return key[pick], q[pick].double(), p[pick].double(), w, RowsOf(law, idx)
 
 
 class MassBounds:
@@ -420,7 +423,6 @@ class MassBounds:
     def __init__(self, low: list[float], high: list[float], exact=None) -> None:
         self.low, self.high = low, high
         self._exact = exact
-        self._known: dict[int, float] = {}
 
     @classmethod
     def exactly(cls, values: list[float]) -> "MassBounds":
@@ -430,9 +432,7 @@ class MassBounds:
     def exact(self, j: int) -> float:
         if self._exact is None or self.low[j] == self.high[j]:
             return self.low[j]
-        if j not in self._known:
-            self._known[j] = self._exact(j)
-        return self._known[j]
+        return self._exact(j)  # (block_verify_core asks at most once per node)
 
 
 def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], weights: list[float],
@@ -440,13 +440,10 @@ def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
     """:func:`residual_masses_ranked` as bounds: the settled buckets exactly, the unsettled ones
     (whose tokens need a sort) as ``[max(0, w P_b - law_b), w P_b]``, and each node's exact mass on
     demand (sorting that node's unsettled buckets only). Below ``BUCKET_MIN_VOCAB``, exact masses."""
-    idx = torch.tensor(rows, device=key.device)
-    w = torch.tensor(weights, dtype=torch.float64, device=key.device)
-    pick = _rows_pick(rows, idx)
-    key_n, q_n, p_n, law_n = key[pick], q[pick].double(), p[pick].double(), RowsOf(law, idx)
-    split = _split_buckets(key_n, q_n, p_n, w, law_n)
+    nodes = _path_nodes(key, q, p, rows, weights, law)
+    split = _split_buckets(*nodes)
     if split is None:
-        return MassBounds.exactly(_ranked_positive_part(key_n, q_n, p_n, w, law_n).tolist())
+        return MassBounds.exactly(_ranked_positive_part(*nodes).tolist())
 
     def exact(j: int) -> float:
         return float(split.settled[j] + split.unsettled_exact(only_row=j)[j])

@@ -54,6 +54,18 @@ def grid_seed(vocab: int, block_len: int, num_paths: int, kind: str) -> int:
 
 
 # ---------------------------------------------------------------------- building blocks
+def coarse_buckets(monkeypatch) -> None:
+    """Bucket every vocabulary, in buckets of a key ratio up to 2^16 (3 exponent bits), so that tiny
+    instances have several tokens per bucket: the large-vocabulary code paths of gbv.verify.ranking
+    (bucketed ranks, unsettled buckets, bounds that differ from the exact masses) run on instances
+    small enough to enumerate."""
+    from gbv.verify import ranking
+
+    monkeypatch.setattr(ranking, "BUCKET_MIN_VOCAB", 0)
+    monkeypatch.setattr(ranking, "_BUCKET_SHIFT", 27)
+    monkeypatch.setattr(ranking, "_NUM_BUCKETS", (0x7F800000 >> 27) + 1)
+
+
 def path_tensors(inst: TinyInstance, seq: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(L, V) draft and (L+1, V) target rows along one drafted sequence (fresh copies: a verifier
     that wrote into its inputs could not corrupt the instance's tables)."""

@@ -20,7 +20,7 @@ from gbv.verify.common import VerifyResult, on_path_probs, residual
 from gbv.verify.gbv import (ranking_key, select_path, select_path_on_device, skewed_draft_law,
                             skewed_law_rows_on_device, verify_gbv, verify_gbv_on_device)
 
-from exact_checks import FAST, KINDS, LOSSLESS_TOL, grid_seed, path_tensors, tuple_inputs
+from exact_checks import FAST, KINDS, LOSSLESS_TOL, coarse_buckets, grid_seed, path_tensors, tuple_inputs
 
 
 def _seed(vocab: int, block_len: int, num_paths: int, kind: str, rep: int = 0) -> int:
@@ -515,14 +515,6 @@ def test_device_form_negative_controls(monkeypatch, name, broken):
 # ---------------------------------------------------------------------------------------------- 10
 # The residual masses as bounds (ranking.residual_bounds_ranked): the settled buckets exact, the
 # unsettled ones bounded, a node's exact mass sorted only when a stop coin falls between the bounds.
-def _coarse_buckets(monkeypatch) -> None:
-    """Bucket every vocabulary, in buckets of a key ratio up to 2^16, so that tiny instances have
-    several tokens per bucket, and unsettled buckets whose bounds differ from the exact mass."""
-    monkeypatch.setattr(ranking, "BUCKET_MIN_VOCAB", 0)
-    monkeypatch.setattr(ranking, "_BUCKET_SHIFT", 27)
-    monkeypatch.setattr(ranking, "_NUM_BUCKETS", (0x7F800000 >> 27) + 1)
-
-
 BUCKETED_INSTANCES = [(3, 2, 2, "dirichlet", 7), (3, 2, 3, "mixed", 7), (2, 3, 3, "truncated", 7),
                       (4, 2, 2, "sharp", 7), (3, 3, 2, "equal", 8)]
 
@@ -532,7 +524,7 @@ def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, block_len, num_pat
     """The large-vocabulary code (bucketed residual masses as bounds) forced on tiny instances and
     proven lossless by exact enumeration; the enumerator also checks, on every branch, that the
     bounds contain the exact stop probability."""
-    _coarse_buckets(monkeypatch)
+    coarse_buckets(monkeypatch)
     inst = random_instance(vocab, block_len, num_paths, seed, kind)
     assert exact_analysis(verify_gbv, inst).max_law_error < LOSSLESS_TOL
 
@@ -543,7 +535,7 @@ def test_bounds_that_miss_the_exact_mass_are_caught(monkeypatch, broken):
     forgotten, or their lower bound raised to the upper one). Equal bounds are taken as the exact
     mass, so the law goes wrong, or the enumerator sees bounds that miss the exact probability:
     either way the check fails."""
-    _coarse_buckets(monkeypatch)
+    coarse_buckets(monkeypatch)
     real_split = ranking._split_buckets
 
     def split_with_one_bound(*args):

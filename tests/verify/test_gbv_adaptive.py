@@ -24,8 +24,8 @@ from gbv.verify.gbv_adaptive import verify_gbv_adaptive, verify_gbv_adaptive_on_
 from gbv.verify import ranking
 from gbv.verify.ranking import best_token
 
-from exact_checks import (FAST, LOSSLESS_TOL, check_reference_value, check_same_law, grid_seed,
-                          max_error_on_negative_set, tuple_inputs)
+from exact_checks import (FAST, LOSSLESS_TOL, check_reference_value, check_same_law, coarse_buckets,
+                          grid_seed, max_error_on_negative_set, tuple_inputs)
 from test_lossless import law_error
 # The exact checks shared with the other multi-path verifiers, collected here as this file's tests:
 from exact_checks import test_temperature_zero, test_greedy_target_sampled_draft  # noqa: F401
@@ -212,21 +212,13 @@ def test_weight_of_an_equal_draft_is_zero():
     assert gbv_adaptive.node_weights(q64.clone(), q64, below, 4) == [0.0] * 5
 
 
-def _coarse_buckets(monkeypatch) -> None:
-    """Bucket every vocabulary, in buckets of a key ratio up to 2^16 (3 exponent bits), so that tiny
-    instances have several tokens per bucket: their W from buckets is then approximate."""
-    monkeypatch.setattr(ranking, "BUCKET_MIN_VOCAB", 0)
-    monkeypatch.setattr(ranking, "_BUCKET_SHIFT", 27)
-    monkeypatch.setattr(ranking, "_NUM_BUCKETS", (0x7F800000 >> 27) + 1)
-
-
 @pytest.mark.parametrize("vocab,length,num_paths,kind", [(3, 2, 2, "dirichlet"), (3, 2, 3, "mixed"),
                                                          (2, 3, 3, "truncated"), (4, 2, 2, "sharp")])
 def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, length, num_paths, kind):
     """The large-vocabulary code (node weights from bucketed ranks, bucketed residual masses), forced
     on tiny instances and proven lossless by the same exact enumeration; a weight that is not the
     exact maximiser changes the acceptance, never the law."""
-    _coarse_buckets(monkeypatch)
+    coarse_buckets(monkeypatch)
     inst = random_instance(vocab, length, num_paths, 7, kind)
     assert law_error(verify_gbv_adaptive, inst, num_paths) < 1e-9
 
@@ -234,7 +226,7 @@ def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, length, num_paths,
 def test_bucketed_ranks_in_the_law_are_caught(monkeypatch):
     """Negative control of the test above: using the bucketed (approximate) W in the law of the
     selected path, instead of only in the weights, is lossy and the same check sees it."""
-    _coarse_buckets(monkeypatch)
+    coarse_buckets(monkeypatch)
     monkeypatch.setattr(gbv_adaptive, "mass_below", lambda key, q64, tokens: ranking.approx_mass_below_rows(
         key, q64).gather(-1, tokens.reshape(-1, 1)).squeeze(-1))
     errors = [law_error(verify_gbv_adaptive, random_instance(v, l, k, 7, kind), k)
