@@ -143,10 +143,11 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
             tree_mask = torch.ones(1, 1, 25, prefix + 25, dtype=torch.bool, device=dev)
             out[f"{name}_25_nodes_ms"] = median_ms(lambda: lean.forward(tree, tree_pos, prefix, cache, tree_mask))
 
-            # The forward's own matrix multiplies (same layout and fusion), one input row each.
+            # The forward's own matrix multiplies (same layout and fusion), one input row each, 2D as
+            # the forward gives them (one mm call each, no views).
             inputs = {}
             for matrix in lean.matrices():
-                inputs.setdefault(matrix.in_features, torch.zeros(1, 1, matrix.in_features, dtype=lean.dtype,
+                inputs.setdefault(matrix.in_features, torch.zeros(1, matrix.in_features, dtype=lean.dtype,
                                                                   device=dev))
 
             def matmuls():

@@ -111,6 +111,54 @@ def test_transposed_weight_copies_give_the_same_logits(arch, monkeypatch):
     torch.testing.assert_close(logits[0], reference, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a in ("llama", "qwen2", "qwen3")])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_norm_weights_fold_into_owned_copies_only(arch, transposed, monkeypatch):
+    """In float32 each RMSNorm's weight is folded into the copy of the matrix after it (q/k/v and
+    gate/up when fused, the LM head when transposed), never into a Hugging Face tensor used in place:
+    the model's weights are unchanged and the logits are still Hugging Face's."""
+    monkeypatch.setattr(lean_module, "transposed_weights_pay", lambda dtype, device: transposed)
+    target, _ = hf_pair(arch, vocab=32, seed=3)
+    before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    lean = LeanCausalLM(target)
+    assert all(layer.input_norm is None and layer.post_norm is None for layer in lean.layers)
+    assert (lean.norm is None) == transposed  # an in-place LM head keeps the norm's own weight
+    assert all(torch.equal(tensor, before[name]) for name, tensor in target.state_dict().items())
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    with torch.inference_mode():
+        logits = lean.forward(tokens, torch.arange(7)[None], 0, lean.new_cache(1, 8), None, causal=True)
+        torch.testing.assert_close(logits, target(input_ids=tokens).logits, atol=1e-5, rtol=0)
+    # o_proj is a copy only when transposed; in place it must refuse (and leave the model as it was)
+    assert lean_module._fold_norm_weight(lean.layers[0].o, torch.full((lean.layers[0].o.in_features,), 2.0)) \
+        == transposed
+    assert all(torch.equal(tensor, before[name]) for name, tensor in target.state_dict().items())
+
+
+def test_rms_norm_matches_hugging_face_in_every_dtype():
+    """The lean RMSNorm (vector_norm, addcmul, rsqrt) is Hugging Face's LlamaRMSNorm: float32 to a few
+    ulps, and the same cast order (normalise in float32, cast, then scale) in bf16 / float64."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2), (torch.float64, 2e-6)):
+        norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+        for scale in (1e-3, 1.0, 30.0):  # eps matters at the small scale
+            x = (torch.randn(3, 5, 64, generator=gen) * scale).to(dtype)
+            with torch.no_grad():
+                expected = norm(x)
+            ours = lean_module._rms_norm(x, norm.weight, 1e-5)
+            assert ours.dtype == expected.dtype
+            torch.testing.assert_close(ours, expected, atol=tol * max(1.0, float(expected.abs().max())), rtol=0)
+            folded = lean_module._rms_norm(x, None, 1e-5) * norm.weight  # the folded form, scaled after
+            torch.testing.assert_close(folded, expected, atol=tol * max(1.0, float(expected.abs().max())),
+                                       rtol=0)
+    x = torch.randn(4, 64, generator=gen) * 1e-3
+    wrong_eps = lean_module._rms_norm(x, None, 1e-3)  # negative control: the eps is seen
+    assert (wrong_eps - lean_module._rms_norm(x, None, 1e-5)).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
 def test_activation_runs_as_a_function_where_it_is_silu(hidden_act):
     """SiLU (every lean architecture's default) runs as ``F.silu``, without the module call; any other
