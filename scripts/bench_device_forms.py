@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The host and device forms of GBV and gbv-adaptive against each other, on this machine's CPU.
+"""The host and device forms of GBV, gbv-adaptive, SpecInfer and SpecTr against each other, on this machine's CPU.
 
-``verify_gbv`` / ``verify_gbv_adaptive`` run their lazy host form on CPU tensors and their device form
+``verify_gbv`` / ``verify_gbv_adaptive`` / ``verify_specinfer`` / ``verify_spectr`` run their host form on CPU tensors and their device form
 (``verify_*_on_device``: tensor code, one host read per call) on any other device. This script shows
 what the device forms would cost if the CPU ran them too, which is why it does not:
 
@@ -31,10 +31,14 @@ from bench_verifiers import make_inputs  # noqa: E402
 
 import gbv.verify.gbv as gbv_module  # noqa: E402
 import gbv.verify.gbv_adaptive as adaptive_module  # noqa: E402
+import gbv.verify.specinfer as specinfer_module  # noqa: E402
+import gbv.verify.spectr as spectr_module  # noqa: E402
 from gbv.verify import TorchRandom  # noqa: E402
 
 FORMS = {"gbv": (gbv_module.verify_gbv, gbv_module.verify_gbv_on_device),
-         "gbv-adaptive": (adaptive_module.verify_gbv_adaptive, adaptive_module.verify_gbv_adaptive_on_device)}
+         "gbv-adaptive": (adaptive_module.verify_gbv_adaptive, adaptive_module.verify_gbv_adaptive_on_device),
+         "specinfer": (specinfer_module.verify_specinfer, specinfer_module.verify_specinfer_on_device),
+         "spectr": (spectr_module.verify_spectr, spectr_module.verify_spectr_on_device)}
 
 
 def verify_calls(args) -> None:
@@ -65,7 +69,7 @@ def engine(args) -> None:
     device form swapped in for it (bench_verify_ab.engine_ab)."""
     from bench_verify_ab import engine_ab
 
-    settings = {"gbv": (3, 8), "gbv-adaptive": (3, 4)}
+    settings = {"gbv": (3, 8), "gbv-adaptive": (3, 4), "specinfer": (3, 4), "spectr": (3, 4)}
     for method in args.methods:
         host, device = FORMS[method]
         engine_ab(method, *settings[method], args.prompts, {"host": host, "device": device})

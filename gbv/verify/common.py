@@ -191,8 +191,8 @@ def host_ints(*values: Tensor | int) -> list[int]:
 
 
 def uses_device_form(p: Tensor) -> bool:
-    """Whether a verifier with two forms (GBV, gbv-adaptive) runs its device form, tensor code with one
-    host read: on every device but the CPU, where the lazy host form is faster. Each verifier module
+    """Whether a verifier with two forms (GBV, gbv-adaptive, SpecInfer, SpecTr) runs its device form,
+    tensor code with one host read: on every device but the CPU, where the host form is faster. Each verifier module
     imports this name, so a test can force one form per module."""
     return p.device.type != "cpu"
 
@@ -236,3 +236,57 @@ def verify_level_by_level(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: Rando
             return VerifyResult(lead, depth, rng.sample(correction))
         alive = [k for k in alive if tokens[k][depth] == accepted]
     return VerifyResult(alive[0], block_len, rng.sample(p[alive[0], block_len]))
+
+
+# A level rule in device form: given the node's target and draft rows (V,), every path's draw at that
+# level (K,) long and the alive paths (K,) bool, return ``(accept_probs, residual)``: (K,) float64
+# acceptance probabilities of the alive draws, each assuming every earlier alive draw was rejected
+# (0 for paths that are not alive), and the (V,) distribution the correction token is drawn from
+# when every alive draw is rejected. No host reads.
+DeviceLevelRule = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def keep_carriers(alive: Tensor, draws: Tensor, token: Tensor) -> Tensor:
+    """The alive paths after ``token`` was accepted at a level: those whose draw there is ``token``. (K,)."""
+    return alive & (draws == token)
+
+
+def verify_level_by_level_on_device(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource,
+                                    level_rule: DeviceLevelRule) -> VerifyResult:
+    """:func:`verify_level_by_level` as tensor code with one host read (SpecInfer's and SpecTr's form
+    on a GPU): the same law, by other means.
+
+    Each level's draws are decided by K independent coins drawn at once (``rng.coins``), the accepted
+    draw being the first alive path whose coin came up. That is the sequential rule's law: draw ``j``
+    is reached only if every earlier alive draw was rejected, and its coin is independent of theirs,
+    so ``P(first accepted = j) = a_j prod_{i < j alive} (1 - a_i)`` either way; the coins of draws
+    that are not reached are drawn and ignored. The L levels run in a Python loop of tensor ops: a
+    level after the stop is computed on the frozen state with probability-0 coins (certain, so the
+    exact enumerator does not branch on them) and changes nothing. Path, accepted length and next
+    token are read back together at the end.
+    """
+    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    device = p.device
+    alive = torch.ones(num_paths, dtype=torch.bool, device=device)
+    active = torch.ones((), dtype=torch.bool, device=device)  # no level has rejected yet
+    accepted_len = torch.zeros((), dtype=torch.long, device=device)
+    stop_path = torch.zeros((), dtype=torch.long, device=device)
+    stop_dist = p[0, block_len]  # replaced at the stop level (or unused after a full block)
+    for depth in range(block_len):
+        lead = alive.to(torch.uint8).argmax()  # the first alive path: its rows are the node's
+        draws = draft_tokens[:, depth]
+        probs, correction = level_rule(take_row(p[:, depth], lead), take_row(q[:, depth], lead), draws, alive)
+        hits = rng.coins(torch.where(active, probs, 0.0)) & alive
+        accepted = hits.any()
+        token = take_row(draws, hits.to(torch.uint8).argmax())
+        stops = active & ~accepted
+        stop_dist = torch.where(stops, correction, stop_dist)
+        stop_path = torch.where(stops, lead, stop_path)
+        goes_on = active & accepted
+        accepted_len = accepted_len + goes_on.long()
+        alive = torch.where(goes_on, keep_carriers(alive, draws, token), alive)
+        active = goes_on
+    lead = alive.to(torch.uint8).argmax()
+    path = torch.where(active, lead, stop_path)
+    next_token = rng.draw(torch.where(active, take_row(p[:, block_len], lead), stop_dist))
+    return VerifyResult(*host_ints(path, accepted_len, next_token))

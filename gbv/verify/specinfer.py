@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gbv.verify.common import RandomSource, VerifyResult, residual, verify_level_by_level
+import torch
+
+from gbv.verify.common import (RandomSource, VerifyResult, residual, residual_on_device, uses_device_form,
+                               verify_level_by_level, verify_level_by_level_on_device)
 
 
 def _trial_order(draws: list[int]) -> list[int]:
@@ -60,4 +63,37 @@ def verify_specinfer(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSour
         ``VerifyResult(path, accepted_len, next_token)``; ``path`` is the first (lowest-index) path
         carrying the accepted prefix.
     """
+    if uses_device_form(p):  # one host read instead of one per trial: see verify_specinfer_on_device
+        return verify_specinfer_on_device(draft_tokens, q, p, rng)
+    return verify_specinfer_on_host(draft_tokens, q, p, rng)
+
+
+def verify_specinfer_on_host(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """The host form (what :func:`verify_specinfer` runs on CPU tensors): the level loop on the host,
+    one coin read back per trial, stopping at the first rejected level."""
     return verify_level_by_level(draft_tokens, q, p, rng, _specinfer_level)
+
+
+def _specinfer_level_on_device(p_d: Tensor, q_d: Tensor, draws: Tensor, alive: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_specinfer_level` as tensor code: the running residual after each alive draw's
+    rejection, and from it every alive draw's acceptance probability ``min(1, r(y) / q(y))``, in path
+    order (duplicates included, as in the host rule); the residual after all of them for the
+    correction. (K,) float64 probabilities, (V,) residual."""
+    r = p_d
+    on_r = []
+    for k in range(draws.shape[0]):
+        on_r.append(r.gather(0, draws[k:k + 1]))  # r(y_k), the residual trial k is judged against
+        r = torch.where(alive[k], residual_on_device(r, q_d), r)
+    r_y, q_y = torch.cat(on_r).double(), q_d.gather(0, draws).double()
+    # min(1, r / q); a drafted token has q > 0, the guard only avoids 0 / 0 (as _accept_prob).
+    probs = torch.where(q_y > 0, torch.clamp(r_y / torch.where(q_y > 0, q_y, 1.0), max=1.0), (r_y > 0).double())
+    return torch.where(alive, probs, 0.0), r
+
+
+def verify_specinfer_on_device(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """SpecInfer as tensor code on the inputs' device with one host read per call (what
+    :func:`verify_specinfer` runs on a GPU): :func:`gbv.verify.common.verify_level_by_level_on_device`
+    with the rule above. The host form reads each trial's coin back as it goes (7-27 reads per call
+    at K = 2-8), which costs nothing on this CPU and stalls a GPU's queue each time. The exact
+    enumeration proves both lossless (tests/verify/test_specinfer_device.py)."""
+    return verify_level_by_level_on_device(draft_tokens, q, p, rng, _specinfer_level_on_device)

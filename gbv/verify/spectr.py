@@ -20,10 +20,13 @@ not be exactly the smallest one (which only maximises acceptance).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from gbv.verify.common import RandomSource, VerifyResult, normalize_or, verify_level_by_level
+from gbv.verify.common import (RandomSource, VerifyResult, normalize_or, residual_on_device, uses_device_form,
+                               verify_level_by_level, verify_level_by_level_on_device)
 
 # Relative width of the final bisection bracket for rho. The returned value is the bracket's upper
 # end, at which the K-SEQ inequality was checked to hold, so rho is at most this far above the exact
@@ -135,4 +138,94 @@ def verify_spectr(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource)
         ``VerifyResult(path, accepted_len, next_token)``; ``path`` is the first (lowest-index) path
         carrying the accepted prefix.
     """
+    if uses_device_form(p):  # one host read instead of one per coin and root search: see below
+        return verify_spectr_on_device(draft_tokens, q, p, rng)
+    return verify_spectr_on_host(draft_tokens, q, p, rng)
+
+
+def verify_spectr_on_host(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """The host form (what :func:`verify_spectr` runs on CPU tensors): the level loop and the root
+    search on the host, one coin read back per trial, stopping at the first rejected level."""
     return verify_level_by_level(draft_tokens, q, p, rng, _kseq_level)
+
+
+# The device form's root search: rounds of a grid of this many points over the bracket. Four rounds
+# of 1024 narrow it by 1024^4 ~ 1e12, about RHO_TOLERANCE, in a fixed number of tensor calls.
+_GRID_POINTS = 1024
+_GRID_ROUNDS = 4
+
+
+def _smallest_rho_on_device(p: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """:func:`_smallest_rho` without a host read: (V,) float64 ``p``, ``q`` and a 0-d float64 ``k`` (the
+    number of alive draws) -> 0-d float64 ``rho`` at which the K-SEQ inequality holds.
+
+    The same segment search (one sort, cumulative sums, the first breakpoint where ``f >= 0``), then
+    instead of a scalar bisection ``_GRID_ROUNDS`` rounds of a grid over the segment: each keeps the
+    first grid point where ``excess >= 0`` as the new upper end (the old one if none is, so the
+    upper end always satisfies the inequality as computed). Within the segment ``f`` is
+    nondecreasing, so this brackets the same root as the bisection, to about the same tolerance.
+    """
+    vocab = p.shape[0]
+    beta1 = torch.minimum(p, q).sum()
+    trivial = (k <= 1) | (beta1 - 1.0 + (1.0 - beta1) ** k >= 0.0)  # rho = 1 is valid
+    t, order = torch.sort(p / q)
+    cum_p, cum_q = torch.stack((p, q))[:, order].cumsum(1)
+    q_above = cum_q[-1] - cum_q
+    g = torch.addcmul(cum_p, t, q_above)
+    f = (1.0 - g / t) ** k + g - 1.0
+    stop = (f.ge(0.0) & t.gt(1.0)) | ~t.lt(k)
+    first = stop.cumsum(0).eq(0).sum()  # count of leading Falses, in [0, V]
+    below = (first - 1).clamp(min=0)
+    lo_t = torch.where(first > 0, t[below.reshape(1)][0], 0.0)
+    b = torch.where(first > 0, cum_p[below.reshape(1)][0], 0.0)
+    a = torch.where(first > 0, q_above[below.reshape(1)][0], q_above[0] + cum_q[0])
+    t_first = torch.where(first < vocab, t[first.clamp(max=vocab - 1).reshape(1)][0], math.nan)
+    hi = torch.where(t_first < k, t_first, k)  # NaN (q = p = 0 tokens) also gives k
+    lo = torch.clamp(lo_t, min=1.0)
+
+    def excess(rho: Tensor) -> Tensor:
+        return a * rho + b - 1.0 + (1.0 - a - b / rho) ** k
+
+    # No target mass below the segment (e.g. one-hot p): the root in closed form, where it checks.
+    root = (1.0 - (1.0 - a) ** k) / torch.where(a > 0, a, 1.0)
+    closed = (b <= 0.0) & (a > 0.0) & (lo <= root) & (root <= hi) & (excess(root) >= 0.0)
+    steps = torch.arange(1, _GRID_POINTS + 1, dtype=torch.float64, device=p.device) / _GRID_POINTS
+    for _ in range(_GRID_ROUNDS):
+        points = lo + (hi - lo) * steps
+        points[-1] = hi
+        ok = excess(points) >= 0.0
+        ok[-1] = True
+        index = ok.to(torch.uint8).argmax()
+        new_hi = points[index.reshape(1)][0]
+        lo = torch.where(index > 0, points[(index - 1).clamp(min=0).reshape(1)][0], lo)
+        hi = new_hi
+    # A margin of RHO_TOLERANCE above the bracket's end, as the host's bisection leaves one: the grid
+    # can end within rounding of the root, where the segment's linear form of f and the full sums
+    # disagree in the last bits (f is nondecreasing, so a larger rho stays valid).
+    hi = torch.minimum(hi * (1.0 + RHO_TOLERANCE), k)
+    return torch.where(trivial, 1.0, torch.where(closed, root, hi))
+
+
+def _kseq_level_on_device(p_d: Tensor, q_d: Tensor, draws: Tensor, alive: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_kseq_level` as tensor code: ``rho`` for ``k`` = the number of alive draws, every alive
+    draw's acceptance probability ``min(1, p(y) / (rho q(y)))`` (the same for each trial: K-SEQ's
+    rule does not change between its draws) and the K-SEQ residual. (K,) float64, (V,) float64."""
+    p64, q64 = p_d.double(), q_d.double()
+    k = alive.sum().double()
+    rho = _smallest_rho_on_device(p64, q64, k)
+    p_y, q_y = p64.gather(0, draws), q64.gather(0, draws)
+    prob = torch.where(q_y > 0, torch.clamp(p_y / (rho * torch.where(q_y > 0, q_y, 1.0)), max=1.0),
+                       (p_y > 0).double())
+    overlap = torch.minimum(q64, p64 / rho)
+    beta = overlap.sum()
+    scale = (1.0 - (1.0 - beta) ** k) / torch.where(beta > 0, beta, 1.0)
+    correction = residual_on_device(p64, overlap * scale)  # norm((p - overlap scale)+), p if no mass
+    return torch.where(alive, prob, 0.0), torch.where(beta > 0, correction, p64)
+
+
+def verify_spectr_on_device(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """SpecTr K-SEQ as tensor code on the inputs' device with one host read per call (what
+    :func:`verify_spectr` runs on a GPU): :func:`gbv.verify.common.verify_level_by_level_on_device`
+    with the rule above. The host form reads back its coins and its root search (11-23 reads per
+    call at K = 2-8). The exact enumeration proves both lossless (tests/verify/test_spectr_device.py)."""
+    return verify_level_by_level_on_device(draft_tokens, q, p, rng, _kseq_level_on_device)
