@@ -171,25 +171,6 @@ def transposed_weights_pay(dtype: torch.dtype, device: torch.device) -> bool:
 
 # Products of at least this many rows are upcast where bf16_products_upcast says so.
 _UPCAST_MIN_ROWS = 3
-# Products of at least this many rows use the oneDNN-packed copy where packed_products_pay says so.
-_PACKED_MIN_ROWS = 5
-# Models up to this size get the packed copies (a further copy of every matrix).
-PACK_MAX_PARAMETERS = 300_000_000
-
-
-def packed_products_pay(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :class:`_Linear` should also hold a oneDNN-packed copy of its weight, for products of
-    ``_PACKED_MIN_ROWS`` rows and more (the target's tree and block passes).
-
-    Why: on these CPUs (AMD EPYC, AVX2, MKL sgemm, 1 thread) the products of the bundled target's 33
-    matrices by 5 / 9 / 17 / 25 rows take 0.87 / 0.79 / 0.90 / 0.86x as long through
-    ``mkldnn::_linear_pointwise`` on a weight packed by ``mkldnn::_reorder_linear_weight`` as through
-    ``torch.mm`` on the transposed copy, while 1 / 2 / 3 rows are as fast or faster with ``mm``
-    (the ops inductor itself uses for CPU linears). Float32 on the CPU only, where the transposed
-    copies are kept; the packed product sums in another order (logits move by ~1e-6).
-    """
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def bf16_products_upcast(dtype: torch.dtype, device: torch.device) -> bool:
@@ -226,31 +207,6 @@ class _Linear:
         self.weight = None if transpose else weight
         self.weight_t = weight.t().contiguous() if transpose else None
         self.upcast = upcast  # (only in-place weights are ever upcast: no dtype is both)
-        self.packed = None  # oneDNN-packed copy of the weight, see pack()
-
-    def pack(self) -> None:
-        """Add a oneDNN-packed copy of the (final, norm-folded) weight for products of several rows
-        (:func:`packed_products_pay`); kept only if torch can make one."""
-        weight = (self.weight if self.weight is not None else self.weight_t.t()).contiguous()
-        self.packed = None
-        # The ops are inductor's, not a public API: a product on a few probe rows must match torch.mm
-        # (with and without the residual), else this matrix keeps the plain products.
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-            probe = torch.randn(_PACKED_MIN_ROWS, self.in_features, dtype=weight.dtype,
-                                generator=torch.Generator().manual_seed(0))
-            expected = probe @ weight.t()
-            if self.bias is not None:
-                expected = expected + self.bias
-            got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
-            plus = torch.ops.mkldnn._linear_pointwise.binary(probe, expected, packed, None, "add")
-        except (RuntimeError, AttributeError, TypeError):
-            return
-        scale = expected.abs().max().item() + 1e-30
-        if self.bias is None and (plus - 2 * expected).abs().max().item() > 1e-4 * scale:
-            return
-        if got.shape == expected.shape and (got - expected).abs().max().item() <= 1e-4 * scale:
-            self.packed = packed
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.weight is not None:
@@ -259,8 +215,6 @@ class _Linear:
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
             return F.linear(x, self.weight, self.bias)
         if x.dim() == 2:  # the forward's rows: one call (``matmul`` adds a dispatch and two views)
-            if self.packed is not None and x.shape[0] >= _PACKED_MIN_ROWS:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             if self.bias is None:
                 return torch.mm(x, self.weight_t)
             return torch.addmm(self.bias, x, self.weight_t)
@@ -271,8 +225,6 @@ class _Linear:
         """``residual + self(x)`` for 2D ``x`` (rows, in) and ``residual`` (rows, out): one ``addmm``
         where the weight is a transposed copy without bias (a call fewer, about 5 us here)."""
         if self.weight is None and self.bias is None:
-            if self.packed is not None and x.shape[0] >= _PACKED_MIN_ROWS:
-                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
             return torch.addmm(residual, x, self.weight_t)
         return residual + self(x)
 
@@ -392,12 +344,6 @@ class LeanCausalLM:
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
                                self.upcast)
         self.norm = None if _fold_norm_weight(self.lm_head, inner.norm.weight) else inner.norm.weight
-        # Packed copies of the final (norm-folded) matrices for products of several rows.
-        self.packed = (self.transposed and packed_products_pay(dtype, device)
-                       and sum(p.numel() for p in model.parameters()) <= PACK_MAX_PARAMETERS)
-        if self.packed:
-            for matrix in self.matrices():
-                matrix.pack()
         self.rotary = inner.rotary_emb
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads

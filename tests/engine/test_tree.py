@@ -112,32 +112,6 @@ def test_transposed_weight_copies_give_the_same_logits(arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a in ("llama", "qwen2", "qwen3")])
-def test_packed_copies_give_the_same_logits(arch, monkeypatch):
-    """Where packed_products_pay (fp32 on this CPU), every matrix also holds a oneDNN-packed copy of
-    its final (norm-folded) weight, used for products of _PACKED_MIN_ROWS rows and more; a chain of 9
-    tokens and a 2-row batch of 6 then give the logits of the unpacked view and of Hugging Face."""
-    if not lean_module.packed_products_pay(torch.float32, torch.device("cpu")):
-        pytest.skip("no oneDNN on this torch build")
-    assert not lean_module.packed_products_pay(torch.bfloat16, torch.device("cpu"))
-    assert not lean_module.packed_products_pay(torch.float32, torch.device("cuda"))
-    target, _ = hf_pair(arch, vocab=32, seed=4)
-    packed = LeanCausalLM(target)
-    assert packed.packed and all(m.packed is not None for m in packed.matrices())
-    monkeypatch.setattr(lean_module, "packed_products_pay", lambda dtype, device: False)
-    plain = LeanCausalLM(target)
-    assert not plain.packed and all(m.packed is None for m in plain.matrices())
-    for tokens in (torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5]]), torch.tensor([[3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 2, 8]])):
-        batch, n = tokens.shape
-        positions = torch.arange(n).expand(batch, n)
-        with torch.inference_mode():
-            logits = [lean.forward(tokens, positions, 0, lean.new_cache(batch, 16), None, causal=True)
-                      for lean in (packed, plain)]
-            reference = target(input_ids=tokens).logits
-        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
-        torch.testing.assert_close(logits[0], reference, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a in ("llama", "qwen2", "qwen3")])
 @pytest.mark.parametrize("transposed", [True, False])
 def test_norm_weights_fold_into_owned_copies_only(arch, transposed, monkeypatch):
     """In float32 each RMSNorm's weight is folded into the copy of the matrix after it (q/k/v and
