@@ -122,7 +122,8 @@ def replay(args) -> None:
         rates = {arm.label: sum(t for prompt in traces[arm.label] for t, _ in prompt)
                  / sum(s for prompt in traces[arm.label] for _, s in prompt) for arm in arms}
         best = max(rates, key=rates.get)
-        shares = sorted(simulate(arms, traces, args.prompts, data["max_new_tokens"], seed, not args.unaligned) / rates[best]
+        aligned = not args.unaligned
+        shares = sorted(simulate(arms, traces, args.prompts, data["max_new_tokens"], seed, aligned) / rates[best]
                         for seed in range(args.seeds))
         top = ", ".join(f"{label} {rate:.0f}" for label, rate in sorted(rates.items(), key=lambda kv: -kv[1])[:4])
         print(f"T={temperature}: auto = {statistics.median(shares):.3f}x the best arm (median of {args.seeds}), "

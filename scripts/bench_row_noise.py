@@ -35,13 +35,14 @@ gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_token
 totals = [[0, 0.0, 0] for _ in range(args.seed_sets)]
 for index, prompt in enumerate(prompts):
     for seed_set, total in enumerate(totals):
-        out = gbv.generate(pair, prompt=prompt, method=args.method, num_paths=args.num_paths, block_len=args.block_len,
-                           temperature=args.temperature, max_new_tokens=128, eos_token_id=[], seed=index + 1000 * seed_set)
+        out = gbv.generate(pair, prompt=prompt, method=args.method, num_paths=args.num_paths,
+                           block_len=args.block_len, temperature=args.temperature, max_new_tokens=128,
+                           eos_token_id=[], seed=index + 1000 * seed_set)
         total[0] += out.stats.new_tokens
         total[1] += out.stats.time_total
         total[2] += out.stats.to_dict()["target_calls"]
-print(f"{args.method} K={args.num_paths} L={args.block_len}, T = {args.temperature}, {args.dtype}, {len(prompts)} prompts, "
-      "128 tokens, 1 thread")
+print(f"{args.method} K={args.num_paths} L={args.block_len}, T = {args.temperature}, {args.dtype}, "
+      f"{len(prompts)} prompts, 128 tokens, 1 thread")
 print("| seed set | tokens/s | tokens per target call | ms per target call |")
 print("|---|---:|---:|---:|")
 for seed_set, (tokens, seconds, calls) in enumerate(totals):

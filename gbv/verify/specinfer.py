@@ -20,9 +20,8 @@ then the argmax (SPEC section 8).
 
 from __future__ import annotations
 
-from torch import Tensor
-
 import torch
+from torch import Tensor
 
 from gbv.verify.common import (RandomSource, VerifyResult, residual, residual_on_device, uses_device_form,
                                verify_level_by_level, verify_level_by_level_on_device)
