@@ -42,6 +42,10 @@ SLOW = [(v, l, k, kind) for v, l, k in SIZES if 256 < v ** (l * k) <= 729 for ki
 # The 4096-tuple shapes cost ~10 s each: one mixed instance (rows of every kind) per shape.
 SLOW += [(v, l, k, "mixed") for v, l, k in SIZES if 729 < v ** (l * k) <= 4096]
 
+# The multi-path grid points up to 256 draft tuples, for the device forms: they draw every coin of
+# a level (or node) at once, so the enumerator branches on coins the host forms never reach and a
+# 729-tuple point costs 15-76 s; the host forms cover those points in test_lossless.py.
+DEVICE_GRID = [point for point in FAST if point[2] > 1 and point[0] ** (point[1] * point[2]) <= 256]
 # Small enough that the greedy check can visit every branch of every draft tuple.
 GREEDY_CASES = [(3, 2, 3, 0), (2, 3, 2, 1), (4, 1, 3, 2), (4, 3, 1, 3)]
 # (V, L, K, seed) of the negative-control set: tiny, yet each verifier's planted bugs show on it.
@@ -141,6 +145,28 @@ def check_same_law(verifier: Verifier, reference: Verifier, inst: TinyInstance) 
     assert ours.expected_accepted == pytest.approx(ref.expected_accepted, abs=1e-12)
     for out in set(ours.emitted_law) | set(ref.emitted_law):
         assert ours.emitted_law.get(out, 0.0) == pytest.approx(ref.emitted_law.get(out, 0.0), abs=1e-12)
+
+
+def check_device_form(device: Verifier, host: Verifier, vocab: int, block_len: int, num_paths: int, kind: str,
+                      expected_tol: float = 1e-12) -> None:
+    """A device form on one grid point (``grid_seed``'s instance): lossless, and its E[tau] that of
+    its host form to ``expected_tol``."""
+    inst = random_instance(vocab, block_len, num_paths, seed=grid_seed(vocab, block_len, num_paths, kind), kind=kind)
+    result = exact_analysis(device, inst)
+    assert result.max_law_error < LOSSLESS_TOL
+    assert abs(result.expected_accepted - exact_analysis(host, inst).expected_accepted) < expected_tol
+
+
+def check_same_outcome_laws(verifier: Verifier, reference: Verifier, inst: TinyInstance, tuples: int,
+                            tol: float) -> None:
+    """For the first ``tuples`` K-tuples of drafted paths (of positive draft probability), the law of
+    ``(path, accepted_len, next_token)`` of ``verifier`` equals ``reference``'s to ``tol``: forms that
+    consume their randomness differently can only be compared by their laws."""
+    seqs = [s for s in itertools.product(range(inst.vocab), repeat=inst.block_len) if inst.seq_prob(inst.draft, s) > 0]
+    for paths in itertools.islice(itertools.product(seqs, repeat=inst.num_paths), tuples):
+        inputs = tuple_inputs(inst, list(paths))
+        ours, ref = outcome_law(verifier, *inputs), outcome_law(reference, *inputs)
+        assert all(abs(ours.get(k, 0.0) - ref.get(k, 0.0)) < tol for k in set(ours) | set(ref)), paths
 
 
 def max_error_on_negative_set(verifier: Verifier) -> float:

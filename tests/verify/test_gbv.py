@@ -20,7 +20,8 @@ from gbv.verify.common import VerifyResult, on_path_probs, residual
 from gbv.verify.gbv import (ranking_key, select_path, select_path_on_device, skewed_draft_law,
                             skewed_law_rows_on_device, verify_gbv, verify_gbv_on_device)
 
-from exact_checks import FAST, KINDS, LOSSLESS_TOL, coarse_buckets, grid_seed, path_tensors, tuple_inputs
+from exact_checks import (FAST, KINDS, LOSSLESS_TOL, check_device_form, check_same_outcome_laws, coarse_buckets,
+                          path_tensors, tuple_inputs)
 
 
 def _seed(vocab: int, block_len: int, num_paths: int, kind: str, rep: int = 0) -> int:
@@ -406,10 +407,7 @@ def test_bucketed_positive_part_mass_is_exact(dtype):
 # production code too: the same exact checks, run here on CPU tensors.
 @pytest.mark.parametrize("vocab,block_len,num_paths,kind", [point for point in FAST if point[2] > 1])
 def test_device_form_is_lossless(vocab, block_len, num_paths, kind):
-    inst = random_instance(vocab, block_len, num_paths, seed=grid_seed(vocab, block_len, num_paths, kind), kind=kind)
-    result = exact_analysis(verify_gbv_on_device, inst)
-    assert result.max_law_error < LOSSLESS_TOL
-    assert abs(result.expected_accepted - exact_analysis(verify_gbv, inst).expected_accepted) < 1e-12
+    check_device_form(verify_gbv_on_device, verify_gbv, vocab, block_len, num_paths, kind)
 
 
 @pytest.mark.parametrize("num_paths,expected", [(2, 131 / 81), (3, 1289 / 729)])
@@ -423,11 +421,7 @@ def test_device_form_has_the_host_forms_outcome_law(kind, vocab, block_len, num_
     """Per drafted tuple, the law of (path, accepted length, next token) equals the lazy host form's
     to 1e-12 (the two consume their randomness differently, so only laws can be compared)."""
     inst = _brute_force_instance(kind, vocab, block_len, num_paths, seed)
-    seqs = [s for s in itertools.product(range(vocab), repeat=block_len) if inst.seq_prob(inst.draft, s) > 0]
-    for paths in itertools.islice(itertools.product(seqs, repeat=num_paths), 50):
-        inputs = tuple_inputs(inst, list(paths))
-        ours, host = _outcome_law(verify_gbv_on_device, inputs), _outcome_law(verify_gbv, inputs)
-        assert all(abs(ours.get(k, 0.0) - host.get(k, 0.0)) < 1e-12 for k in set(ours) | set(host))
+    check_same_outcome_laws(verify_gbv_on_device, verify_gbv, inst, tuples=50, tol=1e-12)
 
 
 def _tree_inputs(gen: torch.Generator, num_paths: int, block_len: int, vocab: int, coarse: bool):

@@ -24,8 +24,8 @@ from gbv.verify.gbv_adaptive import verify_gbv_adaptive, verify_gbv_adaptive_on_
 from gbv.verify import ranking
 from gbv.verify.ranking import best_token
 
-from exact_checks import (FAST, LOSSLESS_TOL, check_reference_value, check_same_law, coarse_buckets,
-                          grid_seed, max_error_on_negative_set, tuple_inputs)
+from exact_checks import (DEVICE_GRID, check_device_form, check_reference_value, check_same_law, coarse_buckets,
+                          max_error_on_negative_set, tuple_inputs)
 from test_lossless import law_error
 # The exact checks shared with the other multi-path verifiers, collected here as this file's tests:
 from exact_checks import test_temperature_zero, test_greedy_target_sampled_draft  # noqa: F401
@@ -238,18 +238,11 @@ def test_bucketed_ranks_in_the_law_are_caught(monkeypatch):
 # verify_gbv_adaptive_on_device (what verify_gbv_adaptive runs on a GPU; one host read per call) is
 # production code too: the exact checks above (temperature 0, large vocabulary, the negative set)
 # run on it through the fixture, and these on its own parts, on CPU tensors.
-# The master grid's multi-path points up to 256 draft tuples (the 729-tuple ones cost ~15 s each here).
-DEVICE_GRID = [point for point in FAST if point[2] > 1 and point[0] ** (point[1] * point[2]) <= 256]
-
-
 @pytest.mark.parametrize("vocab,block_len,num_paths,kind", DEVICE_GRID)
 def test_device_form_is_lossless(vocab, block_len, num_paths, kind):
     """The master grid's instances (K > 1); below V = 4096 both forms use the exact W in the weights,
     so their expected accepted lengths agree too."""
-    inst = random_instance(vocab, block_len, num_paths, seed=grid_seed(vocab, block_len, num_paths, kind), kind=kind)
-    result = exact_analysis(verify_gbv_adaptive_on_device, inst)
-    assert result.max_law_error < LOSSLESS_TOL
-    assert abs(result.expected_accepted - exact_analysis(verify_gbv_adaptive, inst).expected_accepted) < 1e-12
+    check_device_form(verify_gbv_adaptive_on_device, verify_gbv_adaptive, vocab, block_len, num_paths, kind)
 
 
 @pytest.mark.parametrize("num_paths", [2, 3])

@@ -8,17 +8,15 @@ tensors: the code is the same on any device.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from gbv.theory import exact_analysis, random_instance
+from gbv.theory import random_instance
 from gbv.verify import spectr
 from gbv.verify.spectr import _smallest_rho, _smallest_rho_on_device, verify_spectr, verify_spectr_on_device
 
-from exact_checks import (FAST, LOSSLESS_TOL, check_reference_value, grid_seed, max_error_on_negative_set,
-                          outcome_law, tuple_inputs, verifier_fixture)
+from exact_checks import (DEVICE_GRID, check_device_form, check_reference_value, check_same_outcome_laws,
+                          max_error_on_negative_set, verifier_fixture)
 # The exact checks shared with the other multi-path verifiers, collected here on the device form:
 from exact_checks import test_single_path_is_token_level  # noqa: F401
 from exact_checks import test_temperature_zero, test_greedy_target_sampled_draft  # noqa: F401
@@ -28,19 +26,10 @@ from test_spectr import _excess, _random_pair
 verifier = verifier_fixture(verify_spectr_on_device)
 
 
-# Up to 256 draft tuples: the device form draws every coin of a level at once, so the enumerator
-# branches on coins the host form never reaches (a 729-tuple point costs 76 s here); the host form
-# covers the 729-tuple points in test_lossless.py.
-DEVICE_GRID = [point for point in FAST if point[2] > 1 and point[0] ** (point[1] * point[2]) <= 256]
-
-
 @pytest.mark.parametrize("vocab,block_len,num_paths,kind", DEVICE_GRID)
 def test_device_form_is_lossless(vocab, block_len, num_paths, kind):
-    inst = random_instance(vocab, block_len, num_paths, seed=grid_seed(vocab, block_len, num_paths, kind), kind=kind)
-    result = exact_analysis(verify_spectr_on_device, inst)
-    assert result.max_law_error < LOSSLESS_TOL
     # rho agrees with the host's to ~1e-12 relative, so E[tau] does to about that
-    assert abs(result.expected_accepted - exact_analysis(verify_spectr, inst).expected_accepted) < 1e-9
+    check_device_form(verify_spectr_on_device, verify_spectr, vocab, block_len, num_paths, kind, expected_tol=1e-9)
 
 
 @pytest.mark.parametrize("num_paths,expected", [(1, 10 / 9), (2, 1.405487), (3, 1.593306)])
@@ -53,11 +42,7 @@ def test_outcome_law_is_the_host_forms(vocab, block_len, num_paths, seed):
     """Per drafted tuple, the law of (path, accepted length, next token) equals the host form's to
     1e-9 (rho to ~1e-12; the forms consume their randomness differently, so only laws compare)."""
     inst = random_instance(vocab, block_len, num_paths, seed, "mixed")
-    seqs = [s for s in itertools.product(range(vocab), repeat=block_len) if inst.seq_prob(inst.draft, s) > 0]
-    for paths in itertools.islice(itertools.product(seqs, repeat=num_paths), 40):
-        inputs = tuple_inputs(inst, list(paths))
-        ours, host = outcome_law(verify_spectr_on_device, *inputs), outcome_law(verify_spectr, *inputs)
-        assert all(abs(ours.get(k, 0.0) - host.get(k, 0.0)) < 1e-9 for k in set(ours) | set(host)), paths
+    check_same_outcome_laws(verify_spectr_on_device, verify_spectr, inst, tuples=40, tol=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(12))
