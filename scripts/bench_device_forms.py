@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""The host and device forms of GBV, gbv-adaptive, SpecInfer and SpecTr against each other, on this machine's CPU.
+"""The host and device forms of GBV, gbv-adaptive, SpecInfer, SpecTr and Traversal against each other, on
+this machine's CPU.
 
-``verify_gbv`` / ``verify_gbv_adaptive`` / ``verify_specinfer`` / ``verify_spectr`` run their host form on CPU tensors and their device form
-(``verify_*_on_device``: tensor code, one host read per call) on any other device. This script shows
-what the device forms would cost if the CPU ran them too, which is why it does not:
+``verify_gbv`` / ``verify_gbv_adaptive`` / ``verify_specinfer`` / ``verify_spectr`` / ``verify_traversal``
+run their host form on CPU tensors and their device form (``verify_*_on_device``: tensor code, one
+host read per call) on any other device. This script shows what the device forms would cost if the
+CPU ran them too, which is why it does not:
 
     python scripts/bench_device_forms.py                      # one verify call, V = 4096 and 32000
     python scripts/bench_device_forms.py --engine             # the engine on the bundled pair, K = 3
@@ -33,12 +35,14 @@ import gbv.verify.gbv as gbv_module  # noqa: E402
 import gbv.verify.gbv_adaptive as adaptive_module  # noqa: E402
 import gbv.verify.specinfer as specinfer_module  # noqa: E402
 import gbv.verify.spectr as spectr_module  # noqa: E402
+import gbv.verify.traversal as traversal_module  # noqa: E402
 from gbv.verify import TorchRandom  # noqa: E402
 
 FORMS = {"gbv": (gbv_module.verify_gbv, gbv_module.verify_gbv_on_device),
          "gbv-adaptive": (adaptive_module.verify_gbv_adaptive, adaptive_module.verify_gbv_adaptive_on_device),
          "specinfer": (specinfer_module.verify_specinfer, specinfer_module.verify_specinfer_on_device),
-         "spectr": (spectr_module.verify_spectr, spectr_module.verify_spectr_on_device)}
+         "spectr": (spectr_module.verify_spectr, spectr_module.verify_spectr_on_device),
+         "traversal": (traversal_module.verify_traversal, traversal_module.verify_traversal_on_device)}
 
 
 def verify_calls(args) -> None:
@@ -69,7 +73,7 @@ def engine(args) -> None:
     device form swapped in for it (bench_verify_ab.engine_ab)."""
     from bench_verify_ab import engine_ab
 
-    settings = {"gbv": (3, 8), "gbv-adaptive": (3, 4), "specinfer": (3, 4), "spectr": (3, 4)}
+    settings = {"gbv": (3, 8), "gbv-adaptive": (3, 4), "specinfer": (3, 4), "spectr": (3, 4), "traversal": (3, 4)}
     for method in args.methods:
         host, device = FORMS[method]
         engine_ab(method, *settings[method], args.prompts, {"host": host, "device": device})

@@ -10,11 +10,11 @@ early), so a single instance can make a method look several times cheaper or dea
 average. One thread, a seeded TorchRandom per configuration, warm-up calls, then the mean, median
 and 90th percentile over the timed calls, of wall time or (``--clock cpu``) process CPU time, which
 is steadier on a busy machine. Methods whose module does not import (yet) are skipped with a note.
-``gbv-device``, ``gbv-adaptive-device``, ``specinfer-device`` and ``spectr-device`` are the device forms
-(``verify_*_on_device`` in :mod:`gbv.verify`: what those methods run on a GPU, tensor code, one host
-read); ``specinfer-host`` and ``spectr-host`` their host forms (what they run on CPU tensors), so that
-a GPU run times both. ``--device cuda`` runs everything on a GPU (the clock is read after a device
-synchronisation).
+``gbv-device``, ``gbv-adaptive-device``, ``specinfer-device``, ``spectr-device`` and ``traversal-device``
+are the device forms (``verify_*_on_device`` in :mod:`gbv.verify`: what those methods run on a GPU,
+tensor code, one host read); ``specinfer-host``, ``spectr-host`` and ``traversal-host`` their host forms
+(what they run on CPU tensors), so that a GPU run times both. ``--device cuda`` runs everything on a
+GPU (the clock is read after a device synchronisation).
 Every configuration also times one ``torch.softmax`` over ``p`` (the (K, L+1, V) tensor) on the same
 instances in the same process, and reports each method's mean as a multiple of its mean (the
 yardstick of issue 8: ``gbv`` at K = 4, L = 8 within 3x). Prints a markdown table; ``--out FILE``
@@ -38,13 +38,17 @@ from gbv.verify.gbv import verify_gbv_on_device
 from gbv.verify.gbv_adaptive import verify_gbv_adaptive_on_device
 from gbv.verify.specinfer import verify_specinfer_on_device, verify_specinfer_on_host
 from gbv.verify.spectr import verify_spectr_on_device, verify_spectr_on_host
+from gbv.verify.traversal import verify_traversal_on_device, verify_traversal_on_host
 
 # Forms beside the registered methods (the name -> function of the rows).
 EXTRA_FORMS = {"gbv-device": verify_gbv_on_device, "gbv-adaptive-device": verify_gbv_adaptive_on_device,
                "specinfer-device": verify_specinfer_on_device, "spectr-device": verify_spectr_on_device,
+               "traversal-device": verify_traversal_on_device,
                # and the host forms, so that on a GPU (where the registered names run the device forms)
-               # both are timed: SpecInfer's and SpecTr's device forms launch 9-28x the host forms' ops.
-               "specinfer-host": verify_specinfer_on_host, "spectr-host": verify_spectr_on_host}
+               # both are timed: SpecInfer's, SpecTr's and Traversal's device forms launch 6-31x the host
+               # forms' ops.
+               "specinfer-host": verify_specinfer_on_host, "spectr-host": verify_spectr_on_host,
+               "traversal-host": verify_traversal_on_host}
 
 
 def make_inputs(vocab: int, num_paths: int, block_len: int, seed: int

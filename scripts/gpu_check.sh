@@ -39,7 +39,8 @@ import warnings, torch, gbv
 pair = gbv.load_pair("bundled", device="cuda")
 prompt = "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\nAnswer:"
 gbv.generate(pair, prompt=prompt, method="block", block_len=4, max_new_tokens=16, eos_token_id=[])
-for method, k, length in (("block", 1, 4), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("ar", 1, 1)):
+for method, k, length in (("block", 1, 4), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("specinfer", 3, 4),
+                          ("spectr", 3, 4), ("traversal", 3, 4), ("ar", 1, 1)):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -50,7 +51,7 @@ for method, k, length in (("block", 1, 4), ("gbv", 3, 8), ("gbv-adaptive", 3, 4)
     print(f"{method} K={k} L={length}: {syncs} synchronisations over {out.stats.target_calls} iterations "
           f"({syncs / max(1, out.stats.target_calls):.1f} per iteration), {out.stats.tokens_per_second:.0f} tokens/s")
 PY
-# One verify call per method on the GPU, the device forms of gbv / gbv-adaptive included (what they run there).
+# One verify call per method on the GPU, the device and host forms of the multi-path verifiers included.
 python scripts/bench_verifiers.py --device cuda --vocab 32000 128000 --paths 1 4 --instances 10 \
   --out "$out/verifiers.md" 2>/dev/null | tail -30
 python scripts/bench_engine.py --prompts 10 --max-new-tokens 128 --temperature 0.2,1.0 --dtype float32,bfloat16 \

@@ -22,6 +22,7 @@ from gbv.verify.gbv import verify_gbv_on_device
 from gbv.verify.gbv_adaptive import verify_gbv_adaptive_on_device
 from gbv.verify.specinfer import verify_specinfer_on_device
 from gbv.verify.spectr import verify_spectr_on_device
+from gbv.verify.traversal import verify_traversal_on_device
 
 
 class OpCount(TorchDispatchMode):
@@ -61,6 +62,7 @@ def main() -> None:
     rows.append(("gbv-adaptive, device form (on a GPU)", verify_gbv_adaptive_on_device))
     rows.append(("specinfer, device form (on a GPU)", verify_specinfer_on_device))
     rows.append(("spectr, device form (on a GPU)", verify_spectr_on_device))
+    rows.append(("traversal, device form (on a GPU)", verify_traversal_on_device))
     for method, verifier in rows:
         counts, ops = [], []
         for seed in range(args.calls):

@@ -76,7 +76,7 @@ def test_verify_call_reads_the_host_once(method):
         assert reads["n"] <= 1, f"{method}: {reads['n']} host reads in one verify call"
 
 
-@pytest.mark.parametrize("form", ["gbv", "gbv-adaptive", "specinfer", "spectr"])
+@pytest.mark.parametrize("form", ["gbv", "gbv-adaptive", "specinfer", "spectr", "traversal"])
 @pytest.mark.parametrize("num_paths", [2, 3, 8])
 def test_device_forms_read_the_host_once(num_paths, form):
     """The device forms (what the multi-path verifiers run on a GPU) with several paths: selection,
@@ -85,9 +85,11 @@ def test_device_forms_read_the_host_once(num_paths, form):
     from gbv.verify.gbv_adaptive import verify_gbv_adaptive_on_device
     from gbv.verify.specinfer import verify_specinfer_on_device
     from gbv.verify.spectr import verify_spectr_on_device
+    from gbv.verify.traversal import verify_traversal_on_device
 
     verifier = {"gbv": verify_gbv_on_device, "gbv-adaptive": verify_gbv_adaptive_on_device,
-                "specinfer": verify_specinfer_on_device, "spectr": verify_spectr_on_device}[form]
+                "specinfer": verify_specinfer_on_device, "spectr": verify_spectr_on_device,
+                "traversal": verify_traversal_on_device}[form]
     rng = TorchRandom(seed=0)
     for seed in range(5):
         tokens, q, p = verify_inputs(num_paths, seed=seed)
@@ -97,7 +99,7 @@ def test_device_forms_read_the_host_once(num_paths, form):
 
 
 @pytest.mark.parametrize("method,num_paths", [("ar", 1), ("token", 1), ("block", 1), ("gbv", 3), ("gbv-adaptive", 3),
-                                             ("specinfer", 3), ("spectr", 3)])
+                                             ("specinfer", 3), ("spectr", 3), ("traversal", 3)])
 def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
     """A whole tree-engine iteration (draft, trie, target pass, verify, commit) stays within L + 3
     (issue 8's budget) and in fact reads twice; the multi-path verifiers with their device forms
@@ -107,8 +109,9 @@ def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
     import gbv.verify.gbv_adaptive as gbv_adaptive_module
     import gbv.verify.specinfer as specinfer_module
     import gbv.verify.spectr as spectr_module
+    import gbv.verify.traversal as traversal_module
 
-    for module in (gbv_module, gbv_adaptive_module, specinfer_module, spectr_module):
+    for module in (gbv_module, gbv_adaptive_module, specinfer_module, spectr_module, traversal_module):
         monkeypatch.setattr(module, "uses_device_form", lambda p: True)
 
     target, draft = hf_pair("llama", vocab=64, seed=2)
