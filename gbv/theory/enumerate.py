@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gbv.theory.instance import Context, TinyInstance
-from gbv.verify.common import Verifier, VerifyResult
+from gbv.verify.common import Verifier, VerifyResult, resolve_refinements
 
 # A verifier may only sample from a normalised distribution; anything further off is a bug.
 SAMPLE_SUM_TOLERANCE = 1e-9
@@ -55,11 +55,13 @@ class ReplayRandom:
         return self._choose([prob, 1.0 - prob]) == 0
 
     def accept_within(self, low: float, high: float, exact) -> bool:
-        """The exact probability, branched on as by :meth:`accept`; the bounds must contain it (a
-        verifier whose bounds did not would decide some coins wrongly in production)."""
-        prob = float(exact())
-        if not low - BOUND_TOLERANCE <= prob <= high + BOUND_TOLERANCE:
-            raise AssertionError(f"verifier's bounds [{low!r}, {high!r}] do not contain its probability {prob!r}")
+        """The exact probability, branched on as by :meth:`accept`; the bounds, and those of every
+        refinement on the way to it, must contain it (a verifier whose bounds did not would decide
+        some coins wrongly in production)."""
+        prob, bounds = resolve_refinements(low, high, exact)
+        for lo, hi in bounds:
+            if not lo - BOUND_TOLERANCE <= prob <= hi + BOUND_TOLERANCE:
+                raise AssertionError(f"verifier's bounds [{lo!r}, {hi!r}] do not contain its probability {prob!r}")
         return self.accept(prob)
 
     def coins(self, probs: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs,
+from gbv.verify.common import (RandomSource, Refinement, VerifyResult, check_shapes, host_ints, on_path_probs,
                                residual_on_device, take_row)
 from gbv.verify.ranking import MassBounds
 
@@ -40,11 +40,13 @@ def block_verify_core(ratios: list[float], residual_bounds: ResidualBounds, resi
     Args:
         ratios: ``p_{i-1}(x_i) / q_{i-1}(x_i)`` for ``i = 1..L`` (on-path values only).
         residual_bounds: the residual masses ``r_i`` of the nodes where the weight is below 1, as
-            bounds with the exact values on demand (asked at most once, for all of them together,
+            :class:`~gbv.verify.ranking.MassBounds` (asked at most once, for all of them together,
             and not at all when the whole block is accepted; where ``w_i = 1``, ``h_i = 1`` whatever
-            ``r_i`` is). ``h_i = r_i / (r_i + 1 - w_i)`` grows with ``r_i``, so the bounds of ``r_i``
-            bound ``h_i``, and the stop coin needs the exact ``r_i`` only when its uniform falls
-            between them (``rng.accept_within``: the same law as ``rng.accept(h_i)``).
+            ``r_i`` is): cheap bounds, tighter ones and the exact value each on demand.
+            ``h_i = r_i / (r_i + 1 - w_i)`` grows with ``r_i``, so bounds of ``r_i`` bound ``h_i``,
+            and the stop coin asks for the next step only when its uniform falls between the
+            current bounds (``rng.accept_within`` with a :class:`~gbv.verify.common.Refinement`:
+            the same law as ``rng.accept(h_i)``).
         residual_dist: the correction distribution at the accepted length, asked at most once.
         bonus: (V,) ``p_L``, sampled when the whole block is accepted.
     Returns:
@@ -74,8 +76,12 @@ def block_verify_core(ratios: list[float], residual_bounds: ResidualBounds, resi
             stop = rng.accept(1.0)  # w_i = 1: h_i = 1
         else:
             j, w = slot[i], weights[i]
-            stop = rng.accept_within(stop_prob(bounds.low[j], w), stop_prob(bounds.high[j], w),
-                                     lambda j=j, w=w: stop_prob(bounds.exact(j), w))
+
+            def tighter(j=j, w=w) -> Refinement:
+                low, high = bounds.tighter(j)
+                return Refinement(stop_prob(low, w), stop_prob(high, w), lambda: stop_prob(bounds.exact(j), w))
+
+            stop = rng.accept_within(stop_prob(bounds.low[j], w), stop_prob(bounds.high[j], w), tighter)
         if stop:
             accepted_len = i
             break

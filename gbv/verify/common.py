@@ -44,14 +44,40 @@ class RandomSource(Protocol):
         (elementwise, clipped to [0, 1]); on the device, without reading anything back to the host."""
         ...
 
-    def accept_within(self, low: float, high: float, exact: Callable[[], float]) -> bool:
+    def accept_within(self, low: float, high: float, exact: Callable[[], "float | Refinement"]) -> bool:
         """Like ``accept(exact())`` for a probability known to lie in ``[low, high]``; ``exact`` is
-        called only where the bounds cannot decide the coin (it may be costly)."""
+        called only where the bounds cannot decide the coin (it may be costly). It may return a
+        :class:`Refinement` instead of the value: tighter bounds and the next step, which the coin
+        follows in the same way."""
         ...
 
     def draw(self, dist: Tensor) -> Tensor:
         """Like :meth:`sample`, but returns a 0-d long tensor on the device (no host read)."""
         ...
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """What an ``accept_within`` callback may return instead of the exact probability: tighter bounds
+    ``[low, high]`` (inside the previous ones) and the next, costlier step towards the exact value.
+    BV's stop coins take three steps: bounds from the weight alone, from the key buckets of one
+    node, and the exact residual mass (:func:`gbv.verify.block.block_verify_core`)."""
+
+    low: float
+    high: float
+    exact: Callable[[], "float | Refinement"]
+
+
+def resolve_refinements(low: float, high: float, exact: Callable[[], float | Refinement]
+                        ) -> tuple[float, list[tuple[float, float]]]:
+    """Follow an ``accept_within`` callback to the exact probability: ``(value, [(low, high), ...])``,
+    the bounds of every step on the way (for random sources that need the value itself)."""
+    bounds = [(low, high)]
+    value = exact()
+    while isinstance(value, Refinement):
+        bounds.append((value.low, value.high))
+        value = value.exact()
+    return float(value), bounds
 
 
 # Uniforms for TorchRandom.accept are drawn this many at a time and read back in one transfer.
@@ -84,19 +110,25 @@ class TorchRandom:
             return False
         return self._uniform() < prob
 
-    def accept_within(self, low: float, high: float, exact: Callable[[], float]) -> bool:
+    def accept_within(self, low: float, high: float, exact: Callable[[], float | Refinement]) -> bool:
         # One uniform, as accept: True below low, False from high up, and only in between compared with
-        # the exact probability. P(True) = low + (exact - low) = exact for low <= exact <= high.
+        # the exact probability. P(True) = low + (exact - low) = exact for low <= exact <= high. A
+        # refinement narrows [low, high] around the same exact value and the same uniform is compared
+        # again, so each step decides the coin as the exact value would.
         if low >= 1.0:
             return True
         if high <= 0.0:
             return False
         u = self._uniform()
-        if u < low:
-            return True
-        if u >= high:
-            return False
-        return u < float(exact())
+        while True:
+            if u < low:
+                return True
+            if u >= high:
+                return False
+            value = exact()
+            if not isinstance(value, Refinement):
+                return u < float(value)
+            low, high, exact = value.low, value.high, value.exact
 
     def _uniform(self) -> float:
         """The next U[0, 1) of :meth:`accept`, from the current block (a new block when it is used up)."""

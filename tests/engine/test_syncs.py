@@ -64,6 +64,44 @@ def test_accept_within_decides_as_accept_of_the_exact_probability():
     assert 0 < calls["n"] < 3000
 
 
+def test_accept_within_follows_refinements_with_the_same_uniform():
+    """A callback may return tighter bounds and a next step (``Refinement``): the coin still decides as
+    accept(exact), and each step is computed only when the uniform falls between the previous bounds
+    (BV's stop coins: bounds from the weight, from one node's buckets, then the exact mass)."""
+    from gbv.verify.common import Refinement
+
+    gen = torch.Generator().manual_seed(4)
+    steps = {"tighter": 0, "exact": 0}
+    for trial in range(3000):
+        exact = float(torch.rand((), generator=gen))
+        wide, narrow = (float(torch.rand((), generator=gen)) * 0.5 for _ in range(2))
+        low, high = max(0.0, exact - wide), min(1.0, exact + wide)
+        low2, high2 = max(low, exact - narrow * wide), min(high, exact + narrow * wide)
+
+        def final(value=exact):
+            steps["exact"] += 1
+            return value
+
+        def tighter(lo=low2, hi=high2):
+            steps["tighter"] += 1
+            return Refinement(lo, hi, final)
+
+        seed = 5000 + trial
+        assert TorchRandom(seed=seed).accept_within(low, high, tighter) == TorchRandom(seed=seed).accept(exact)
+    assert 0 < steps["exact"] < steps["tighter"] < 3000
+
+
+def test_replay_random_checks_every_refinements_bounds():
+    """The enumerator rejects a refinement whose bounds miss the exact probability, as it rejects
+    first bounds that do."""
+    from gbv.theory.enumerate import ReplayRandom
+    from gbv.verify.common import Refinement
+
+    assert ReplayRandom([]).accept_within(0.0, 0.5, lambda: Refinement(0.1, 0.3, lambda: 0.2)) is True
+    with pytest.raises(AssertionError, match="bounds"):
+        ReplayRandom([]).accept_within(0.0, 0.5, lambda: Refinement(0.3, 0.4, lambda: 0.2))
+
+
 @pytest.mark.parametrize("method", ["token", "block", "gbv", "gbv-adaptive"])
 def test_verify_call_reads_the_host_once(method):
     """One path: token and BV, and GBV / gbv-adaptive, which are BV with one path."""

@@ -16,7 +16,7 @@ from gbv.verify import ranking
 from gbv.theory import context_free_instance, enumerate_branches, exact_analysis, random_instance
 from gbv.verify import TorchRandom, get_verifier
 from gbv.verify.block import block_verify_core
-from gbv.verify.common import VerifyResult, on_path_probs, residual
+from gbv.verify.common import VerifyResult, on_path_probs, residual, resolve_refinements
 from gbv.verify.gbv import (ranking_key, select_path, select_path_on_device, skewed_draft_law,
                             skewed_law_rows_on_device, verify_gbv, verify_gbv_on_device)
 
@@ -336,8 +336,8 @@ class _Recorder:
         return self.calls - 1 == self.accept_at
 
     def accept_within(self, low: float, high: float, exact) -> bool:
-        prob = exact()
-        assert low - 1e-12 <= prob <= high + 1e-12
+        prob, bounds = resolve_refinements(low, high, exact)
+        assert all(lo - 1e-12 <= prob <= hi + 1e-12 for lo, hi in bounds)
         return self.accept(prob)
 
     def sample(self, dist: torch.Tensor) -> int:
@@ -523,18 +523,20 @@ def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, block_len, num_pat
     assert exact_analysis(verify_gbv, inst).max_law_error < LOSSLESS_TOL
 
 
-@pytest.mark.parametrize("broken", ["upper", "lower"])
+@pytest.mark.parametrize("broken", ["upper", "lower", "cheap"])
 def test_bounds_that_miss_the_exact_mass_are_caught(monkeypatch, broken):
     """Negative control: one bound collapsed onto the other (the unsettled buckets' upper bound
-    forgotten, or their lower bound raised to the upper one). Equal bounds are taken as the exact
-    mass, so the law goes wrong, or the enumerator sees bounds that miss the exact probability:
-    either way the check fails."""
+    forgotten, or their lower bound raised to the upper one), or the cheap upper bound ``w sum p``
+    halved. Equal bounds are taken as the exact mass, so the law goes wrong, or the enumerator sees
+    bounds that miss the exact probability: either way the check fails."""
     coarse_buckets(monkeypatch)
+    if broken == "cheap":
+        monkeypatch.setattr(ranking, "_MASS_MARGIN", -0.5)
     real_split = ranking._split_buckets
 
     def split_with_one_bound(*args):
         split = real_split(*args)
-        if split is not None:
+        if split is not None and broken != "cheap":
             if broken == "upper":
                 split.high = split.low.clone()
             else:
@@ -572,5 +574,7 @@ def test_residual_bounds_contain_the_exact_masses(vocab):
     brute = _brute_positive_part(key[nodes], q[nodes].double(), p[nodes].double(),
                                  torch.tensor(weights, dtype=torch.float64), ranking.RowsOf(law, torch.tensor(nodes)))
     for j in range(len(nodes)):
-        assert bounds.low[j] - 1e-12 <= exact[j] <= bounds.high[j] + 1e-12
+        low, high = bounds.tighter(j)  # the key buckets of node j: inside the cheap bounds
+        assert bounds.low[j] - 1e-12 <= low <= exact[j] <= high <= bounds.high[j] + 1e-12
+        assert bounds.high[j] == pytest.approx(weights[j] * float(p[nodes[j]].double().sum()), rel=1e-8)
         assert bounds.exact(j) == pytest.approx(float(brute[j]), abs=1e-12)
