@@ -223,9 +223,9 @@ def host_ints(*values: Tensor | int) -> list[int]:
 
 
 def uses_device_form(p: Tensor) -> bool:
-    """Whether a verifier with two forms (GBV, gbv-adaptive, SpecInfer, SpecTr) runs its device form,
-    tensor code with one host read: on every device but the CPU, where the host form is faster. Each
-    verifier module imports this name, so a test can force one form per module."""
+    """Whether a verifier with two forms (GBV, gbv-adaptive, SpecInfer, SpecTr, Traversal) runs its
+    device form, tensor code with one host read: on every device but the CPU, where the host form is
+    faster. Each verifier module imports this name, so a test can force one form per module."""
     return p.device.type != "cpu"
 
 

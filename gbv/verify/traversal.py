@@ -160,7 +160,6 @@ class _SlotTrie:
     depth ``d`` (``d = 0`` is the root). Paths with a common prefix share its nodes, so several slots
     name one node; its *canonical* slot is that of its first path (``_Tree.first_path``)."""
 
-    agree: Tensor  # (K, K, L+1) bool: paths k and j share their first d tokens
     first: Tensor  # (K, L+1) long: the first path through slot (k, d)'s node
     canonical: Tensor  # (K, L+1) bool: first[k, d] == k
     child_of: Tensor  # (K, K, L) bool: slot (j, d+1) is canonical and a child of slot (k, d)'s node
@@ -208,7 +207,7 @@ def _slot_trie(draft_tokens: Tensor) -> _SlotTrie:
     canonical_flat = canonical.reshape(-1)
     rank = (u_before_v & canonical_flat[:, None]).sum(0)  # canonical nodes before each slot
     post_rank = torch.where(canonical_flat, rank, depth.numel()).reshape(num_paths, block_len + 1)
-    return _SlotTrie(agree, first, canonical, child_of, child_index, num_children, post_rank)
+    return _SlotTrie(first, canonical, child_of, child_index, num_children, post_rank)
 
 
 def _remove_token_on_device(dist_q: Tensor, tokens: Tensor) -> Tensor:

@@ -169,6 +169,22 @@ def check_same_outcome_laws(verifier: Verifier, reference: Verifier, inst: TinyI
         assert all(abs(ours.get(k, 0.0) - ref.get(k, 0.0)) < tol for k in set(ours) | set(ref)), paths
 
 
+def check_reads_the_host_once(verifier: Verifier) -> None:
+    """Seeded float32 calls (the engine's dtype) of a device form give a result in range and read the
+    host once each."""
+    from gbv.bench.host_reads import count_host_reads, verify_inputs
+    from gbv.verify import TorchRandom
+
+    rng = TorchRandom(seed=0)
+    for seed in range(5):
+        tokens, q, p = verify_inputs(3, seed=seed)
+        with count_host_reads() as reads:
+            result = verifier(tokens, q, p, rng)
+        assert reads["n"] == 1
+        assert 0 <= result.path < 3 and 0 <= result.accepted_len <= tokens.shape[1]
+        assert 0 <= result.next_token < p.shape[-1]
+
+
 def max_error_on_negative_set(verifier: Verifier) -> float:
     """Largest law error over NEGATIVE_INSTANCES: below LOSSLESS_TOL for the real verifier, and a
     planted bug must push it above 1e-6, or the exact check would not be worth trusting."""

@@ -15,8 +15,8 @@ from gbv.theory import random_instance
 from gbv.verify import common, specinfer
 from gbv.verify.specinfer import verify_specinfer, verify_specinfer_on_device
 
-from exact_checks import (DEVICE_GRID, check_device_form, check_reference_value, check_same_outcome_laws,
-                          max_error_on_negative_set, verifier_fixture)
+from exact_checks import (DEVICE_GRID, check_device_form, check_reads_the_host_once, check_reference_value,
+                          check_same_outcome_laws, max_error_on_negative_set, verifier_fixture)
 # The exact checks shared with the other multi-path verifiers, collected here on the device form:
 from exact_checks import test_single_path_is_token_level  # noqa: F401
 from exact_checks import test_temperature_zero, test_greedy_target_sampled_draft  # noqa: F401
@@ -44,18 +44,7 @@ def test_outcome_law_is_the_host_forms(vocab, block_len, num_paths, seed):
 
 
 def test_float32_calls_read_the_host_once():
-    """Seeded float32 calls (the engine's dtype) give a result in range and read the host once."""
-    from gbv.bench.host_reads import count_host_reads, verify_inputs
-    from gbv.verify import TorchRandom
-
-    rng = TorchRandom(seed=0)
-    for seed in range(5):
-        tokens, q, p = verify_inputs(3, seed=seed)
-        with count_host_reads() as reads:
-            result = verify_specinfer_on_device(tokens, q, p, rng)
-        assert reads["n"] == 1
-        assert 0 <= result.path < 3 and 0 <= result.accepted_len <= tokens.shape[1]
-        assert 0 <= result.next_token < p.shape[-1]
+    check_reads_the_host_once(verify_specinfer_on_device)
 
 
 # ---------------------------------------------------------------------- negative controls
