@@ -4,6 +4,8 @@ a git revision against the working tree, on the same instances and seeds.
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --vocab 32768 --instances 40
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv-adaptive --vocab 4096 --paths 3
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --engine   # in the engine, bundled pair
+    python scripts/bench_verify_ab.py --capture /tmp/inputs.pt --method gbv-adaptive --paths 3
+    python scripts/bench_verify_ab.py --before HEAD~1 --method gbv-adaptive --inputs /tmp/inputs.pt
 
 Instances are ``scripts/bench_verifiers.py``'s (seeds 0 .. N-1). Each instance runs three rounds,
 before and after alternating in order, each call with a fresh ``TorchRandom`` seeded by the instance;
@@ -15,6 +17,10 @@ to be exact must show all of them.
 GSM8K + HumanEval prompts each, the two sides per prompt in alternating order (the engine looks the
 verifier up when it makes a decoder, so the module attribute is swapped), T = 0.2 and 1, 96 new
 tokens: tokens/s, verify milliseconds per iteration, and the share of the forwards in the wall time.
+
+``--capture FILE``: record the verifier's inputs ``(draft_tokens, q, p)`` in the engine instead (the
+same prompts and temperatures, 64 new tokens), for ``--inputs FILE``: the before/after timing on those
+engine instances (real rows: sharp at T = 0.2, flat at T = 1) instead of random ones.
 """
 from __future__ import annotations
 
@@ -49,16 +55,23 @@ def load_verifier_before(rev: str, method: str):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="git revision of the 'before' side")
+    parser.add_argument("--before", help="git revision of the 'before' side (required unless --capture)")
     parser.add_argument("--method", choices=sorted(MODULES), default="gbv")
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--paths", type=int, default=4)
     parser.add_argument("--block-len", type=int, default=8)
     parser.add_argument("--instances", type=int, default=30)
     parser.add_argument("--engine", action="store_true", help="in the engine on the bundled pair instead")
-    parser.add_argument("--prompts", type=int, default=8, help="--engine: prompts per data set")
+    parser.add_argument("--prompts", type=int, default=8, help="--engine / --capture: prompts per data set")
+    parser.add_argument("--capture", metavar="FILE", help="save the verifier's inputs in the engine to FILE")
+    parser.add_argument("--inputs", metavar="FILE", help="time on inputs saved by --capture")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.capture:
+        capture(args.method, args.paths, args.block_len, args.prompts, args.capture)
+        return
+    if not args.before:
+        parser.error("--before is required (unless --capture)")
     sides = {"before": load_verifier_before(args.before, args.method),
              "after": getattr(MODULES[args.method][1], MODULES[args.method][2])}
     if args.engine:
@@ -66,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     times: dict[str, list[float]] = {"before": [], "after": []}
     same = 0
-    for seed in range(args.instances):
-        inputs = make_inputs(args.vocab, args.paths, args.block_len, seed)
+    saved = torch.load(args.inputs) if args.inputs else None
+    count = len(saved) if saved is not None else args.instances
+    for seed in range(count):
+        inputs = saved[seed] if saved is not None else make_inputs(args.vocab, args.paths, args.block_len, seed)
         results = {}
         for round_ in range(3):
             for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
@@ -80,9 +95,38 @@ def main(argv: list[str] | None = None) -> None:
                 results[name] = (result.path, result.accepted_len, int(result.next_token))
         same += results["before"] == results["after"]
     before, after = statistics.median(times["before"]), statistics.median(times["after"])
-    print(f"{args.method} V={args.vocab} K={args.paths} L={args.block_len}: before {before * 1e3:.2f} ms, "
-          f"after {after * 1e3:.2f} ms, after/before {after / before:.3f}; "
-          f"identical results on {same}/{args.instances} instances")
+    where = (f"{args.inputs} ({count} engine instances)" if saved is not None
+             else f"V={args.vocab} K={args.paths} L={args.block_len}")
+    print(f"{args.method} {where}: before {before * 1e3:.2f} ms, after {after * 1e3:.2f} ms, "
+          f"after/before {after / before:.3f}; identical results on {same}/{count} instances")
+
+
+def capture(method: str, num_paths: int, block_len: int, prompts_per_set: int, path: str) -> None:
+    """Record ``method``'s inputs in the engine on the bundled pair (``prompts_per_set`` GSM8K +
+    HumanEval prompts, T = 0.2 and 1, 64 new tokens) and save them to ``path``."""
+    import gbv
+    from gbv.data import load_prompts
+
+    module, function = MODULES[method][1], MODULES[method][2]
+    original = getattr(module, function)
+    saved = []
+
+    def recording(draft_tokens, q, p, rng):
+        saved.append((draft_tokens.clone(), q.clone(), p.clone()))
+        return original(draft_tokens, q, p, rng)
+
+    pair = gbv.load_pair("bundled")
+    prompts = load_prompts("gsm8k")[:prompts_per_set] + load_prompts("humaneval")[:prompts_per_set]
+    setattr(module, function, recording)
+    try:
+        for temperature in (0.2, 1.0):
+            for i, prompt in enumerate(prompts):
+                gbv.generate(pair, prompt=prompt, method=method, num_paths=num_paths, block_len=block_len,
+                             temperature=temperature, max_new_tokens=64, eos_token_id=[], seed=i)
+    finally:
+        setattr(module, function, original)
+    torch.save(saved, path)
+    print(f"saved {len(saved)} inputs of {method} K={num_paths} L={block_len} to {path}")
 
 
 def engine_ab(method: str, num_paths: int, block_len: int, prompts_per_set: int, sides: dict) -> None:

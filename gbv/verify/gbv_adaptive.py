@@ -34,13 +34,14 @@ import functools
 import math
 from math import comb
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
-from gbv.verify.ranking import (MassBounds, approx_mass_below_rows, best_token, mass_below,
+from gbv.verify.ranking import (MassBounds, _host_array, approx_mass_below_rows, best_token, mass_below,
                                 mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
                                 residual_row)
 
@@ -56,7 +57,8 @@ def greedy_step_law(below: Tensor, q64: Tensor, n: int) -> Tensor:
     return q64 * power_sum(below + q64, below, n)
 
 
-def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> list[float]:
+def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tensor | np.ndarray,
+                 num_paths: int) -> list[float]:
     """``[lam_0, lam_1, ..., lam_K]`` at one node (``lam_0`` unused, ``lam_1 = 0``); (V,) float64 rows.
 
     ``lam_n`` is the smallest maximiser over [0, 1] of ``F(lam) = sum_x min(p_x, q_x + lam d_x)``,
@@ -67,58 +69,69 @@ def node_weights(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> lis
     longer positive (0 if it starts so, 1 if it never gets there).
 
     No sort of the row: the breakpoints go into ``_WEIGHT_BINS`` equal bins of (0, 1) with their
-    slope drops summed per bin (one ``scatter_add_``); the bin where the slope crosses 0 is found from
+    slope drops summed per bin (one ``bincount``); the bin where the slope crosses 0 is found from
     the bins' running sum, and only that bin's breakpoints are sorted. All ``n`` at once.
+
+    The host form's weight (the CPU), so it runs on numpy arrays (tensors are viewed as arrays): about
+    25 passes over (K - 1, V) rows, where torch's fixed cost per call was most of the time.
     """
     if num_paths == 1:
         return [0.0, 0.0]
+    p64, q64, below = (_host_array(row) if isinstance(row, Tensor) else row for row in (p64, q64, below))
+    rows_k, vocab = num_paths - 1, q64.shape[-1]
     # d_n = q (S_n(W + q, W) - 1) for n = 2..K: S_n by the recurrence of power_sum, one row per n.
-    rows_k = num_paths - 1
-    d = torch.empty(rows_k, q64.shape[-1], dtype=torch.float64, device=q64.device)
-    x, s_n, x_pow = below + q64, torch.ones_like(q64), torch.ones_like(q64)
+    d = np.empty((rows_k, vocab))
+    x, s_n, x_pow = below + q64, np.ones(vocab), np.ones(vocab)
     for row in range(rows_k):
         x_pow = x_pow * x
-        s_n = torch.addcmul(x_pow, s_n, below, out=d[row])  # S_{n+1} = W S_n + x^n
-    d.sub_(1.0).mul_(q64)  # (K-1, V): the S_n rows become d_n (the loop is done reading them)
+        np.multiply(s_n, below, out=d[row])
+        d[row] += x_pow  # S_{n+1} = W S_n + x^n
+        s_n = d[row]
+    d -= 1.0
+    d *= q64  # (K-1, V): the S_n rows become d_n (the loop is done reading them)
     diff = p64 - q64
-    # Right slope at 0: d where p > q (either sign of d), plus min(d, 0) where p = q. As matrix-vector
-    # products with 0/1 columns: one pass over d each (p = q exactly is rare but real: p = q rows).
-    slope0 = d @ (diff > 0).to(d.dtype)
+    # Right slope at 0: d where p > q (either sign of d), plus min(d, 0) where p = q (rare but real:
+    # p = q rows).
+    slope0 = d @ (diff > 0)
     ties = diff == 0
     has_ties = bool(ties.any())
     if has_ties:
-        slope0 = slope0 + d.clamp_max(0.0) @ ties.to(d.dtype)
+        slope0 += np.minimum(d, 0.0) @ ties
     # Breakpoints t = diff / d, binned: bin 1 + floor(t * bins) for t in (0, 1); bin 0 holds t < 0 (and
     # p = q, t = 0), the last bin t >= 1 and x / 0; those two are never summed.
-    t = diff / d
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = diff / d
     if has_ties:
-        t.masked_fill_(ties.expand_as(t), -1.0)
-    bins = t.mul_(_WEIGHT_BINS).floor_().clamp_(-1.0, float(_WEIGHT_BINS)).long().add_(1)
+        t[:, ties] = -1.0
     width = _WEIGHT_BINS + 2
-    bins += torch.arange(rows_k, device=d.device).unsqueeze(-1) * width
-    # scatter_add_: the same float64 sums as bincount (index order), without its min/max passes.
-    drops = d.new_zeros(rows_k * width).scatter_add_(0, bins.reshape(-1), d.abs().reshape(-1))
+    scaled = t * _WEIGHT_BINS
+    np.floor(scaled, out=scaled)
+    np.clip(scaled, -1.0, float(_WEIGHT_BINS), out=scaled)
+    bins = scaled.astype(np.int64)
+    bins += 1 + (np.arange(rows_k) * width)[:, None]
+    abs_d = np.abs(d)
+    # bincount adds in index order: the same float64 sums as torch's scatter_add_.
+    drops = np.bincount(bins.reshape(-1), weights=abs_d.reshape(-1), minlength=rows_k * width)
     cum = drops.reshape(rows_k, width)[:, 1:_WEIGHT_BINS + 1].cumsum(-1)  # (K-1, bins): t-bins only
-    slopes, totals = slope0.tolist(), cum[:, -1].tolist()
     lams = [0.0, 0.0]
     for row in range(rows_k):
-        if slopes[row] <= 0.0:
+        slope = slope0[row]
+        if slope <= 0.0:
             lams.append(0.0)
             continue
-        if totals[row] < slopes[row]:  # the slope stays positive up to 1 (the bin sums are exact upper
-            lams.append(1.0)            # bounds up to rounding; the crossing bin is re-summed below)
+        if cum[row, -1] < slope:  # the slope stays positive up to 1 (the bin sums are exact upper
+            lams.append(1.0)      # bounds up to rounding; the crossing bin is re-summed below)
             continue
-        crossing = int(torch.searchsorted(cum[row], slopes[row]))  # first bin with cum >= slope
+        crossing = int(np.searchsorted(cum[row], slope))  # first bin with cum >= slope
         # One bin either side: the bin sums round differently from the sorted running sum.
         start, stop = max(crossing - 1, 0), min(crossing + 1, _WEIGHT_BINS - 1)
         offset = row * width + 1
-        members = ((bins[row] >= start + offset) & (bins[row] <= stop + offset)).nonzero().squeeze(-1)
-        t_m = diff[members] / d[row, members]
-        order = torch.argsort(t_m)
-        before = float(cum[row, start - 1]) if start > 0 else 0.0
-        reached = (slopes[row] - before - d[row, members].abs()[order].cumsum(0)) <= 0.0
-        hit = reached.nonzero()
-        lams.append(float(t_m[order][hit[0, 0]]) if len(hit) else 1.0)
+        members = np.flatnonzero((bins[row] >= start + offset) & (bins[row] <= stop + offset))
+        t_m = t[row, members]
+        order = np.argsort(t_m)
+        before = cum[row, start - 1] if start > 0 else 0.0
+        hit = np.flatnonzero((slope - before - abs_d[row, members][order].cumsum()) <= 0.0)
+        lams.append(float(t_m[order][hit[0]]) if len(hit) else 1.0)
     return lams
 
 
@@ -230,28 +243,30 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     alive = list(range(num_paths))
     counts = [0.0] * (num_paths + 1)
     counts[num_paths] = 1.0
-    rows_q, rows_p, keys, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], [], []
+    # Every path's rows in float64 and their keys, once: cheaper here than two conversions and a key
+    # per node (the fixed cost of a tensor call dominates rows of a few thousand). The key is
+    # elementwise, so these are the very keys of each node's rows.
+    q64_paths, p64_paths = q.to(torch.float64), p[:, :block_len].to(torch.float64)  # (K, L, V)
+    key_paths = ranking_key(p[:, :block_len], q)
+    leads, counts_rows, lams_rows, law_on, p_on = [], [], [], [], []
     for depth in range(block_len):
         lead = alive[0]
-        q_row, p_row = q[lead, depth], p[lead, depth]
-        q64, p64 = q_row.to(torch.float64), p_row.to(torch.float64)
-        key = ranking_key(p_row, q_row)
+        q64, p64, key = q64_paths[lead, depth], p64_paths[lead, depth], key_paths[lead, depth]
         # The weights may be any function of the node's rows: they use W from key buckets at large V
         # (no sort), while the law below uses the exact W wherever it is evaluated.
         lams = node_weights(p64, q64, approx_mass_below_rows(key.unsqueeze(0), q64.unsqueeze(0))[0], num_paths)
         candidates = [tokens[k][depth] for k in alive]
-        chosen = choose_next(candidates, key[candidates].tolist(), lams[len(alive)], rng)
+        # The per-node scalars through numpy views (the host form runs on the CPU): no tensor calls.
+        key_h, q_h, p_h = _host_array(key), _host_array(q64), _host_array(p64)
+        chosen = choose_next(candidates, key_h[candidates].tolist(), lams[len(alive)], rng)
         alive = [k for k in alive if tokens[k][depth] == chosen]
-        chosen_t = torch.tensor([chosen], device=q.device)
-        below_s, q_s, p_s = torch.cat([mass_below(key.unsqueeze(0), q64.unsqueeze(0), chosen_t),
-                                       q64[chosen_t], p64[chosen_t]]).tolist()
+        below_s = float(mass_below(key.unsqueeze(0), q64.unsqueeze(0), torch.tensor([chosen]))[0])
+        q_s, p_s = float(q_h[chosen]), float(p_h[chosen])
         # q_A(s) = q_s sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n); counts are normalised.
         # (1 - lam) in brackets: lam S + 1 - lam would cancel S when it is tiny.
         ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
                     for n in range(1, num_paths + 1) if counts[n] > 0.0)
-        rows_q.append(q_row)
-        rows_p.append(p_row)
-        keys.append(key)
+        leads.append(lead)
         counts_rows.append(counts[1:])
         lams_rows.append(lams[1:])
         law_on.append(q_s * ratio)
@@ -260,7 +275,9 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     path = alive[0]
     law = AdaptiveLaw(torch.tensor(counts_rows, dtype=torch.float64, device=q.device),
                       torch.tensor(lams_rows, dtype=torch.float64, device=q.device))
-    q_all, p_all, key_all = torch.stack(rows_q), torch.stack(rows_p), torch.stack(keys)
+    # The selected nodes' rows, (L, V): the lead path's at each depth.
+    node_rows = (torch.tensor(leads, device=q.device), torch.arange(block_len, device=q.device))
+    q_all, p_all, key_all = q[node_rows], p[node_rows], key_paths[node_rows]
 
     def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
         return residual_bounds_ranked(key_all, q_all, p_all, rows, weights, law)
