@@ -37,6 +37,7 @@ def main(argv=None) -> None:
 
     def recording_weights(p64, q64, below, num_paths):
         lams = weights(p64, q64, below, num_paths)
+        p64, q64 = torch.as_tensor(p64), torch.as_tensor(q64)  # the host form passes numpy rows
         exact_below = ranking.mass_below_rows(ranking.ranking_key(p64, q64)[None], q64[None])[0]
         exact = weights(p64, q64, exact_below, num_paths)
         for n in range(2, num_paths + 1):

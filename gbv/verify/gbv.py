@@ -36,13 +36,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
-from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, mass_below, mass_below_rows,
+from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, host_array, mass_below, mass_below_rows,
                                 mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
                                 residual_row)
 
@@ -163,12 +164,18 @@ class SkewedLaw:
     (``row`` = index into ``v``/``u``), so BV's residual masses need no full sort.
     """
 
-    v: Tensor  # (N,) float64
+    v: Tensor  # (N,) float64 (numpy arrays in the on_host copy)
     u: Tensor  # (N,) float64
     num_paths: int
 
     def __post_init__(self) -> None:
-        self.denom = power_sum(torch.ones_like(self.u), self.u, self.num_paths)  # S(0, v) = sum_j u^j >= 1
+        self.denom = power_sum(1.0, self.u, self.num_paths)  # S(0, v) = sum_j u^j >= 1
+
+    def on_host(self) -> "SkewedLaw":
+        """The same law over numpy arrays (:class:`gbv.verify.ranking.RankLaw`)."""
+        if isinstance(self.v, np.ndarray):
+            return self
+        return SkewedLaw(host_array(self.v), host_array(self.u), self.num_paths)
 
     def token_law(self, row: Tensor, below: Tensor, q: Tensor) -> Tensor:
         v, u = self.v[row], self.u[row]

@@ -41,9 +41,9 @@ from torch import Tensor
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
-from gbv.verify.ranking import (MassBounds, _host_array, approx_mass_below_rows, best_token, mass_below,
-                                mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
-                                residual_row)
+from gbv.verify.ranking import (MassBounds, approx_mass_below_array, best_token, host_array,
+                                mass_below_array, mass_below_rows_sorted, power_sum, ranking_key,
+                                residual_bounds_ranked, residual_row)
 
 # Bins of (0, 1) for the node weight's breakpoints (node_weights): only the crossing bin is sorted.
 _WEIGHT_BINS = 1024
@@ -77,16 +77,16 @@ def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tens
     """
     if num_paths == 1:
         return [0.0, 0.0]
-    p64, q64, below = (_host_array(row) if isinstance(row, Tensor) else row for row in (p64, q64, below))
+    p64, q64, below = (host_array(row) if isinstance(row, Tensor) else row for row in (p64, q64, below))
     rows_k, vocab = num_paths - 1, q64.shape[-1]
     # d_n = q (S_n(W + q, W) - 1) for n = 2..K: S_n by the recurrence of power_sum, one row per n.
     d = np.empty((rows_k, vocab))
-    x, s_n, x_pow = below + q64, np.ones(vocab), np.ones(vocab)
-    for row in range(rows_k):
+    x = x_pow = below + q64
+    np.add(below, x, out=d[0])  # S_2 = W S_1 + x, S_1 = 1
+    for row in range(1, rows_k):
         x_pow = x_pow * x
-        np.multiply(s_n, below, out=d[row])
+        np.multiply(d[row - 1], below, out=d[row])
         d[row] += x_pow  # S_{n+1} = W S_n + x^n
-        s_n = d[row]
     d -= 1.0
     d *= q64  # (K-1, V): the S_n rows become d_n (the loop is done reading them)
     diff = p64 - q64
@@ -114,8 +114,7 @@ def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tens
     drops = np.bincount(bins.reshape(-1), weights=abs_d.reshape(-1), minlength=rows_k * width)
     cum = drops.reshape(rows_k, width)[:, 1:_WEIGHT_BINS + 1].cumsum(-1)  # (K-1, bins): t-bins only
     lams = [0.0, 0.0]
-    for row in range(rows_k):
-        slope = slope0[row]
+    for row, slope in enumerate(slope0.tolist()):
         if slope <= 0.0:
             lams.append(0.0)
             continue
@@ -207,8 +206,9 @@ class AdaptiveLaw:
 
     def _ratio(self, row: Tensor, x: Tensor, z: Tensor) -> Tensor:
         counts, lams = self.counts[row], self.lams[row]  # (..., K)
-        total = torch.zeros_like(x)
-        s_n, x_pow = torch.ones_like(x), torch.ones_like(x)
+        lib = np if isinstance(x, np.ndarray) else torch  # tensors, or arrays for the on_host copy
+        total = lib.zeros_like(x)
+        s_n, x_pow = lib.ones_like(x), lib.ones_like(x)
         for n in range(1, self.counts.shape[-1] + 1):
             if n > 1:  # S_n = z S_{n-1} + x^(n-1)
                 x_pow = x_pow * x
@@ -224,6 +224,12 @@ class AdaptiveLaw:
 
     def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         return self._ratio(row, low, low), self._ratio(row, high, high)  # S_n(x, z) in [S_n(z, z), S_n(x, x)]
+
+    def on_host(self) -> "AdaptiveLaw":
+        """The same law over numpy arrays (:class:`gbv.verify.ranking.RankLaw`)."""
+        if isinstance(self.counts, np.ndarray):
+            return self
+        return AdaptiveLaw(host_array(self.counts), host_array(self.lams))
 
 
 def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
@@ -243,30 +249,30 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     alive = list(range(num_paths))
     counts = [0.0] * (num_paths + 1)
     counts[num_paths] = 1.0
-    # Every path's rows in float64 and their keys, once: cheaper here than two conversions and a key
-    # per node (the fixed cost of a tensor call dominates rows of a few thousand). The key is
-    # elementwise, so these are the very keys of each node's rows.
-    q64_paths, p64_paths = q.to(torch.float64), p[:, :block_len].to(torch.float64)  # (K, L, V)
-    key_paths = ranking_key(p[:, :block_len], q)
-    leads, counts_rows, lams_rows, law_on, p_on = [], [], [], [], []
+    # The per-node work runs on numpy views of the rows (the host form runs on the CPU, where numpy's
+    # fixed cost per call is a fifth of torch's and dominates rows of a few thousand). Each node's rows
+    # are converted on their own: a float64 copy of all K L rows at once is a fresh allocation large
+    # enough to be page-faulted in on every call.
+    q_host, p_host = host_array(q), host_array(p)
+    leads, keys, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], []
     for depth in range(block_len):
         lead = alive[0]
-        q64, p64, key = q64_paths[lead, depth], p64_paths[lead, depth], key_paths[lead, depth]
+        key = ranking_key(p_host[lead, depth], q_host[lead, depth])
+        q64, p64 = q_host[lead, depth].astype(np.float64), p_host[lead, depth].astype(np.float64)
         # The weights may be any function of the node's rows: they use W from key buckets at large V
         # (no sort), while the law below uses the exact W wherever it is evaluated.
-        lams = node_weights(p64, q64, approx_mass_below_rows(key.unsqueeze(0), q64.unsqueeze(0))[0], num_paths)
+        lams = node_weights(p64, q64, approx_mass_below_array(key[None], q64[None])[0], num_paths)
         candidates = [tokens[k][depth] for k in alive]
-        # The per-node scalars through numpy views (the host form runs on the CPU): no tensor calls.
-        key_h, q_h, p_h = _host_array(key), _host_array(q64), _host_array(p64)
-        chosen = choose_next(candidates, key_h[candidates].tolist(), lams[len(alive)], rng)
+        chosen = choose_next(candidates, key[candidates].tolist(), lams[len(alive)], rng)
         alive = [k for k in alive if tokens[k][depth] == chosen]
-        below_s = float(mass_below(key.unsqueeze(0), q64.unsqueeze(0), torch.tensor([chosen]))[0])
-        q_s, p_s = float(q_h[chosen]), float(p_h[chosen])
+        below_s = float(mass_below_array(key[None], q64[None], [chosen])[0])
+        q_s, p_s = float(q64[chosen]), float(p64[chosen])
         # q_A(s) = q_s sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n); counts are normalised.
         # (1 - lam) in brackets: lam S + 1 - lam would cancel S when it is tiny.
         ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
                     for n in range(1, num_paths + 1) if counts[n] > 0.0)
         leads.append(lead)
+        keys.append(key)
         counts_rows.append(counts[1:])
         lams_rows.append(lams[1:])
         law_on.append(q_s * ratio)
@@ -277,7 +283,7 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
                       torch.tensor(lams_rows, dtype=torch.float64, device=q.device))
     # The selected nodes' rows, (L, V): the lead path's at each depth.
     node_rows = (torch.tensor(leads, device=q.device), torch.arange(block_len, device=q.device))
-    q_all, p_all, key_all = q[node_rows], p[node_rows], key_paths[node_rows]
+    q_all, p_all, key_all = q[node_rows], p[node_rows], torch.from_numpy(np.stack(keys)).to(q.device)
 
     def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
         return residual_bounds_ranked(key_all, q_all, p_all, rows, weights, law)

@@ -47,7 +47,8 @@ _KEY_MARGIN = 1e-6
 
 
 def ranking_key(p: Tensor, q: Tensor) -> Tensor:
-    """Per-token ranking key at a node, elementwise: larger = better. Any shape in, same shape out.
+    """Per-token ranking key at a node, elementwise: larger = better. Any shape in, same shape out
+    (tensors, or numpy arrays).
 
     ``p / q`` where ``q > 0``; ``+inf`` where ``q = 0 < p`` (the draft can never propose it, the target
     wants it); :data:`ZERO_ZERO_KEY` where ``p = q = 0``. Ties (equal keys) are broken by the smaller
@@ -57,6 +58,12 @@ def ranking_key(p: Tensor, q: Tensor) -> Tensor:
     the very keys the selection compared; being elementwise, the key of a token does not depend on
     which other tokens it is computed with.
     """
+    if isinstance(p, np.ndarray):  # numpy rows (the host forms' per-node code): the same IEEE divisions
+        dtype = np.float64 if np.float64 in (p.dtype, q.dtype) else np.float32
+        with np.errstate(divide="ignore", invalid="ignore"):
+            key = p.astype(dtype, copy=False) / q.astype(dtype, copy=False)
+        np.putmask(key, np.isnan(key), ZERO_ZERO_KEY)  # (np.nan_to_num takes 2.5x as long)
+        return key
     dtype = torch.float64 if torch.float64 in (p.dtype, q.dtype) else torch.float32
     # p / 0 is +inf for p > 0 (IEEE), the key wanted; only 0 / 0 (NaN) needs replacing. Two elementwise
     # passes and no host read (a where over a bool mask costs 10x a division on CPU).
@@ -76,7 +83,7 @@ def mass_below(key: Tensor, q64: Tensor, tokens: Tensor) -> Tensor:
     V-sized rows, where torch's fixed cost per call (5-10 us, plus a bool-to-float pass) is most of the
     time; numpy's is about 1 us (:func:`mass_below_array`).
     """
-    rows = mass_below_array(_host_array(key), _host_array(q64).astype(np.float64, copy=False),
+    rows = mass_below_array(host_array(key), host_array(q64).astype(np.float64, copy=False),
                             tokens.reshape(-1).tolist())
     return torch.from_numpy(rows).to(q64.device)
 
@@ -93,8 +100,11 @@ def mass_below_array(key: np.ndarray, q64: np.ndarray, tokens: list[int]) -> np.
     return out
 
 
-def _host_array(t: Tensor) -> np.ndarray:
-    """A numpy view of a tensor (a host copy if it is not on the CPU)."""
+def host_array(t: Tensor) -> np.ndarray:
+    """A numpy view of a tensor (a host copy if it is not on the CPU; bfloat16, which numpy lacks, as
+    float32: every use here computes in float32 or float64)."""
+    if t.dtype == torch.bfloat16:
+        t = t.float()
     return t.detach().cpu().numpy()
 
 
@@ -199,7 +209,11 @@ def power_sum(x: Tensor | float, z: Tensor | float, n: int) -> Tensor | float:
 
 class RankLaw(Protocol):
     """A law at one node that is a function of each token's rank: ``law(y) = q(y) R(W(y), q(y))``, with
-    ``R`` non-decreasing in ``W``. GBV's ``q_G`` and gbv-adaptive's ``q_A`` are of this form."""
+    ``R`` non-decreasing in ``W``. GBV's ``q_G`` and gbv-adaptive's ``q_A`` are of this form.
+
+    The methods take tensors, or numpy arrays for the law returned by :meth:`on_host` (the bucketed
+    residual code below runs on numpy: the host forms run on the CPU, where numpy's fixed cost per
+    call is a fifth of torch's on these small arrays)."""
 
     def token_law(self, row: int, below: Tensor, q: Tensor) -> Tensor:
         """``law(y)`` for tokens of node ``row`` with mass-below ``below`` and mass ``q`` (same shapes)."""
@@ -213,6 +227,10 @@ class RankLaw(Protocol):
         """Bounds of ``R`` for tokens whose ``W`` and ``W + q`` lie in ``[low, high]``."""
         ...
 
+    def on_host(self) -> "RankLaw":
+        """The same law over numpy arrays (``self`` if it already is)."""
+        ...
+
 
 def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law: RankLaw) -> Tensor:
     """``sum_x (scale p(x) - law(x))+`` per row, without sorting whole rows: (N, V), (N,) -> (N,) float64.
@@ -224,10 +242,12 @@ def positive_part_mass(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law
     buckets are sorted (usually a few, around the crossings of ``scale * key`` and ``R``), and their
     tokens get their exact ``W``. Matches the per-token sum up to rounding.
     """
-    split = _split_buckets(key, q64, p64, scale, law)
-    if split is None:  # small rows: ranked whole
+    if key.shape[-1] < BUCKET_MIN_VOCAB:  # small rows: ranked whole
         return _ranked_positive_part(key, q64, p64, scale, law)
-    return split.settled + split.unsettled_exact()
+    split = _split_buckets(host_array(key), host_array(q64).astype(np.float64, copy=False),
+                           host_array(p64).astype(np.float64, copy=False),
+                           host_array(scale).reshape(-1).astype(np.float64), law.on_host())
+    return torch.from_numpy(split.settled + split.unsettled_exact()).to(q64.device)
 
 
 def _ranked_positive_part(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law: RankLaw) -> Tensor:
@@ -239,150 +259,127 @@ def _ranked_positive_part(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, 
 @dataclass
 class _BucketSplit:
     """What :func:`positive_part_mass` knows of each row before it sorts anything: the settled
-    buckets' exact part, and the unsettled buckets' part as bounds (:func:`residual_bounds_ranked`)."""
+    buckets' exact part, and the unsettled buckets' part as bounds (:func:`residual_bounds_ranked`).
+    numpy arrays throughout (host code)."""
 
-    key: Tensor
-    q64: Tensor
-    p64: Tensor
-    scale64: Tensor  # (N,)
-    law: RankLaw
-    flat: Tensor  # (N, V) flat bucket ids
-    occupied: Tensor  # (B,) flat ids of the occupied buckets
-    unsettled: Tensor  # (B,) bool
-    below: Tensor  # (B,) q-mass below each occupied bucket
-    settled: Tensor  # (N,) the settled buckets' sum
-    low: Tensor  # (N,) settled + lower bounds of the unsettled buckets
-    high: Tensor  # (N,) settled + upper bounds of the unsettled buckets
+    key: np.ndarray  # (N, V)
+    q64: np.ndarray  # (N, V) float64
+    p64: np.ndarray  # (N, V) float64
+    scale64: np.ndarray  # (N,)
+    law: RankLaw  # on the host
+    flat: np.ndarray  # (N, V) flat bucket ids
+    occupied: np.ndarray  # (B,) flat ids of the occupied buckets
+    unsettled: np.ndarray  # (B,) bool
+    below: np.ndarray  # (B,) q-mass below each occupied bucket
+    settled: np.ndarray  # (N,) the settled buckets' sum
+    low: np.ndarray  # (N,) settled + lower bounds of the unsettled buckets
+    high: np.ndarray  # (N,) settled + upper bounds of the unsettled buckets
 
-    def unsettled_exact(self, only_row: int | None = None) -> Tensor:
+    def unsettled_exact(self, only_row: int | None = None) -> np.ndarray:
         """(N,) the unsettled buckets' exact sum per row (of row ``only_row`` alone when given)."""
         rows = self.key.shape[0]
         pick = self.unsettled
         if only_row is not None:
             pick = pick & (self.occupied // _NUM_BUCKETS == only_row)
-        if not bool(pick.any()):
-            return torch.zeros(rows, dtype=torch.float64, device=self.key.device)
-        flags = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.bool, device=self.key.device)
+        if not pick.any():
+            return np.zeros(rows)
+        flags = np.zeros(rows * _NUM_BUCKETS, dtype=bool)
         flags[self.occupied[pick]] = True
-        below_all = torch.zeros(rows * _NUM_BUCKETS, dtype=torch.float64, device=self.key.device)
+        below_all = np.zeros(rows * _NUM_BUCKETS)
         below_all[self.occupied] = self.below
         return _unsettled_buckets(self.key, self.q64, self.p64, self.scale64, self.law, self.flat, flags, below_all)
 
 
-def _split_buckets(key: Tensor, q64: Tensor, p64: Tensor, scale: Tensor, law: RankLaw) -> _BucketSplit | None:
-    """The bucket step of :func:`positive_part_mass` (None below ``BUCKET_MIN_VOCAB``). An unsettled
-    bucket's exact part lies in ``[max(0, s P_b - law_b), s P_b]``: a sum of positive parts is at
-    least the positive part of the sum, and at most the sum of the ``s p`` terms."""
-    rows, vocab = key.shape
-    if vocab < BUCKET_MIN_VOCAB:
-        return None
-    flat, mass, below = _key_buckets(key, q64)
-    target = _bucket_sums(flat, p64, rows * _NUM_BUCKETS)
+def _split_buckets(key: np.ndarray, q64: np.ndarray, p64: np.ndarray, scale64: np.ndarray, law: RankLaw
+                   ) -> _BucketSplit:
+    """The bucket step of :func:`positive_part_mass`: (N, V) keys, float64 q and p, (N,) float64
+    scales, a host law. An unsettled bucket's exact part lies in ``[max(0, s P_b - law_b), s P_b]``:
+    a sum of positive parts is at least the positive part of the sum, and at most the sum of the
+    ``s p`` terms."""
+    rows = key.shape[0]
+    flat = _bucket_ids(key)
+    size = rows * _NUM_BUCKETS
+    # bincount adds in index order (the sums of torch's scatter_add_, which this code used before).
+    mass = np.bincount(flat.reshape(-1), weights=q64.reshape(-1), minlength=size)
+    target = np.bincount(flat.reshape(-1), weights=p64.reshape(-1), minlength=size)
+    below = np.zeros((rows, _NUM_BUCKETS))
+    np.cumsum(mass.reshape(rows, _NUM_BUCKETS)[:, :-1], axis=-1, out=below[:, 1:])  # worst first
     # Only occupied buckets count (a few hundred of the ~4,000 per row: keys are ratios near 1), so the
     # rest of the work runs on their flat ids (row * _NUM_BUCKETS + bucket) alone: ~10x fewer elements.
-    mass, target, below = mass.reshape(-1), target.reshape(-1), below.reshape(-1)
-    occupied = (mass + target > 0).nonzero().squeeze(-1)  # (both >= 0: one test for either > 0)
-    row_ids, bucket = occupied // _NUM_BUCKETS, occupied % _NUM_BUCKETS
-    mass, target, below = mass[occupied], target[occupied], below[occupied]
+    occupied = np.flatnonzero(mass + target > 0)  # (both >= 0: one test for either > 0)
+    row_ids, bucket = np.divmod(occupied, _NUM_BUCKETS)
+    mass, target, below = mass[occupied], target[occupied], below.reshape(-1)[occupied]
     ratio_lo, ratio_hi = law.ratio_bounds(row_ids, below, below + mass)
-    key_lo, key_hi = _bucket_key_bounds(key.device)
-    scale64 = scale.reshape(-1).to(torch.float64)
+    key_lo, key_hi = _bucket_key_bounds()
     s = scale64[row_ids]
     # scale * key is compared with R (law = q R), and a bucket with no q-mass has law 0 (only p counts).
     positive = (s * key_lo[bucket] >= ratio_hi) | (mass == 0)
-    zero = (s * key_hi[bucket] <= ratio_lo) & ~positive
+    with np.errstate(invalid="ignore"):  # scale 0 times the top bucket's +inf: NaN, compares False
+        zero = (s * key_hi[bucket] <= ratio_lo) & ~positive
     unsettled = ~positive & ~zero
     s_target = s * target
     net = s_target - law.block_law(row_ids, below, mass)
-    per_row = torch.zeros(rows, dtype=torch.float64, device=key.device)
-    settled = per_row.index_add(0, row_ids, torch.where(positive, net, 0.0))
-    low = settled.index_add(0, row_ids, torch.where(unsettled, net.clamp_min(0.0), 0.0))
-    high = settled.index_add(0, row_ids, torch.where(unsettled, s_target, 0.0))
+    settled = np.bincount(row_ids, weights=np.where(positive, net, 0.0), minlength=rows)
+    low = settled + np.bincount(row_ids, weights=np.where(unsettled, np.maximum(net, 0.0), 0.0), minlength=rows)
+    high = settled + np.bincount(row_ids, weights=np.where(unsettled, s_target, 0.0), minlength=rows)
     return _BucketSplit(key, q64, p64, scale64, law, flat, occupied, unsettled, below, settled, low, high)
 
 
 _BOUNDS: dict = {}
 
 
-def _bucket_key_bounds(device: torch.device) -> tuple[Tensor, Tensor]:
+def _bucket_key_bounds() -> tuple[np.ndarray, np.ndarray]:
     """(buckets,) float64 lower and upper key bounds of every bucket, widened by ``_KEY_MARGIN``
-    (cached per bucket layout and device)."""
-    cached = _BOUNDS.get((_BUCKET_SHIFT, device))
+    (cached per bucket layout)."""
+    cached = _BOUNDS.get(_BUCKET_SHIFT)
     if cached is None:
-        edges = (torch.arange(_NUM_BUCKETS + 1, dtype=torch.int64) << _BUCKET_SHIFT).clamp_max(0x7F800000)
-        edge_keys = edges.to(torch.int32).view(torch.float32).to(torch.float64)
+        edges = np.minimum(np.arange(_NUM_BUCKETS + 1, dtype=np.int64) << _BUCKET_SHIFT, 0x7F800000)
+        edge_keys = edges.astype(np.int32).view(np.float32).astype(np.float64)
         # The top bucket (+inf in float32) also holds float64 keys too large for float32: bound it by the
         # largest float32 (never inf, so that scale = 0 gives no 0 * inf).
-        key_lo = edge_keys[:-1].clamp_max(torch.finfo(torch.float32).max) * (1 - _KEY_MARGIN)
+        key_lo = np.minimum(edge_keys[:-1], float(np.finfo(np.float32).max)) * (1 - _KEY_MARGIN)
         key_hi = edge_keys[1:] * (1 + _KEY_MARGIN)
         key_hi[-1] = math.inf
-        cached = _BOUNDS[(_BUCKET_SHIFT, device)] = (key_lo.to(device), key_hi.to(device))
+        cached = _BOUNDS[_BUCKET_SHIFT] = (key_lo, key_hi)
     return cached
 
 
-def _key_buckets(key: Tensor, q64: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Each token's key bucket and the buckets' q-masses: (N, V) keys and float64 q -> ``flat`` (N, V)
-    int64 bucket ids, offset by ``row * _NUM_BUCKETS`` so that one sum serves all rows
-    (:func:`_bucket_sums`); ``mass`` (N, buckets), and ``below`` (N, buckets), the q-mass of the buckets
-    ranked below each one.
+def _bucket_ids(key: np.ndarray) -> np.ndarray:
+    """Each token's key bucket: (N, V) keys -> (N, V) int64 flat ids ``row * _NUM_BUCKETS + bucket``
+    (one ``bincount`` then serves all rows).
 
-    A bucket is a range of the key's float32 bits, so it is a contiguous run of the order.
+    A bucket is a range of the key's float32 bits (float64 keys by their float32 rounding, which is
+    monotone), so it is a contiguous run of the order. Negative bits -- -0.0 and ZERO_ZERO_KEY (-1)
+    -- clamp to bucket 0 with +0.0.
     """
-    rows = key.shape[0]
-    # Shift the float32 bits (an int32 temporary, in place after that): negative bits -- -0.0 and
-    # ZERO_ZERO_KEY (-1) -- stay negative and clamp to bucket 0 with +0.0. The row offsets are added
-    # in the same pass that widens to the int64 ids scatter_add_ takes. Fresh full-size tensors are
-    # what costs most here on CPU (page faults), so there are only these two.
-    shifted = torch.bitwise_right_shift(key.float().view(torch.int32), _BUCKET_SHIFT).clamp_min_(0)
-    flat = torch.add(shifted, torch.arange(rows, device=key.device).unsqueeze(-1) * _NUM_BUCKETS)
-    mass = _bucket_sums(flat, q64, rows * _NUM_BUCKETS).reshape(rows, _NUM_BUCKETS)
-    below = torch.cat([mass.new_zeros(rows, 1), mass.cumsum(-1)[:, :-1]], dim=-1)  # worst first
-    return flat, mass, below
+    ids = np.right_shift(key.astype(np.float32, copy=False).view(np.int32), _BUCKET_SHIFT)
+    np.maximum(ids, 0, out=ids)
+    flat = ids.astype(np.int64)
+    if key.shape[0] > 1:
+        flat += (np.arange(key.shape[0]) * _NUM_BUCKETS)[:, None]
+    return flat
 
 
-def _bucket_sums(flat: Tensor, values: Tensor, size: int) -> Tensor:
-    """(size,) float64 sums of ``values`` by bucket id ``flat`` (same shapes; int64 ids in ``[0, size)``).
-
-    ``scatter_add_`` adds in index order, the same float64 sums as ``torch.bincount(flat, values)``,
-    at about half the cost on CPU (no pass for the ids' min and max, no int32 widening).
-    """
-    return values.new_zeros(size, dtype=torch.float64).scatter_add_(0, flat.reshape(-1),
-                                                                   values.reshape(-1).to(torch.float64))
-
-
-def _unsettled_buckets(key: Tensor, q64: Tensor, p64: Tensor, s: Tensor, law: RankLaw, flat: Tensor,
-                       unsettled: Tensor, below: Tensor) -> Tensor:
+def _unsettled_buckets(key: np.ndarray, q64: np.ndarray, p64: np.ndarray, s: np.ndarray, law: RankLaw,
+                       flat: np.ndarray, unsettled: np.ndarray, below: np.ndarray) -> np.ndarray:
     """Exact ``sum (s p - law)+`` over the tokens of the unsettled buckets, per row (``s``: (N,) float64
     scales; ``unsettled``, ``below``: flat over row * _NUM_BUCKETS + bucket): sort them (worst first
     within each bucket: key ascending, ties by larger id first) and give each its exact ``W``."""
     rows, vocab = key.shape
-    members = _members(unsettled, flat.reshape(-1))
-    row = members // vocab
-    tok = members % vocab
-    buck = flat.reshape(-1)[members].long()
-    k = key.reshape(-1)[members].double().cpu().numpy()
-    order = torch.from_numpy(np.lexsort((-tok.cpu().numpy(), k, buck.cpu().numpy()))).to(key.device)
+    members = np.flatnonzero(unsettled[flat.reshape(-1)])  # the tokens of the flagged buckets
+    row, tok = np.divmod(members, vocab)
+    buck = flat.reshape(-1)[members]
+    order = np.lexsort((-tok, key.reshape(-1)[members].astype(np.float64), buck))
     row, tok, buck = row[order], tok[order], buck[order]
     q_m = q64[row, tok]
-    csum = q_m.cumsum(0)
-    start = torch.ones_like(buck, dtype=torch.bool)
+    csum = q_m.cumsum()
+    start = np.ones(len(buck), dtype=bool)
     start[1:] = buck[1:] != buck[:-1]
-    seg_start = torch.cummax(torch.where(start, torch.arange(len(buck), device=key.device), 0), 0).values
+    seg_start = np.maximum.accumulate(np.where(start, np.arange(len(buck)), 0))
     within = csum - q_m - (csum[seg_start] - q_m[seg_start])  # mass of earlier (worse) tokens in the bucket
     w_tok = below[buck] + within
-    terms = (s[row] * p64[row, tok] - law.token_law(row, w_tok, q_m)).clamp_min(0.0)
-    return torch.zeros(rows, dtype=torch.float64, device=key.device).index_add_(0, row, terms)
-
-
-def _members(flags: Tensor, flat: Tensor) -> Tensor:
-    """Positions ``j`` (ascending, int64) with ``flags[flat[j]]``: the tokens of the flagged buckets.
-
-    On CPU through numpy (``np.take`` then ``flatnonzero``: about 0.6x the time of torch's
-    ``index_select`` and ``nonzero`` over a few hundred thousand ids); the same positions either way.
-    """
-    if flags.device.type == "cpu":
-        return torch.from_numpy(np.flatnonzero(np.take(flags.numpy(), flat.numpy())))
-    return flags.index_select(0, flat).nonzero().squeeze(-1)
+    terms = np.maximum(s[row] * p64[row, tok] - law.token_law(row, w_tok, q_m), 0.0)
+    return np.bincount(row, weights=terms, minlength=rows)
 
 
 @dataclass
@@ -390,7 +387,7 @@ class RowsOf:
     """A :class:`RankLaw` restricted to some of its nodes (``row`` j -> node ``idx[j]``)."""
 
     law: RankLaw
-    idx: Tensor
+    idx: Tensor | np.ndarray
 
     def token_law(self, row: Tensor, below: Tensor, q: Tensor) -> Tensor:
         return self.law.token_law(self.idx[row], below, q)
@@ -400,6 +397,11 @@ class RowsOf:
 
     def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         return self.law.ratio_bounds(self.idx[row], low, high)
+
+    def on_host(self) -> "RowsOf":
+        if isinstance(self.idx, np.ndarray):
+            return self
+        return RowsOf(self.law.on_host(), host_array(self.idx))
 
 
 def residual_masses_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], weights: list[float],
@@ -465,22 +467,25 @@ def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
     weights below 1 are often small. Tighter bounds of one node on demand: its settled buckets
     exactly, the unsettled ones (whose tokens need a sort) as ``[max(0, w P_b - law_b), w P_b]``. Its
     exact mass on demand, sorting that node's unsettled buckets only. Below ``BUCKET_MIN_VOCAB``,
-    exact masses at once."""
+    exact masses at once. The buckets run on numpy views of the rows (the host forms' code: CPU)."""
     if key.shape[-1] < BUCKET_MIN_VOCAB:
         return MassBounds.exactly(_ranked_positive_part(*_path_nodes(key, q, p, rows, weights, law)).tolist())
-    idx = torch.tensor(rows, device=key.device)
-    totals = p.index_select(0, idx).sum(-1, dtype=torch.float64).tolist()
+    key_h, q_h, p_h = host_array(key), host_array(q), host_array(p)
+    law_h = law.on_host()
+    totals = p_h[rows].sum(-1, dtype=np.float64).tolist()
     high = [w * total * (1.0 + _MASS_MARGIN) for w, total in zip(weights, totals)]
     splits: dict[int, _BucketSplit] = {}
 
     def split(j: int) -> _BucketSplit:
         if j not in splits:
-            splits[j] = _split_buckets(*_path_nodes(key, q, p, [rows[j]], [weights[j]], law))
+            node = rows[j]
+            splits[j] = _split_buckets(key_h[node:node + 1], q_h[node:node + 1].astype(np.float64),
+                                       p_h[node:node + 1].astype(np.float64), np.array([weights[j]]),
+                                       RowsOf(law_h, np.array([node])))
         return splits[j]
 
     def tighter(j: int) -> tuple[float, float]:
-        low_j, high_j = torch.stack([split(j).low, split(j).high]).tolist()
-        return low_j[0], high_j[0]
+        return float(split(j).low[0]), float(split(j).high[0])
 
     def exact(j: int) -> float:
         return float(split(j).settled[0] + split(j).unsettled_exact()[0])
@@ -502,32 +507,30 @@ def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row:
     the others -- the candidates -- need ranking, and their ``W`` is the non-candidates' mass plus
     their own ranks'. The candidates are the tokens with ``key > r_min / w`` lowered by
     ``_THRESHOLD_MARGIN``: a few more than needed near the threshold, whose positive part is 0, so
-    that the comparison can run on the keys as they are (no float64 copy of the row).
+    that the comparison can run on the keys as they are (no float64 copy of the row). On numpy views
+    of the rows (host code, as :func:`residual_bounds_ranked`).
     """
-    node = torch.full((1,), row, device=key.device)
-    r_min = float(law.ratio_bounds(node, torch.zeros((), dtype=torch.float64, device=key.device),
-                                   torch.ones((), dtype=torch.float64, device=key.device))[0])
+    key_h, q_h, p_h = host_array(key), host_array(q), host_array(p)
+    law_h = law.on_host()
+    node = np.array([row])
+    r_min = float(law_h.ratio_bounds(node, np.zeros(1), np.ones(1))[0][0])
     threshold = r_min / w * (1.0 - _THRESHOLD_MARGIN) if w > 0.0 else math.inf
-    is_candidate = key > threshold
-    candidates = _true_positions(is_candidate)
-    q_c = q.index_select(0, candidates).double()  # (index_select: ~3x faster than indexing on CPU)
-    below_c = mass_below_rows(key.index_select(0, candidates).unsqueeze(0), q_c.unsqueeze(0))[0]
-    # All ranked below the candidates (one pass, summed in float64 without a float64 copy):
-    outside = torch.where(is_candidate, 0.0, q).sum(dtype=torch.float64)
-    # (node broadcasts: every candidate is at this node.)
-    terms = (w * p.index_select(0, candidates).double() - law.token_law(node, below_c + outside, q_c)).clamp_min(0.0)
+    is_candidate = key_h > threshold
+    candidates = np.flatnonzero(is_candidate)
+    q_c = q_h[candidates].astype(np.float64)
+    # The candidates' exact ranks among themselves, worst first (rank_order's order: key descending,
+    # ties by the smaller id, reversed), and all non-candidates below them:
+    worst_first = _stable_argsort_rows(-key_h[candidates][None])[0][::-1]
+    below_c = np.empty_like(q_c)
+    below_c[worst_first] = np.concatenate([[0.0], np.cumsum(q_c[worst_first])[:-1]])
+    outside = q_h.sum(dtype=np.float64, where=~is_candidate)
+    terms = np.maximum(w * p_h[candidates].astype(np.float64) - law_h.token_law(node, below_c + outside, q_c), 0.0)
     total = float(terms.sum())
     if total <= 0.0:  # a branch of probability 0 in exact arithmetic: round-off only (as normalize_or)
         return p.double()
-    return torch.zeros(key.shape, dtype=torch.float64, device=key.device).index_put_((candidates,), terms / total)
-
-
-def _true_positions(mask: Tensor) -> Tensor:
-    """Positions of the True entries of a (V,) bool mask, ascending int64 (``nonzero``; on CPU through
-    numpy's ``flatnonzero``, several times faster for rows of tens of thousands)."""
-    if mask.device.type == "cpu":
-        return torch.from_numpy(np.flatnonzero(mask.numpy()))
-    return mask.nonzero().squeeze(-1)
+    dist = np.zeros(key_h.shape[-1])
+    dist[candidates] = terms / total
+    return torch.from_numpy(dist).to(p.device)
 
 
 def approx_mass_below_rows(key: Tensor, q64: Tensor) -> Tensor:
@@ -541,20 +544,23 @@ def approx_mass_below_rows(key: Tensor, q64: Tensor) -> Tensor:
     node's rows (losslessness does not depend on them; only the acceptance does). The buckets are
     summed with numpy (``bincount``: its fixed cost per call is a fifth of torch's on these rows).
     """
+    if key.shape[-1] < BUCKET_MIN_VOCAB:
+        return mass_below_rows(key, q64)
+    return torch.from_numpy(approx_mass_below_array(host_array(key), host_array(q64))).to(q64.device)
+
+
+def approx_mass_below_array(key: np.ndarray, q64: np.ndarray) -> np.ndarray:
+    """:func:`approx_mass_below_rows` on arrays: (N, V) keys, (N, V) float64 q -> (N, V) float64."""
     rows, vocab = key.shape
     if vocab < BUCKET_MIN_VOCAB:
-        return mass_below_rows(key, q64)
-    # The bucket of each key, as in _key_buckets: the float32 bits shifted right, negatives to 0.
-    ids = np.right_shift(_host_array(key.float()).view(np.int32), _BUCKET_SHIFT)
-    np.maximum(ids, 0, out=ids)
-    ids = ids + (np.arange(rows) * _NUM_BUCKETS)[:, None]
-    q_host = _host_array(q64)
-    mass = np.bincount(ids.reshape(-1), weights=q_host.reshape(-1), minlength=rows * _NUM_BUCKETS)
+        return mass_below_rows(torch.from_numpy(key), torch.from_numpy(q64)).numpy()
+    ids = _bucket_ids(key)
+    mass = np.bincount(ids.reshape(-1), weights=q64.reshape(-1), minlength=rows * _NUM_BUCKETS)
     # W = (mass of the buckets below, worst first) + (mass_b - q) / 2, gathered by bucket id.
     mass = mass.reshape(rows, _NUM_BUCKETS)
     centre = np.zeros_like(mass)
     np.cumsum(mass[:, :-1], axis=-1, out=centre[:, 1:])
     centre += 0.5 * mass
     below = centre.reshape(-1)[ids]
-    below -= 0.5 * q_host
-    return torch.from_numpy(below).to(q64.device)
+    below -= 0.5 * q64
+    return below

@@ -538,9 +538,9 @@ def test_bounds_that_miss_the_exact_mass_are_caught(monkeypatch, broken):
         split = real_split(*args)
         if split is not None and broken != "cheap":
             if broken == "upper":
-                split.high = split.low.clone()
+                split.high = split.low.copy()
             else:
-                split.low = split.high.clone()
+                split.low = split.high.copy()
         return split
 
     monkeypatch.setattr(ranking, "_split_buckets", split_with_one_bound)

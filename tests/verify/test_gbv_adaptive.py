@@ -206,6 +206,43 @@ def test_node_weight_matches_a_full_sort_of_the_breakpoints(vocab, seed):
         assert float(ours) == pytest.approx(float(ref), abs=1e-12)
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                                    (torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
+def test_ranking_key_of_arrays_is_the_tensor_key(dtypes):
+    """The host form computes its keys on numpy rows; they must be the very keys of the tensor code
+    (the residual masses and every device form use those), zeros, p = q = 0 and q = 0 < p included."""
+    gen = torch.Generator().manual_seed(11)
+    p, q = (torch.rand(3, 500, generator=gen, dtype=torch.float64) ** 4 for _ in range(2))
+    p[:, :40] = 0.0
+    q[:, 20:60] = 0.0
+    p[1] = q[1]
+    p, q = p.to(dtypes[0]), q.to(dtypes[1])
+    ours = ranking.ranking_key(ranking.host_array(p), ranking.host_array(q))
+    theirs = ranking.ranking_key(p, q).numpy()
+    assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+    assert (theirs == ranking.ZERO_ZERO_KEY).any() and np.isinf(theirs).any()
+
+
+def test_bucketed_mass_below_is_exact_for_a_token_alone_in_its_bucket():
+    """approx_mass_below_array (the node weights' W from V = 4096 up): a token alone in its key
+    bucket gets its exact W; any other token is off by at most half its bucket's other mass."""
+    gen = torch.Generator().manual_seed(12)
+    vocab = 6000
+    q64 = torch.softmax(3.0 * torch.randn(2, vocab, generator=gen, dtype=torch.float64), -1)
+    p64 = torch.softmax(3.0 * torch.randn(2, vocab, generator=gen, dtype=torch.float64), -1)
+    p64[1] = q64[1]  # every key 1: one bucket holds the whole row
+    key = ranking.ranking_key(p64.float(), q64.float())
+    exact = ranking.mass_below_rows(key, q64).numpy()
+    approx = ranking.approx_mass_below_array(key.numpy(), q64.numpy())
+    ids = ranking._bucket_ids(key.numpy())
+    counts = np.bincount(ids.reshape(-1), minlength=2 * ranking._NUM_BUCKETS)[ids]
+    bucket_mass = np.bincount(ids.reshape(-1), weights=q64.numpy().reshape(-1))[ids]
+    alone = counts == 1
+    assert alone[0].sum() > 20 and not alone[1].any()
+    assert np.abs(approx - exact)[alone].max() < 1e-13  # (sums in another order)
+    assert (np.abs(approx - exact) <= 0.5 * (bucket_mass - q64.numpy()) + 1e-13).all()
+
+
 def test_weight_of_an_equal_draft_is_zero():
     q64 = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     below = torch.tensor([0.5, 0.2, 0.0], dtype=torch.float64)
@@ -227,8 +264,8 @@ def test_bucketed_ranks_in_the_law_are_caught(monkeypatch):
     """Negative control of the test above: using the bucketed (approximate) W in the law of the
     selected path, instead of only in the weights, is lossy and the same check sees it."""
     coarse_buckets(monkeypatch)
-    monkeypatch.setattr(gbv_adaptive, "mass_below", lambda key, q64, tokens: ranking.approx_mass_below_rows(
-        key, q64).gather(-1, tokens.reshape(-1, 1)).squeeze(-1))
+    monkeypatch.setattr(gbv_adaptive, "mass_below_array", lambda key, q64, tokens: ranking.approx_mass_below_array(
+        key, q64)[np.arange(len(tokens)), tokens])
     errors = [law_error(verify_gbv_adaptive, random_instance(v, l, k, 7, kind), k)
               for v, l, k, kind in [(3, 2, 2, "dirichlet"), (3, 2, 3, "mixed"), (4, 2, 2, "sharp")]]
     assert max(errors) > 1e-6, errors
