@@ -340,3 +340,28 @@ def test_device_form_inconsistent_ranking_is_caught(monkeypatch):
     """The law's W ranked by q alone while the selection ranks by p / q."""
     monkeypatch.setattr(gbv_adaptive, "mass_below_rows_sorted", lambda key, q64: ranking.mass_below_rows_sorted(q64, q64))
     assert max_error_on_negative_set(verify_gbv_adaptive_on_device) > 1e-6
+
+
+# ---------------------------------------------------------------------- inputs the host form converts
+@pytest.mark.parametrize("method", ["gbv", "gbv-adaptive"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_host_form_takes_half_and_strided_inputs(method, dtype):
+    """The host forms work on numpy views of the rows: half-precision rows (bfloat16, which numpy
+    lacks, goes through float32) and strided views must give exactly what the same values give as
+    contiguous float32 rows, at a vocabulary on the bucketed code paths."""
+    from gbv.verify import TorchRandom
+
+    gen = torch.Generator().manual_seed(13)
+    vocab, num_paths, block_len = 4096, 3, 4
+    q = torch.softmax(2.0 * torch.randn(num_paths, block_len, vocab, generator=gen), -1).to(dtype)
+    p = torch.softmax(2.0 * torch.randn(num_paths, block_len + 1, vocab, generator=gen), -1).to(dtype)
+    tokens = torch.multinomial(q.float().reshape(-1, vocab), 1, generator=gen).reshape(num_paths, block_len)
+    # A strided p: every other column of a wider tensor holding the same values.
+    wide = torch.zeros(num_paths, block_len + 1, 2 * vocab, dtype=dtype)
+    wide[..., ::2] = p
+    verifier = get_verifier(method)
+    for seed in range(6):
+        ours = verifier(tokens, q, wide[..., ::2], TorchRandom(torch.Generator().manual_seed(seed)))
+        ref = verifier(tokens, q.float(), p.float(), TorchRandom(torch.Generator().manual_seed(seed)))
+        assert (ours.path, ours.accepted_len, int(ours.next_token)) == (ref.path, ref.accepted_len,
+                                                                        int(ref.next_token)), seed
