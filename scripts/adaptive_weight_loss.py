@@ -3,7 +3,7 @@
     python scripts/adaptive_weight_loss.py            # 3 GSM8K + 3 HumanEval prompts, K = 4, L = 4, ~1 min
 
 From V = 4096 up, ``node_weights`` gets the rank mass ``W`` of every token from key buckets instead
-of a sort (``gbv.verify.ranking.approx_mass_below_rows``). Losslessness does not depend on the
+of a sort (``gbv.verify.ranking.approx_mass_below_array``). Losslessness does not depend on the
 weight, only the acceptance does. For every node weight computed while decoding, this script
 recomputes the weight from the exact ``W``. It evaluates the node's one-step acceptance
 ``F(lam) = sum_x min(p_x, (1 - lam) q_x + lam g_n(x))`` (with the exact ``W``) at both weights, and

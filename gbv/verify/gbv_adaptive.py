@@ -21,7 +21,7 @@ q-mass ranked below a token) is :mod:`gbv.verify.ranking`, shared with GBV. Per 
 
 Cost per node: O(K V) elementwise work and no sort of the row. The weight needs ``g_n``, hence ``W``, at
 every token: from V = 4096 up it takes ``W`` from key buckets
-(:func:`gbv.verify.ranking.approx_mass_below_rows`), and its breakpoint search bins the breakpoints
+(:func:`gbv.verify.ranking.approx_mass_below_array`), and its breakpoint search bins the breakpoints
 (:func:`node_weights`). The law of the selected path uses exact ranks only. Its on-path ``W`` is one
 masked sum. BV's residual masses and correction row share GBV's bucketed and candidate-only code, and
 any weight keeps the method lossless. All arithmetic of the law is float64. The host form (the CPU)
