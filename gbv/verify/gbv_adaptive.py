@@ -20,13 +20,14 @@ q-mass ranked below a token) is :mod:`gbv.verify.ranking`, shared with GBV. Per 
 - ``q_A(y) = q_y sum_n abar(n) (lam_n S_n(W_y + q_y, W_y) + 1 - lam_n)``, ``abar = a / sum(a)``.
 
 Cost per node: O(K V) elementwise work and no sort of the row. The weight needs ``g_n``, hence ``W``, at
-every token: from V = 4096 up it takes ``W`` from key buckets
-(:func:`gbv.verify.ranking.approx_mass_below_array`), and its breakpoint search bins the breakpoints
-(:func:`node_weights`). The law of the selected path uses exact ranks only. Its on-path ``W`` is one
-masked sum. BV's residual masses and correction row share GBV's bucketed and candidate-only code, and
-any weight keeps the method lossless. All arithmetic of the law is float64. The host form (the CPU)
-does the per-node work on numpy views of each node's rows: about 0.45x the time of the same steps
-as torch calls at V = 4096 (docs/VERIFIERS.md, eleventh session of issue 8).
+every token. From V = 4096 up the host form takes it on less than the row
+(:func:`host_node_weights`): a sharp row is cut to its tokens of non-negligible q, and a flat row's
+key buckets stand for its tokens. The law of the selected path uses exact ranks only. Its on-path
+``W`` is one masked sum. BV's residual masses and correction row share GBV's bucketed and
+candidate-only code, and any weight keeps the method lossless. All arithmetic of the law is float64.
+The host form (the CPU) does the per-node work on numpy views of each node's rows, where numpy's
+fixed cost per call is a fifth of torch's (docs/VERIFIERS.md, eleventh and twelfth sessions of
+issue 8).
 """
 
 from __future__ import annotations
@@ -43,15 +44,21 @@ from torch import Tensor
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
-from gbv.verify.ranking import (MassBounds, approx_mass_below_array, best_token, host_array,
-                                mass_below_array, mass_below_rows_sorted, power_sum, ranking_key,
+from gbv.verify import ranking
+from gbv.verify.ranking import (MassBounds, best_token, host_array, mass_below_array, mass_below_rows,
+                                mass_below_rows_sorted, occupied_bucket_masses, power_sum, ranking_key,
                                 residual_bounds_ranked, residual_row)
 
 # Bins of (0, 1) for the node weight's breakpoints (node_weights): only the crossing bin is sorted.
 _WEIGHT_BINS = 1024
+# Up to this many tokens, node_weights sorts each row's breakpoints instead of binning them.
+_SORT_MAX_VOCAB = 1024
+# From V = BUCKET_MIN_VOCAB up, the host form's node weights leave out the tokens with q below this
+# much over V on a sharp row (host_node_weights): together at most this much q-mass.
+_WEIGHT_MASS_CUT = 1e-6
 
-__all__ = ["AdaptiveLaw", "greedy_step_law", "node_weights", "node_weights_on_device", "verify_gbv_adaptive",
-           "verify_gbv_adaptive_on_device"]
+__all__ = ["AdaptiveLaw", "greedy_step_law", "host_node_weights", "node_weights", "node_weights_on_device",
+           "verify_gbv_adaptive", "verify_gbv_adaptive_on_device"]
 
 
 def greedy_step_law(below: Tensor, q64: Tensor, n: int) -> Tensor:
@@ -99,23 +106,58 @@ def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tens
     has_ties = bool(ties.any())
     if has_ties:
         slope0 += np.minimum(d, 0.0) @ ties
-    # Breakpoints t = diff / d, binned: bin 1 + floor(t * bins) for t in (0, 1); bin 0 holds t < 0 (and
-    # p = q, t = 0), the last bin t >= 1 and x / 0; those two are never summed.
+    # Breakpoints t = diff / d; those in (0, 1) count (p = q is set to -1: no breakpoint).
     with np.errstate(divide="ignore", invalid="ignore"):
         t = diff / d
     if has_ties:
         t[:, ties] = -1.0
+    abs_d = np.abs(d)
+    if vocab <= _SORT_MAX_VOCAB:
+        return [0.0, 0.0] + _first_crossings_sorted(t, abs_d, slope0)
+    return [0.0, 0.0] + _first_crossings_binned(t, abs_d, slope0)
+
+
+def _first_crossings_sorted(t: np.ndarray, abs_d: np.ndarray, slope0: np.ndarray) -> list[float]:
+    """Per row: the first breakpoint in (0, 1), in increasing ``t``, at which the running sum of the
+    slope drops ``|d|`` reaches ``slope0`` (0 if ``slope0 <= 0``, 1 if never); (R, V) -> R floats.
+    One sort of each row's breakpoints: the cheaper search for short rows (a cut row,
+    :func:`host_node_weights`), where the cost is numpy's fixed cost per call (array methods: the
+    ``np.*`` wrappers add 2-4 us each here)."""
+    valid = (t > 0.0) & (t < 1.0)  # (NaN compares False)
+    lams = []
+    for row, slope in enumerate(slope0.tolist()):
+        if slope <= 0.0:
+            lams.append(0.0)
+            continue
+        members = valid[row].nonzero()[0]
+        t_m = t[row][members]
+        order = t_m.argsort()
+        hit = int(abs_d[row][members][order].cumsum().searchsorted(slope))  # the first running sum >= slope
+        lams.append(float(t_m[order[hit]]) if hit < len(members) else 1.0)
+    return lams
+
+
+def _first_crossings_binned(t: np.ndarray, abs_d: np.ndarray, slope0: np.ndarray) -> list[float]:
+    """:func:`_first_crossings_sorted` without sorting the rows: the breakpoints go into
+    ``_WEIGHT_BINS`` equal bins of (0, 1) with their drops summed per bin (one ``bincount``); the bin
+    where the running sum crosses is found from the bins' running sum, and only that bin's breakpoints
+    (and one bin either side) are sorted."""
+    rows_k = t.shape[0]
+    # Bin 0 holds t < 0 (and p = q, t = -1), the last bin t >= 1 and x / 0; those two are never summed.
+    # (NaN cannot occur: 0 / 0 needs p = q, set to -1.)
+    # Bin 1 + floor(t * bins) for t in [0, 1), clipped: as a truncation of t * bins + 1 >= 0 (one pass
+    # fewer than a floor; any monotone binning gives the same weight, since the crossing bin and its
+    # neighbours are re-summed in t order), with each row's offset in the flat bincount added as a float.
     width = _WEIGHT_BINS + 2
     scaled = t * _WEIGHT_BINS
-    np.floor(scaled, out=scaled)
-    np.clip(scaled, -1.0, float(_WEIGHT_BINS), out=scaled)
+    scaled += 1.0
+    scaled.clip(0.0, _WEIGHT_BINS + 1.0, out=scaled)
+    scaled += (np.arange(rows_k) * float(width))[:, None]
     bins = scaled.astype(np.int64)
-    bins += 1 + (np.arange(rows_k) * width)[:, None]
-    abs_d = np.abs(d)
     # bincount adds in index order: the same float64 sums as torch's scatter_add_.
     drops = np.bincount(bins.reshape(-1), weights=abs_d.reshape(-1), minlength=rows_k * width)
     cum = drops.reshape(rows_k, width)[:, 1:_WEIGHT_BINS + 1].cumsum(-1)  # (K-1, bins): t-bins only
-    lams = [0.0, 0.0]
+    lams = []
     for row, slope in enumerate(slope0.tolist()):
         if slope <= 0.0:
             lams.append(0.0)
@@ -126,14 +168,47 @@ def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tens
         crossing = int(np.searchsorted(cum[row], slope))  # first bin with cum >= slope
         # One bin either side: the bin sums round differently from the sorted running sum.
         start, stop = max(crossing - 1, 0), min(crossing + 1, _WEIGHT_BINS - 1)
-        offset = row * width + 1
-        members = np.flatnonzero((bins[row] >= start + offset) & (bins[row] <= stop + offset))
-        t_m = t[row, members]
-        order = np.argsort(t_m)
+        # The bins start..stop of this row: one unsigned comparison (smaller bins wrap around to huge).
+        members = ((bins[row] - (row * width + 1 + start)).view(np.uint64) <= stop - start).nonzero()[0]
+        t_m = t[row][members]
+        order = t_m.argsort()
         before = cum[row, start - 1] if start > 0 else 0.0
-        hit = np.flatnonzero((slope - before - abs_d[row, members][order].cumsum()) <= 0.0)
-        lams.append(float(t_m[order][hit[0]]) if len(hit) else 1.0)
+        hit = int(abs_d[row][members][order].cumsum().searchsorted(slope - before))  # first sum >= the rest
+        lams.append(float(t_m[order[hit]]) if hit < len(members) else 1.0)
     return lams
+
+
+def host_node_weights(p64: np.ndarray, q64: np.ndarray, key: np.ndarray, num_paths: int) -> list[float]:
+    """The host form's node weights at one node: (V,) float64 ``p``, ``q`` and the node's keys ->
+    :func:`node_weights`' list, computed on what can move ``F``. Any weight keeps the method lossless;
+    only the acceptance depends on it (``scripts/adaptive_weight_loss.py`` measures what these
+    shortcuts lose against the exact weights: about 1e-9 of ``F`` at T = 0.2 and 3e-4 at T = 1 on the
+    bundled pair).
+
+    - Below V = ``BUCKET_MIN_VOCAB``: every token, with the exact ``W``.
+    - A sharp row (fewer than V / 2 tokens with ``q > _WEIGHT_MASS_CUT / V``; about 150 of 4096 at
+      T = 0.2 on the bundled pair) is cut to those tokens, ranked exactly among themselves. What is
+      left out has q-mass ``eps <= _WEIGHT_MASS_CUT``, and each left-out term ``min(p_x, q_x + lam d_x)``
+      of ``F`` lies in ``[0, n q_x]`` for every ``lam``, so the weight found loses at most ``n eps`` of
+      ``F`` (and as much again through the ``W`` it ignores).
+    - A flat row: its occupied key buckets (a few hundred: keys are ratios near 1) stand for its
+      tokens, each with the bucket's q- and p-mass and the q-mass of the buckets below it
+      (:func:`gbv.verify.ranking.occupied_bucket_masses`). Inside a bucket the keys ``p / q`` agree
+      to 1/16, so its tokens' breakpoints nearly coincide, and a bucket holding one token is that token.
+    """
+    vocab = q64.shape[-1]
+    if vocab < ranking.BUCKET_MIN_VOCAB:  # (looked up at call time: the tests force the paths below)
+        below = mass_below_rows(torch.from_numpy(key)[None], torch.from_numpy(q64)[None])[0].numpy()
+        return node_weights(p64, q64, below, num_paths)
+    support = (q64 > _WEIGHT_MASS_CUT / vocab).nonzero()[0]
+    if 2 * len(support) < vocab:
+        q_cut, key_cut = q64[support], key[support]
+        worst_first = np.lexsort((-support, key_cut))  # key ascending, ties: the larger id first
+        below = np.empty_like(q_cut)
+        below[worst_first] = np.concatenate(([0.0], np.cumsum(q_cut[worst_first])[:-1]))
+        return node_weights(p64[support], q_cut, below, num_paths)
+    mass_q, mass_p, below = occupied_bucket_masses(key, q64, p64)
+    return node_weights(mass_p, mass_q, below, num_paths)
 
 
 def node_weights_on_device(p64: Tensor, q64: Tensor, below: Tensor, num_paths: int) -> Tensor:
@@ -262,8 +337,9 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
         key = ranking_key(p_host[lead, depth], q_host[lead, depth])
         q64, p64 = q_host[lead, depth].astype(np.float64), p_host[lead, depth].astype(np.float64)
         # The weights may be any function of the node's rows: they use W from key buckets at large V
-        # (no sort), while the law below uses the exact W wherever it is evaluated.
-        lams = node_weights(p64, q64, approx_mass_below_array(key[None], q64[None])[0], num_paths)
+        # (no sort) and leave out tokens of negligible q, while the law below uses the exact W
+        # wherever it is evaluated.
+        lams = host_node_weights(p64, q64, key, num_paths)
         candidates = [tokens[k][depth] for k in alive]
         chosen = choose_next(candidates, key[candidates].tolist(), lams[len(alive)], rng)
         alive = [k for k in alive if tokens[k][depth] == chosen]

@@ -548,23 +548,17 @@ def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row:
     return torch.from_numpy(dist).to(p.device)
 
 
-def approx_mass_below_array(key: np.ndarray, q64: np.ndarray) -> np.ndarray:
-    """``W(y)`` for every token, without a sort: (N, V) keys, (N, V) float64 q -> (N, V) float64 (arrays).
-
-    Rows with ``V >= BUCKET_MIN_VOCAB`` are bucketed as in :func:`positive_part_mass`: a token's
-    ``W`` is the q-mass of the buckets below its own plus half the rest of its bucket, exact for a
-    token alone in its bucket (every token whose key is more than 1/16 away from all others') and
-    within half its bucket's mass otherwise. Smaller rows are ranked exactly
-    (:func:`mass_below_rows`). For gbv-adaptive's node weights only, which may be any function of the
-    node's rows (losslessness does not depend on them; only the acceptance does). The buckets are
-    summed with numpy (``bincount``: its fixed cost per call is a fifth of torch's on these rows).
-    """
-    if key.shape[-1] < BUCKET_MIN_VOCAB:
-        return mass_below_rows(torch.from_numpy(key), torch.from_numpy(q64)).numpy()
-    ids = _bucket_ids(key)
-    # W = (mass of the buckets below, worst first) + (mass_b - q) / 2, gathered by bucket id.
-    mass, centre = _bucket_masses(ids, q64)
-    centre += 0.5 * mass
-    below = centre.reshape(-1)[ids]
-    below -= 0.5 * q64
-    return below
+def occupied_bucket_masses(key: np.ndarray, q64: np.ndarray, p64: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row's key buckets (:func:`_bucket_ids`) as if each were a token: (V,) keys, float64 q and p
+    -> (B,) float64 q-mass, p-mass and q-mass of the buckets ranked below, over the B occupied buckets
+    in increasing key order (a bucket is a contiguous run of the order)."""
+    ids = _bucket_ids(key[None])[0]
+    mass_q = np.bincount(ids, weights=q64, minlength=_NUM_BUCKETS)
+    mass_p = np.bincount(ids, weights=p64, minlength=_NUM_BUCKETS)
+    occupied = (mass_q + mass_p > 0.0).nonzero()[0]
+    mass_q, mass_p = mass_q[occupied], mass_p[occupied]
+    below = np.empty_like(mass_q)
+    below[0] = 0.0
+    np.cumsum(mass_q[:-1], out=below[1:])
+    return mass_q, mass_p, below

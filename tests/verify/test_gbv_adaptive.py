@@ -167,10 +167,16 @@ def _node_rows(vocab: int, seed: int):
     return p64, q64, below
 
 
+# Both searches of the crossing breakpoint on every row: sorted (short rows) and binned (long rows).
+SEARCHES = {"sorted": 10**9, "binned": 0}
+
+
+@pytest.mark.parametrize("search", sorted(SEARCHES))
 @pytest.mark.parametrize("vocab,seed", [(5, 0), (50, 1), (2000, 2)])
-def test_node_weight_is_the_smallest_maximiser(vocab, seed):
-    """The binned breakpoint search finds what a brute force over every breakpoint finds: the largest
+def test_node_weight_is_the_smallest_maximiser(monkeypatch, vocab, seed, search):
+    """Either breakpoint search finds what a brute force over every breakpoint finds: the largest
     F (to rounding) and, among the maximisers, the smallest weight."""
+    monkeypatch.setattr(gbv_adaptive, "_SORT_MAX_VOCAB", SEARCHES[search])
     p64, q64, below = _node_rows(vocab, seed)
     lams = gbv_adaptive.node_weights(p64, q64, below, 4)
     assert lams[:2] == [0.0, 0.0]
@@ -186,10 +192,12 @@ def test_node_weight_is_the_smallest_maximiser(vocab, seed):
         assert lams[n] == pytest.approx(float(smallest), abs=1e-9), n
 
 
+@pytest.mark.parametrize("search", sorted(SEARCHES))
 @pytest.mark.parametrize("vocab,seed", [(4096, 3), (32768, 4)])
-def test_node_weight_matches_a_full_sort_of_the_breakpoints(vocab, seed):
+def test_node_weight_matches_a_full_sort_of_the_breakpoints(monkeypatch, vocab, seed, search):
     """At real vocabulary sizes (too many breakpoints for the brute force): the first breakpoint where
     the slope of F stops being positive, from a full sort of all breakpoints and a running sum."""
+    monkeypatch.setattr(gbv_adaptive, "_SORT_MAX_VOCAB", SEARCHES[search])
     p64, q64, below = _node_rows(vocab, seed)
     lams = gbv_adaptive.node_weights(p64, q64, below, 4)
     diff = p64 - q64
@@ -223,24 +231,74 @@ def test_ranking_key_of_arrays_is_the_tensor_key(dtypes):
     assert (theirs == ranking.ZERO_ZERO_KEY).any() and np.isinf(theirs).any()
 
 
-def test_bucketed_mass_below_is_exact_for_a_token_alone_in_its_bucket():
-    """approx_mass_below_array (the node weights' W from V = 4096 up): a token alone in its key
-    bucket gets its exact W; any other token is off by at most half its bucket's other mass."""
+def test_flat_row_weights_from_key_buckets():
+    """host_node_weights on a flat row (V = 4096, T = 1 like): the occupied key buckets stand for the
+    tokens. Where every bucket holds one token that is the exact search, to rounding; on a real-sized
+    row the weight loses little F against the exact one (the bundled pair: ~3e-4 on average)."""
     gen = torch.Generator().manual_seed(12)
-    vocab = 6000
-    q64 = torch.softmax(3.0 * torch.randn(2, vocab, generator=gen, dtype=torch.float64), -1)
-    p64 = torch.softmax(3.0 * torch.randn(2, vocab, generator=gen, dtype=torch.float64), -1)
-    p64[1] = q64[1]  # every key 1: one bucket holds the whole row
+    vocab = 4096
+    q64 = torch.softmax(torch.randn(vocab, generator=gen, dtype=torch.float64), -1).float().double()
+    p64 = torch.softmax(torch.randn(vocab, generator=gen, dtype=torch.float64), -1).float().double()
     key = ranking.ranking_key(p64.float(), q64.float())
-    exact = ranking.mass_below_rows(key, q64).numpy()
-    approx = ranking.approx_mass_below_array(key.numpy(), q64.numpy())
-    ids = ranking._bucket_ids(key.numpy())
-    counts = np.bincount(ids.reshape(-1), minlength=2 * ranking._NUM_BUCKETS)[ids]
-    bucket_mass = np.bincount(ids.reshape(-1), weights=q64.numpy().reshape(-1))[ids]
-    alone = counts == 1
-    assert alone[0].sum() > 20 and not alone[1].any()
-    assert np.abs(approx - exact)[alone].max() < 1e-13  # (sums in another order)
-    assert (np.abs(approx - exact) <= 0.5 * (bucket_mass - q64.numpy()) + 1e-13).all()
+    assert int((q64 > gbv_adaptive._WEIGHT_MASS_CUT / vocab).sum()) == vocab  # not cut
+    lams = gbv_adaptive.host_node_weights(p64.numpy(), q64.numpy(), key.numpy(), 4)
+    assert any(0.0 < lam < 1.0 for lam in lams[2:])
+    assert max(_weight_loss(p64, q64, key, lams, 4)) < 1e-3
+    # Where each occupied bucket holds one token, the buckets are those tokens: their q, p and exact W
+    # in key order (here 300 tokens whose keys p / q are 1.2x apart; every other token has p = q = 0).
+    tokens = torch.randperm(vocab, generator=gen)[:300]
+    q1 = torch.zeros(vocab, dtype=torch.float64)
+    q1[tokens] = torch.rand(300, generator=gen, dtype=torch.float64) + 0.1
+    q1 /= q1.sum()
+    p1 = torch.zeros_like(q1)
+    p1[tokens] = q1[tokens] * 1.2 ** torch.arange(-150, 150, dtype=torch.float64)[torch.randperm(300, generator=gen)]
+    key1 = ranking.ranking_key(p1.float(), q1.float())
+    mass_q, mass_p, below = ranking.occupied_bucket_masses(key1.numpy(), q1.numpy(), p1.numpy())
+    order = tokens[torch.argsort(key1[tokens])]
+    exact_below = ranking.mass_below_rows(key1[None], q1[None])[0]
+    assert np.array_equal(mass_q, q1[order].numpy()) and np.array_equal(mass_p, p1[order].numpy())
+    assert np.abs(below - exact_below[order].numpy()).max() < 1e-15
+
+
+def _sharp_node(seed: int, vocab: int = 4096):
+    """A node like the bundled pair's at T = 0.2: both rows sharp, most of q below 1e-10."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 2.0 * torch.randn(vocab, generator=gen, dtype=torch.float64)
+    q64 = torch.softmax(logits / 0.2, -1).float().double()
+    p64 = torch.softmax((logits + 0.3 * torch.randn(vocab, generator=gen, dtype=torch.float64)) / 0.2, -1)
+    key = ranking.ranking_key(p64.float(), q64.float())
+    return p64, q64, key
+
+
+def _weight_loss(p64, q64, key, lams, num_paths):
+    """F(exact weight) - F(lams[n]) per n, both on the whole row with the exact W."""
+    below = ranking.mass_below_rows(key[None], q64[None])[0]
+    exact = gbv_adaptive.node_weights(p64, q64, below, num_paths)
+    return [float(_one_step_acceptance(p64, q64, below, n, exact[n]) - _one_step_acceptance(p64, q64, below, n, lams[n]))
+            for n in range(2, num_paths + 1)]
+
+
+@pytest.mark.parametrize("seed", [0, 3, 4])
+def test_host_weights_of_a_sharp_row_lose_at_most_the_cut_mass(seed):
+    """host_node_weights cuts a sharp row to its tokens with q > 1e-6 / V; what it leaves out holds at
+    most 1e-6 of q, so the weight found may lose at most ~2 n 1e-6 of F against the exact weight."""
+    p64, q64, key = _sharp_node(seed)
+    cut = int((q64 > gbv_adaptive._WEIGHT_MASS_CUT / 4096).sum())
+    assert 1 < cut < 2048  # the cut is taken (and leaves more than one token)
+    lams = gbv_adaptive.host_node_weights(p64.numpy(), q64.numpy(), key.numpy(), 4)
+    assert lams[:2] == [0.0, 0.0] and any(0.0 < lam < 1.0 for lam in lams[2:])
+    assert max(_weight_loss(p64, q64, key, lams, 4)) < 1e-5
+
+
+def test_a_cut_of_real_mass_is_caught(monkeypatch):
+    """Negative control of the test above: cutting at 0.3 / V instead (tokens that carry mass) loses
+    more than the bound on the same rows."""
+    monkeypatch.setattr(gbv_adaptive, "_WEIGHT_MASS_CUT", 0.3)
+    losses = []
+    for seed in (0, 3, 4):
+        p64, q64, key = _sharp_node(seed)
+        losses += _weight_loss(p64, q64, key, gbv_adaptive.host_node_weights(p64.numpy(), q64.numpy(), key.numpy(), 4), 4)
+    assert max(losses) > 1e-5, losses
 
 
 def test_weight_of_an_equal_draft_is_zero():
@@ -250,22 +308,29 @@ def test_weight_of_an_equal_draft_is_zero():
 
 
 @pytest.mark.parametrize("vocab,length,num_paths,kind", [(3, 2, 2, "dirichlet"), (3, 2, 3, "mixed"),
-                                                         (2, 3, 3, "truncated"), (4, 2, 2, "sharp")])
+                                                         (2, 3, 3, "truncated"), (4, 2, 2, "sharp"),
+                                                         (4, 2, 3, "sharp")])
 def test_bucketed_code_paths_are_lossless(monkeypatch, vocab, length, num_paths, kind):
-    """The large-vocabulary code (node weights from bucketed ranks, bucketed residual masses), forced
-    on tiny instances and proven lossless by the same exact enumeration; a weight that is not the
-    exact maximiser changes the acceptance, never the law."""
+    """The large-vocabulary code (node weights from key buckets or from a cut row, bucketed residual
+    masses), forced on tiny instances and proven lossless by the same exact enumeration; a weight
+    that is not the exact maximiser changes the acceptance, never the law."""
     coarse_buckets(monkeypatch)
     inst = random_instance(vocab, length, num_paths, 7, kind)
     assert law_error(verify_gbv_adaptive, inst, num_paths) < 1e-9
 
 
+def _bucket_floor_mass_below(key, q64, tokens):
+    """A wrong on-path W: the q-mass of the key buckets below each token's own (its bucket's worse
+    tokens left out), as the flat-row node weights see it."""
+    ids = ranking._bucket_ids(key)
+    return np.array([q64[row][ids[row] < ids[row, token]].sum() for row, token in enumerate(tokens)])
+
+
 def test_bucketed_ranks_in_the_law_are_caught(monkeypatch):
-    """Negative control of the test above: using the bucketed (approximate) W in the law of the
-    selected path, instead of only in the weights, is lossy and the same check sees it."""
+    """Negative control of the test above: using bucket-level ranks in the law of the selected path,
+    instead of only in the weights, is lossy and the same check sees it."""
     coarse_buckets(monkeypatch)
-    monkeypatch.setattr(gbv_adaptive, "mass_below_array", lambda key, q64, tokens: ranking.approx_mass_below_array(
-        key, q64)[np.arange(len(tokens)), tokens])
+    monkeypatch.setattr(gbv_adaptive, "mass_below_array", _bucket_floor_mass_below)
     errors = [law_error(verify_gbv_adaptive, random_instance(v, l, k, 7, kind), k)
               for v, l, k, kind in [(3, 2, 2, "dirichlet"), (3, 2, 3, "mixed"), (4, 2, 2, "sharp")]]
     assert max(errors) > 1e-6, errors
