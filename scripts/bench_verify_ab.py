@@ -1,4 +1,4 @@
-"""Before/after of GBV or gbv-adaptive in one process: the verifier and ``gbv/verify/ranking.py`` as of
+"""Before/after of GBV, gbv-adaptive or SpecTr in one process: the verifier and ``gbv/verify/ranking.py`` as of
 a git revision against the working tree, on the same instances and seeds.
 
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --vocab 32768 --instances 40
@@ -32,13 +32,15 @@ import torch
 
 import gbv.verify.gbv as gbv_after
 import gbv.verify.gbv_adaptive as adaptive_after
+import gbv.verify.spectr as spectr_after
 from gbv.verify import TorchRandom
 
 from bench_engine_ab import load_before  # scripts/ is on the path when run as a script
 from bench_verifiers import make_inputs
 
 MODULES = {"gbv": ("gbv/verify/gbv.py", gbv_after, "verify_gbv"),
-           "gbv-adaptive": ("gbv/verify/gbv_adaptive.py", adaptive_after, "verify_gbv_adaptive")}
+           "gbv-adaptive": ("gbv/verify/gbv_adaptive.py", adaptive_after, "verify_gbv_adaptive"),
+           "spectr": ("gbv/verify/spectr.py", spectr_after, "verify_spectr")}
 
 
 def load_verifier_before(rev: str, method: str):

@@ -77,12 +77,13 @@ def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tens
     the slope by ``|d_x|``. The smallest maximiser is the first breakpoint at which the slope is no
     longer positive (0 if it starts so, 1 if it never gets there).
 
-    No sort of the row: the breakpoints go into ``_WEIGHT_BINS`` equal bins of (0, 1) with their
-    slope drops summed per bin (one ``bincount``); the bin where the slope crosses 0 is found from
-    the bins' running sum, and only that bin's breakpoints are sorted. All ``n`` at once.
+    Rows longer than ``_SORT_MAX_VOCAB`` are not sorted: the breakpoints go into ``_WEIGHT_BINS``
+    equal bins of (0, 1) (:func:`_first_crossings_binned`); shorter ones sort their breakpoints
+    (:func:`_first_crossings_sorted`, fewer calls). The same weight either way, all ``n`` at once.
 
     The host form's weight (the CPU), so it runs on numpy arrays (tensors are viewed as arrays): about
     25 passes over (K - 1, V) rows, where torch's fixed cost per call was most of the time.
+    :func:`host_node_weights` decides which rows it gets.
     """
     if num_paths == 1:
         return [0.0, 0.0]

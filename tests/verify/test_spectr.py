@@ -77,6 +77,24 @@ def test_smallest_rho_is_valid_and_smallest(seed, k):
     assert abs(float(raw.sum()) - (1.0 - beta) ** k) < 1e-12
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_smallest_rho_of_float32_rows_is_valid_and_smallest_in_float64(seed):
+    """The engine passes float32 rows (V = 4096 here, softmax-shaped); the root search runs on float64
+    copies of them, so the returned rho satisfies the inequality for those rows exactly as float64
+    computes it, and is the smallest such (the search in the rows' float32 missed on 98 of 238
+    engine rows, in both directions)."""
+    gen = torch.Generator().manual_seed(200 + seed)
+    logits = 2.0 * torch.randn(4096, generator=gen)
+    p = torch.softmax(logits + torch.randn(4096, generator=gen), -1)
+    q = torch.softmax(logits, -1)
+    p64, q64 = p.double(), q.double()
+    for k in (2, 3, 4):
+        rho = _smallest_rho(p, q, k)
+        assert 1.0 < rho <= k
+        assert _excess(p64, q64, rho, k) >= 0.0
+        assert _excess(p64, q64, rho * (1.0 - 1e-9), k) < 0.0
+
+
 def test_smallest_rho_matches_plain_bisection():
     for seed in range(8):
         p, q = _random_pair(50, 100 + seed, zeros=False)
