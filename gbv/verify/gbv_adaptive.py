@@ -283,15 +283,21 @@ class AdaptiveLaw:
     lams: Tensor
 
     def _ratio(self, row: Tensor, x: Tensor, z: Tensor) -> Tensor:
+        """``R = sum_n a(n) (1 - lam_n) + sum_n a(n) lam_n S_n(x, z)`` (tensors, or the on_host copy's
+        arrays): the constant part summed once per row, then one term per ``n >= 2`` (``S_1 = 1``),
+        so a call on a few tokens is a dozen small operations."""
         counts, lams = self.counts[row], self.lams[row]  # (..., K)
-        lib = np if isinstance(x, np.ndarray) else torch  # tensors, or arrays for the on_host copy
-        total = lib.zeros_like(x)
-        s_n, x_pow = lib.ones_like(x), lib.ones_like(x)
-        for n in range(1, self.counts.shape[-1] + 1):
-            if n > 1:  # S_n = z S_{n-1} + x^(n-1)
-                x_pow = x_pow * x
-                s_n = s_n * z + x_pow
-            total = total + counts[..., n - 1] * (lams[..., n - 1] * s_n + (1.0 - lams[..., n - 1]))
+        greedy = counts * lams
+        # counts (1 - lams), not counts - greedy: the latter loses (1 - lam)'s digits where lam ~ 1.
+        total = (counts * (1.0 - lams)).sum(-1) + greedy[..., 0]
+        if self.counts.shape[-1] == 1:
+            return total + 0.0 * x  # (x's shape)
+        x_pow, s_n = x, z + x  # x^1, S_2
+        total = total + greedy[..., 1] * s_n
+        for n in range(3, self.counts.shape[-1] + 1):  # S_n = z S_{n-1} + x^(n-1)
+            x_pow = x_pow * x
+            s_n = s_n * z + x_pow
+            total = total + greedy[..., n - 1] * s_n
         return total
 
     def token_law(self, row: Tensor, below: Tensor, q: Tensor) -> Tensor:
