@@ -2,9 +2,9 @@
 
     python scripts/adaptive_weight_loss.py            # 3 GSM8K + 3 HumanEval prompts, K = 4, L = 4, ~1 min
 
-From V = 4096 up, the host form's node weights (``gbv_adaptive.host_node_weights``) get the rank mass
-``W`` of every token from key buckets instead of a sort (``gbv.verify.ranking.approx_mass_below_array``),
-and on a sharp row leave out the tokens of negligible q. Losslessness does not depend on the weight,
+From V = 4096 up, the host form's node weights (``gbv_adaptive.host_node_weights``) work on less than
+the row: a sharp row cut to its tokens of non-negligible q, a flat row's key buckets standing for its
+tokens (``gbv.verify.ranking.occupied_bucket_masses``). Losslessness does not depend on the weight,
 only the acceptance does. For every node weight computed while decoding, this script recomputes the
 weight on the whole row with the exact ``W``. It evaluates the node's one-step acceptance
 ``F(lam) = sum_x min(p_x, (1 - lam) q_x + lam g_n(x))`` (with the exact ``W``) at both weights, and

@@ -45,9 +45,9 @@ from gbv.verify.block import block_verify_core, block_verify_on_device, block_ve
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
 from gbv.verify import ranking
-from gbv.verify.ranking import (MassBounds, best_token, host_array, mass_below_array, mass_below_rows,
-                                mass_below_rows_sorted, occupied_bucket_masses, power_sum, ranking_key,
-                                residual_bounds_ranked, residual_row)
+from gbv.verify.ranking import (MassBounds, best_token, host_array, mass_below_among, mass_below_array,
+                                mass_below_rows, mass_below_rows_sorted, occupied_bucket_masses, power_sum,
+                                ranking_key, residual_bounds_ranked, residual_row)
 
 # Bins of (0, 1) for the node weight's breakpoints (node_weights): only the crossing bin is sorted.
 _WEIGHT_BINS = 1024
@@ -131,11 +131,16 @@ def _first_crossings_sorted(t: np.ndarray, abs_d: np.ndarray, slope0: np.ndarray
             lams.append(0.0)
             continue
         members = valid[row].nonzero()[0]
-        t_m = t[row][members]
-        order = t_m.argsort()
-        hit = int(abs_d[row][members][order].cumsum().searchsorted(slope))  # the first running sum >= slope
-        lams.append(float(t_m[order[hit]]) if hit < len(members) else 1.0)
+        lams.append(_crossing_among(t[row][members], abs_d[row][members], slope))
     return lams
+
+
+def _crossing_among(t_m: np.ndarray, abs_d_m: np.ndarray, slope: float) -> float:
+    """The first of some breakpoints, in increasing ``t``, at which the running sum of their drops
+    reaches ``slope`` (1 if it never does): one sort of them."""
+    order = t_m.argsort()
+    hit = int(abs_d_m[order].cumsum().searchsorted(slope))  # the first running sum >= slope
+    return float(t_m[order[hit]]) if hit < len(t_m) else 1.0
 
 
 def _first_crossings_binned(t: np.ndarray, abs_d: np.ndarray, slope0: np.ndarray) -> list[float]:
@@ -171,11 +176,8 @@ def _first_crossings_binned(t: np.ndarray, abs_d: np.ndarray, slope0: np.ndarray
         start, stop = max(crossing - 1, 0), min(crossing + 1, _WEIGHT_BINS - 1)
         # The bins start..stop of this row: one unsigned comparison (smaller bins wrap around to huge).
         members = ((bins[row] - (row * width + 1 + start)).view(np.uint64) <= stop - start).nonzero()[0]
-        t_m = t[row][members]
-        order = t_m.argsort()
         before = cum[row, start - 1] if start > 0 else 0.0
-        hit = int(abs_d[row][members][order].cumsum().searchsorted(slope - before))  # first sum >= the rest
-        lams.append(float(t_m[order[hit]]) if hit < len(members) else 1.0)
+        lams.append(_crossing_among(t[row][members], abs_d[row][members], slope - before))
     return lams
 
 
@@ -203,11 +205,8 @@ def host_node_weights(p64: np.ndarray, q64: np.ndarray, key: np.ndarray, num_pat
         return node_weights(p64, q64, below, num_paths)
     support = (q64 > _WEIGHT_MASS_CUT / vocab).nonzero()[0]
     if 2 * len(support) < vocab:
-        q_cut, key_cut = q64[support], key[support]
-        worst_first = np.lexsort((-support, key_cut))  # key ascending, ties: the larger id first
-        below = np.empty_like(q_cut)
-        below[worst_first] = np.concatenate(([0.0], np.cumsum(q_cut[worst_first])[:-1]))
-        return node_weights(p64[support], q_cut, below, num_paths)
+        q_cut = q64[support]
+        return node_weights(p64[support], q_cut, mass_below_among(key[support], q_cut), num_paths)
     mass_q, mass_p, below = occupied_bucket_masses(key, q64, p64)
     return node_weights(mass_p, mass_q, below, num_paths)
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gbv.verify.ranking import host_array
 from gbv.verify.common import (RandomSource, VerifyResult, normalize_or, residual_on_device, uses_device_form,
                                verify_level_by_level, verify_level_by_level_on_device)
+from gbv.verify.ranking import host_array
 
 # Relative width of the final bisection bracket for rho. The returned value is the bracket's upper
 # end, at which the K-SEQ inequality was checked to hold, so rho is at most this far above the exact

@@ -203,6 +203,24 @@ def test_rank_order_is_the_stable_sort_of_the_key(vocab, dtype):
     assert torch.equal(torch.from_numpy(ranking._stable_argsort_rows((-ranking_key(p, q)).numpy())), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("count", [7, 400, 2500])  # both sorts of mass_below_among (lexsort up to 1000)
+def test_mass_below_among_is_the_exact_mass_below_on_the_listed_tokens(count, dtype):
+    """The exact W of a subset of a node's tokens, listed in increasing id order (residual_row's
+    candidates, gbv-adaptive's cut row): what mass_below_rows gives on those tokens alone, ties,
+    +inf and 0/0 keys included."""
+    gen = torch.Generator().manual_seed(6)
+    p = torch.softmax(torch.randn(count, generator=gen, dtype=dtype), -1)
+    q = torch.softmax(torch.randn(count, generator=gen, dtype=dtype), -1)
+    p[: count // 3] = q[: count // 3] * 0.5  # a run of equal keys
+    q[count // 2] = 0.0  # +inf
+    p[-1] = q[-1] = 0.0  # 0 / 0
+    key, q64 = ranking_key(p, q), q.double()
+    expected = ranking.mass_below_rows(key[None], q64[None])[0].numpy()
+    ours = ranking.mass_below_among(key.numpy(), q64.numpy())
+    assert np.abs(ours - expected).max() < 1e-15
+
+
 # ---------------------------------------------------------------------------------------------- 6
 def _one_hot(token: int, vocab: int, dtype) -> torch.Tensor:
     row = torch.zeros(vocab, dtype=dtype)
