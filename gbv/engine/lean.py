@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gbv.engine.lean_host import HOST_MAX_QUERIES, HostForward, host_forward_unsupported_reason
+
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
 FUSE_MAX_PARAMETERS = 1_000_000_000
@@ -65,6 +67,14 @@ class KVCache:
         shape = (batch, kv_heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._row0_arrays = None  # numpy views of batch row 0 (CPU only; see row0_arrays)
+
+    def row0_arrays(self) -> tuple[list, list]:
+        """numpy views (kv_heads, capacity, head_dim) of batch row 0 of every layer's keys and values
+        (CPU only: they share the tensors' memory; made again after :meth:`grow`)."""
+        if self._row0_arrays is None:
+            self._row0_arrays = ([t[0].numpy() for t in self.keys], [t[0].numpy() for t in self.values])
+        return self._row0_arrays
 
     @property
     def capacity(self) -> int:
@@ -80,6 +90,7 @@ class KVCache:
                 new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
                 new[:, :, :old.shape[2]] = old
                 store[layer] = new
+        self._row0_arrays = None
 
     def move(self, src: Tensor, dst: Tensor, row: int | Tensor = 0) -> None:
         """Copy slots ``src`` to slots ``dst`` (1D long tensors of equal length) in batch row ``row``
@@ -353,6 +364,9 @@ class LeanCausalLM:
         self.device = self.embed.device
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
         self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
+        self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host decode step)
+        # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
+        self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of a forward, in order (for measuring their share of its time)."""
@@ -361,9 +375,9 @@ class LeanCausalLM:
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
-    def _rotary(self, positions: Tensor, upto: int) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape (*positions.shape, head_dim), from a table computed by the model's own
-        rotary module (so every rope scaling type it supports is honoured)."""
+    def ensure_rotary(self, upto: int) -> None:
+        """Grow the rotary tables to cover positions ``0 .. upto-1`` (computed by the model's own rotary
+        module, so every rope scaling type it supports is honoured)."""
         if self._cos is None or self._cos.shape[0] < upto:
             size = max(upto, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             if self.max_positions:
@@ -375,6 +389,12 @@ class LeanCausalLM:
             if self.interleaved:  # e^{i theta} per frequency (HF repeats each frequency twice)
                 half = self.head_dim // 2
                 self._rot = torch.complex(self._cos[:, :half], self._sin[:, :half])
+                if self._rot.device.type == "cpu":
+                    self.rotary_numpy = self._rot.numpy()  # (positions, head_dim / 2) complex64
+
+    def _rotary(self, positions: Tensor, upto: int) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (*positions.shape, head_dim) (interleaved: the complex rotation, None)."""
+        self.ensure_rotary(upto)
         if self.interleaved:
             return self._rot[positions], None
         return self._cos[positions], self._sin[positions]
@@ -412,6 +432,8 @@ class LeanCausalLM:
             (B, N, V) logits (N = 1 with ``last_only``), in the model's dtype.
         """
         batch, n = tokens.shape
+        if batch == 1 and first_row == 0 and n <= HOST_MAX_QUERIES and self.host_forward is not None:
+            return self.host_forward(tokens.numpy()[0], positions.numpy()[0], start, cache, mask, causal, last_only)
         end = start + n
         if end > cache.capacity:
             cache.grow(end)

@@ -1,0 +1,202 @@
+"""The lean forward of one sequence with numpy doing the small work between the matrix products
+(CPU, float32).
+
+Why: a lean decode step is made of small tensor calls, and on this CPU a torch call costs 3-4 us
+however little it computes (docs/ENGINE.md, "What bounds the CPU engine"), while a numpy call on the
+same few hundred floats costs about 1 us and a reshape 0.5 us. The bundled draft's 1-token forward
+was about 45 torch calls around 5 matrix products, the target's about 300 around 33. Here each layer
+makes 5 torch calls (the 4 matrix products and the attention) on buffers that numpy and torch share,
+and everything between them (the norms, the rotation, the cache writes, SiLU) is numpy on those
+buffers, in place.
+
+The mathematics is :meth:`LeanCausalLM.forward`'s, on the same (fused, transposed, norm-folded)
+weight copies and the same cache tensors, so a step taken here and a pass taken there see the same
+keys and values; only rounding differs (one row's RMS scale is computed in float64 and rounded once;
+``tests/engine/test_lean_host.py`` bounds the difference in logits and checks the sampled law).
+
+:meth:`LeanCausalLM.forward` uses it for batch row 0 of one sequence and up to ``HOST_MAX_QUERIES``
+queries, on the CPU in float32, where the model has fused interleaved transposed copies
+(:func:`host_forward_unsupported_reason`). Everything else (several sequences, long prompts, CUDA,
+bfloat16) takes the torch path: on a GPU no tensor ever leaves the device for this.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def host_forward_unsupported_reason(lean) -> str | None:
+    """None when :class:`HostForward` can run ``lean`` (a ``LeanCausalLM``); else why not.
+    ``GBV_HOST_FORWARD=0`` in the environment turns it off (for before/after measurements)."""
+    if os.environ.get("GBV_HOST_FORWARD", "1") == "0":
+        return "GBV_HOST_FORWARD=0"
+    if lean.device.type != "cpu" or lean.dtype != torch.float32:
+        return "not float32 on the CPU"
+    if not (lean.transposed and lean.interleaved):
+        return "no fused transposed copies"
+    for layer in lean.layers:
+        if layer.q_norm is not None:
+            return "q/k norms (Qwen3)"
+        if layer.input_norm is not None or layer.post_norm is not None:
+            return "norm weights not folded"
+        parts = layer.qkv.parts
+        if len(parts) != 1 or len(layer.gate_up.parts) != 1:
+            return "unfused projections"
+        if layer.o.bias is not None or layer.down.bias is not None or layer.gate_up.parts[0].bias is not None:
+            return "biases outside q/k/v"
+        if layer.act is not torch.nn.functional.silu:
+            return "activation other than SiLU"
+    if lean.norm is not None or lean.lm_head.weight_t is None:
+        return "final norm not folded"
+    return None
+
+
+# Calls with more queries than this take the torch path (a long prompt's chain: the matrix products
+# dominate there, and buffers stay small).
+HOST_MAX_QUERIES = 64
+
+
+class _Rows:
+    """The float32 work buffers for ``n`` queries, each seen as a numpy array and as a torch tensor
+    (shared memory): written in place by numpy and by ``torch.mm(..., out=)`` alike."""
+
+    def __init__(self, n: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> None:
+        def pair(width: int) -> tuple[np.ndarray, Tensor]:
+            array = np.zeros((n, width), dtype=np.float32)
+            return array, torch.from_numpy(array)
+
+        self.hidden, self.hidden_t = pair(hidden)  # the residual stream
+        self.normed, self.normed_t = pair(hidden)
+        self.qkv, self.qkv_t = pair((heads + 2 * kv_heads) * head_dim)
+        self.gate_up, self.gate_up_t = pair(2 * intermediate)
+        self.act, self.act_t = pair(intermediate)
+        self.attn, self.attn_t = pair(heads * head_dim)  # the attention output, (n, heads * head_dim)
+        qk = (heads + kv_heads) * head_dim
+        # q and k as complex pairs per head (rotated in place: interleaved rotary rows)
+        self.qk_complex = self.qkv[:, :qk].view(np.complex64).reshape(n, heads + kv_heads, head_dim // 2)
+        # the query as SDPA wants it, (1, heads, n, head_dim): a view of the buffer
+        self.query = self.qkv_t[:, :heads * head_dim].view(n, heads, head_dim).transpose(0, 1)[None]
+        # the new keys and values as the cache holds them, (kv_heads, n, head_dim): views
+        self.new_k = self.qkv[:, heads * head_dim:qk].reshape(n, kv_heads, head_dim).transpose(1, 0, 2)
+        self.new_v = self.qkv[:, qk:].reshape(n, kv_heads, head_dim).transpose(1, 0, 2)
+        self.gate = self.gate_up[:, :intermediate]
+        self.up = self.gate_up[:, intermediate:]
+        self.sumsq = np.zeros(n, dtype=np.float32)
+
+
+class HostForward:
+    """:meth:`LeanCausalLM.forward` for batch row 0 of a :class:`KVCache` and up to
+    ``HOST_MAX_QUERIES`` queries, with numpy doing the work between the matrix products.
+
+    Call: ``forward(tokens, positions, start, cache, mask, causal, last_only)`` with ``tokens`` and
+    ``positions`` as (N,) integer numpy arrays and the rest as in ``LeanCausalLM.forward``; returns
+    (1, N, V) logits (N = 1 with ``last_only``), a fresh tensor.
+    """
+
+    def __init__(self, lean) -> None:
+        reason = host_forward_unsupported_reason(lean)
+        if reason is not None:
+            raise ValueError(f"no host forward for this model: {reason}")
+        self.lean = lean
+        self.heads, self.kv_heads, self.head_dim = lean.num_heads, lean.kv_heads, lean.head_dim
+        self.hidden = lean.embed.shape[1]
+        self.embed = lean.embed.detach().numpy()
+        self.layers = []
+        for layer in lean.layers:
+            qkv = layer.qkv.parts[0]
+            bias = None if qkv.bias is None else qkv.bias.detach().numpy()
+            self.layers.append((qkv.weight_t, bias, layer.o.weight_t, layer.gate_up.parts[0].weight_t,
+                                layer.down.weight_t, float(layer.input_eps), float(layer.post_eps),
+                                float(layer.scaling)))
+        self.intermediate = self.layers[0][3].shape[1] // 2 if self.layers else 0
+        self.lm_head = lean.lm_head.weight_t
+        self.norm_eps = float(lean.norm_eps)
+        self._rows: dict[int, _Rows] = {}
+        self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
+
+    def rows(self, n: int) -> _Rows:
+        buffers = self._rows.get(n)
+        if buffers is None:
+            buffers = self._rows[n] = _Rows(n, self.hidden, self.heads, self.kv_heads, self.head_dim,
+                                            self.intermediate)
+        return buffers
+
+    @staticmethod
+    def _rms_into(rows: _Rows, eps: float) -> None:
+        """``normed = hidden / sqrt(eps + mean(hidden^2))`` per row (the norm's weight is folded into the
+        next matrix). One row: its scale in float64, rounded once; several: in float32, as torch's."""
+        x = rows.hidden
+        if x.shape[0] == 1:
+            row = x[0]
+            np.multiply(x, 1.0 / math.sqrt(eps + float(np.dot(row, row)) / row.shape[0]), out=rows.normed)
+            return
+        scale = rows.sumsq
+        np.einsum("ij,ij->i", x, x, out=scale)
+        scale *= 1.0 / x.shape[1]
+        scale += eps
+        np.sqrt(scale, out=scale)
+        np.divide(x, scale[:, None], out=rows.normed)
+
+    def __call__(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
+                 causal: bool = False, last_only: bool = False) -> Tensor:
+        with self._lock:
+            return self._forward(tokens, positions, start, cache, mask, causal, last_only)
+
+    def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
+                 causal: bool, last_only: bool) -> Tensor:
+        lean = self.lean
+        n = tokens.shape[0]
+        end = start + n
+        if end > cache.capacity:
+            cache.grow(end)
+        lean.ensure_rotary(end)
+        rotation = lean.rotary_numpy[positions][:, None]  # (N, 1, D/2) complex64
+        keys, values = cache.row0_arrays()
+        rows = self.rows(n)
+        np.take(self.embed, tokens, axis=0, out=rows.hidden)
+        is_causal = False
+        if n > 1 and mask is None:
+            if not causal:
+                raise ValueError("several queries need a mask or causal=True")
+            if start == 0:
+                is_causal = True
+            else:
+                slots = torch.arange(end)
+                mask = (slots[None, :] <= slots[start:end, None])[None, None]
+        enable_gqa = self.kv_heads != self.heads
+        for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
+            self._rms_into(rows, eps_in)
+            torch.mm(rows.normed_t, w_qkv, out=rows.qkv_t)
+            if b_qkv is not None:
+                rows.qkv += b_qkv
+            rows.qk_complex *= rotation
+            keys[index][:, start:end] = rows.new_k
+            values[index][:, start:end] = rows.new_v
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                rows.query, torch.from_numpy(keys[index][None, :, :end]),
+                torch.from_numpy(values[index][None, :, :end]), attn_mask=mask, is_causal=is_causal,
+                scale=scaling, enable_gqa=enable_gqa)  # (1, heads, N, D)
+            # (heads, N, D) -> (N, heads * D): a view for one query, one copy for several
+            np.copyto(rows.attn.reshape(n, self.heads, self.head_dim), attn.numpy()[0].transpose(1, 0, 2))
+            rows.hidden_t.addmm_(rows.attn_t, w_o)
+            self._rms_into(rows, eps_post)
+            torch.mm(rows.normed_t, w_gate_up, out=rows.gate_up_t)
+            act = rows.act  # SiLU(g) * u = g * u / (1 + exp(-g))
+            np.negative(rows.gate, out=act)
+            np.exp(act, out=act)
+            act += 1.0
+            np.divide(rows.gate, act, out=act)
+            act *= rows.up
+            rows.hidden_t.addmm_(rows.act_t, w_down)
+        if last_only and n > 1:
+            last = self.rows(1)
+            np.copyto(last.hidden, rows.hidden[-1:])
+            rows, n = last, 1
+        self._rms_into(rows, self.norm_eps)
+        return torch.mm(rows.normed_t, self.lm_head).view(1, n, -1)

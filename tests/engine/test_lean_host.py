@@ -1,0 +1,168 @@
+"""The host forward (gbv/engine/lean_host.py): numpy between the matrix products for one sequence on
+the CPU in float32. It must compute the torch lean forward's logits and cache entries, on every
+shape the engines give it, and be used only where it can be."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gbv.engine.lean_host as lean_host
+from gbv.engine.generate import generate
+from gbv.engine.lean import LeanCausalLM
+from gbv.engine.tree import build_tree, prefix_then
+from gbv.models.loading import ModelPair
+
+from engine_toy import ARCHITECTURES, hf_pair
+
+
+def _both(model):
+    """The lean view of ``model`` with the host forward, and one without (the torch path)."""
+    with_host = LeanCausalLM(model)
+    torch_only = LeanCausalLM(model)
+    torch_only.host_forward = None
+    assert with_host.host_forward is not None
+    return with_host, torch_only
+
+
+def _random_tree_mask(n: int, prefix: int, gen: torch.Generator) -> torch.Tensor:
+    parents = [0] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
+    ancestors = torch.eye(n, dtype=torch.bool)
+    for node in range(1, n):
+        ancestors[node] |= ancestors[parents[node]]
+    return prefix_then(ancestors, prefix)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: grouped-query attention; qwen2: q/k/v biases
+def test_host_forward_equals_the_torch_forward(arch):
+    """Chains (causal, from slot 0 and after a prefix), tree passes with random masks, one query, last
+    only: the logits and every cache entry written agree with the torch forward to float32 rounding,
+    through a cache that grows on the way."""
+    target, _ = hf_pair(arch, vocab=48, seed=5, target_size=(64, 2))
+    host, plain = _both(target)
+    gen = torch.Generator().manual_seed(0)
+    caches = [lean.new_cache(1, 8) for lean in (host, plain)]  # small on purpose: both grow
+    prompt = torch.randint(0, 48, (1, 6), generator=gen)
+    with torch.inference_mode():
+        outs = [lean.forward(prompt, torch.arange(6)[None], 0, cache, None, causal=True)
+                for lean, cache in zip((host, plain), caches)]
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+        start = 6
+        for n, kind, last_only in [(1, "chain", False), (2, "chain", True), (5, "chain", False),
+                                   (1, "tree", False), (7, "tree", False), (25, "tree", False),
+                                   (3, "chain", True), (16, "tree", False)]:
+            tokens = torch.randint(0, 48, (1, n), generator=gen)
+            mask = _random_tree_mask(n, start, gen) if kind == "tree" else None
+            positions = torch.arange(start, start + n)[None]
+            outs = [lean.forward(tokens, positions, start, cache, mask, causal=mask is None, last_only=last_only)
+                    for lean, cache in zip((host, plain), caches)]
+            assert outs[0].shape == outs[1].shape == (1, 1 if last_only else n, 48)
+            torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+            start += n
+        assert caches[0].capacity == caches[1].capacity >= start
+        for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+            torch.testing.assert_close(a[:, :, :start], b[:, :, :start], atol=1e-5, rtol=0)
+
+
+def test_host_forward_on_the_bundled_pair():
+    """The bundled models take the host forward (fp32, CPU) and agree with the torch path on a decode
+    step and a tree pass."""
+    import gbv
+
+    pair = gbv.load_pair("bundled")
+    for model in (pair.target, pair.draft):
+        host, plain = _both(model)
+        gen = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, 4096, (1, 40), generator=gen)
+        caches = [lean.new_cache(1, 80) for lean in (host, plain)]
+        with torch.inference_mode():
+            for lean, cache in zip((host, plain), caches):
+                lean.forward(prompt, torch.arange(40)[None], 0, cache, None, causal=True)
+            step = torch.tensor([[17]])
+            outs = [lean.forward(step, torch.tensor([[40]]), 40, cache, None, causal=True)
+                    for lean, cache in zip((host, plain), caches)]
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+            tree = build_tree(17, [[5, 6, 7], [5, 9, 9], [2, 2, 2]])
+            outs = [lean.forward(tree.tokens[None], (41 + tree.depth)[None], 41, cache,
+                                 prefix_then(tree.ancestors, 41)) for lean, cache in zip((host, plain), caches)]
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+
+
+def test_a_broken_host_forward_is_caught(monkeypatch):
+    """The comparison can fail: a host forward that writes the new keys one slot too late differs."""
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    host, plain = _both(target)
+    real = host.host_forward._forward
+
+    def late(tokens, positions, start, cache, mask, causal, last_only):
+        return real(tokens, positions, start + 1, cache, mask, causal, last_only)
+
+    monkeypatch.setattr(host.host_forward, "_forward", late)
+    caches = [lean.new_cache(1, 32) for lean in (host, plain)]
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.inference_mode():
+        for lean, cache in zip((host, plain), caches):
+            lean.forward(prompt, torch.arange(6)[None], 0, cache, None, causal=True)
+        outs = [lean.forward(torch.tensor([[2]]), torch.tensor([[6]]), 6, cache, None)
+                for lean, cache in zip((host, plain), caches)]
+    assert (outs[0] - outs[1]).abs().max() > 1e-3
+
+
+def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
+    """fp32 Llama / Qwen2 on the CPU: yes. bfloat16, Qwen3's q/k norms, or GBV_HOST_FORWARD=0: no.
+    Several sequences and long chains take the torch path (they never reach the host forward)."""
+    target, _ = hf_pair("llama", vocab=48, seed=5)
+    lean = LeanCausalLM(target)
+    assert lean.host_forward is not None
+    assert lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=48)[0].to(torch.bfloat16))) \
+        == "not float32 on the CPU"
+    if "qwen3" in ARCHITECTURES:
+        assert lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("qwen3", vocab=48)[0])) \
+            == "q/k norms (Qwen3)"
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    assert LeanCausalLM(target).host_forward is None
+    monkeypatch.delenv("GBV_HOST_FORWARD")
+
+    calls = []
+    real = lean.host_forward._forward
+    monkeypatch.setattr(lean.host_forward, "_forward", lambda *args: calls.append(len(args[0])) or real(*args))
+    with torch.inference_mode():
+        cache = lean.new_cache(2, 160)
+        lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
+        lean.forward(torch.ones(1, 3, dtype=torch.long), torch.arange(3)[None], 0, cache, None, causal=True,
+                     first_row=1)
+        long = lean_host.HOST_MAX_QUERIES + 1
+        lean.forward(torch.ones(1, long, dtype=torch.long), torch.arange(long)[None], 0, cache, None, causal=True)
+        assert calls == []
+        lean.forward(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], 0, cache, None, causal=True)
+    assert calls == [4]
+
+
+def test_the_engine_decodes_through_the_host_forward(monkeypatch):
+    """A generation on the tree engine runs its draft steps, tree passes and plain steps through the
+    host forward, and greedy decoding gives the tokens the torch path gives."""
+    target, draft = hf_pair("llama", vocab=48, seed=7)
+    counts = {"n": 0}
+    real = lean_host.HostForward._forward
+
+    def counted(self, *args):
+        counts["n"] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(lean_host.HostForward, "_forward", counted)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("GBV_HOST_FORWARD", flag)
+        fresh = [m.__class__(m.config).eval() for m in (target, draft)]  # new lean views (cached per model)
+        for new, old in zip(fresh, (target, draft)):
+            new.load_state_dict(old.state_dict())
+        outs[flag] = [generate(ModelPair(*fresh), prompt_ids=[1, 2, 3], method=method, num_paths=3, block_len=4,
+                               temperature=0.0, max_new_tokens=24, eos_token_id=[], seed=0).token_ids
+                      for method in ("ar", "block", "gbv")]
+        if flag == "1":
+            assert counts["n"] > 20
+            used = counts["n"]
+    assert counts["n"] == used  # nothing ran through it with GBV_HOST_FORWARD=0
+    assert outs["1"] == outs["0"]
+    assert np.all([len(tokens) == 24 for tokens in outs["1"]])
