@@ -67,14 +67,14 @@ class KVCache:
         shape = (batch, kv_heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._row0_arrays = None  # numpy views of batch row 0 (CPU only; see row0_arrays)
+        self._arrays = None  # numpy views of the tensors (CPU only; see arrays)
 
-    def row0_arrays(self) -> tuple[list, list]:
-        """numpy views (kv_heads, capacity, head_dim) of batch row 0 of every layer's keys and values
-        (CPU only: they share the tensors' memory; made again after :meth:`grow`)."""
-        if self._row0_arrays is None:
-            self._row0_arrays = ([t[0].numpy() for t in self.keys], [t[0].numpy() for t in self.values])
-        return self._row0_arrays
+    def arrays(self) -> tuple[list, list]:
+        """numpy views (B, kv_heads, capacity, head_dim) of every layer's keys and values (CPU only:
+        they share the tensors' memory; made again after :meth:`grow`)."""
+        if self._arrays is None:
+            self._arrays = ([t.numpy() for t in self.keys], [t.numpy() for t in self.values])
+        return self._arrays
 
     @property
     def capacity(self) -> int:
@@ -90,7 +90,7 @@ class KVCache:
                 new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
                 new[:, :, :old.shape[2]] = old
                 store[layer] = new
-        self._row0_arrays = None
+        self._arrays = None
 
     def move(self, src: Tensor, dst: Tensor, row: int | Tensor = 0) -> None:
         """Copy slots ``src`` to slots ``dst`` (1D long tensors of equal length) in batch row ``row``
@@ -432,8 +432,9 @@ class LeanCausalLM:
             (B, N, V) logits (N = 1 with ``last_only``), in the model's dtype.
         """
         batch, n = tokens.shape
-        if batch == 1 and first_row == 0 and n <= HOST_MAX_QUERIES and self.host_forward is not None:
-            return self.host_forward(tokens.numpy()[0], positions.numpy()[0], start, cache, mask, causal, last_only)
+        if batch * n <= HOST_MAX_QUERIES and self.host_forward is not None:
+            return self.host_forward(tokens.numpy(), positions.numpy(), start, cache, mask, causal, last_only,
+                                     first_row)
         end = start + n
         if end > cache.capacity:
             cache.grow(end)

@@ -1,5 +1,4 @@
-"""The lean forward of one sequence with numpy doing the small work between the matrix products
-(CPU, float32).
+"""The lean forward with numpy doing the small work between the matrix products (CPU, float32).
 
 Why: a lean decode step is made of small tensor calls, and on this CPU a torch call costs 3-4 us
 however little it computes (docs/ENGINE.md, "What bounds the CPU engine"), while a numpy call on the
@@ -11,12 +10,13 @@ buffers, in place.
 
 The mathematics is :meth:`LeanCausalLM.forward`'s, on the same (fused, transposed, norm-folded)
 weight copies and the same cache tensors, so a step taken here and a pass taken there see the same
-keys and values; only rounding differs (one row's RMS scale is computed in float64 and rounded once;
-``tests/engine/test_lean_host.py`` bounds the difference in logits and checks the sampled law).
+keys and values; only rounding differs (one row's RMS scale is computed in float64 and rounded once).
+``tests/engine/test_lean_host.py`` compares the two forwards; every engine test (the chi-square law
+tests, greedy equality with Hugging Face) runs through this one.
 
-:meth:`LeanCausalLM.forward` uses it for batch row 0 of one sequence and up to ``HOST_MAX_QUERIES``
-queries, on the CPU in float32, where the model has fused interleaved transposed copies
-(:func:`host_forward_unsupported_reason`). Everything else (several sequences, long prompts, CUDA,
+:meth:`LeanCausalLM.forward` uses it for calls of up to ``HOST_MAX_QUERIES`` query rows over all
+their sequences, on the CPU in float32, where the model has fused interleaved transposed copies
+(:func:`host_forward_unsupported_reason`). Everything else (long prompts, large batches, CUDA,
 bfloat16) takes the torch path: on a GPU no tensor ever leaves the device for this.
 """
 
@@ -57,18 +57,24 @@ def host_forward_unsupported_reason(lean) -> str | None:
     return None
 
 
-# Calls with more queries than this take the torch path (a long prompt's chain: the matrix products
-# dominate there, and buffers stay small).
+# Calls with more query rows than this (over all sequences) take the torch path: a long prompt's
+# chain or a large batch, where the matrix products dominate anyway; the buffers stay small.
 HOST_MAX_QUERIES = 64
+# Buffer sets kept per model, one per (sequences, queries) shape seen; past this many they are dropped.
+_MAX_SHAPES = 128
 
 
 class _Rows:
-    """The float32 work buffers for ``n`` queries, each seen as a numpy array and as a torch tensor
-    (shared memory): written in place by numpy and by ``torch.mm(..., out=)`` alike."""
+    """The float32 work buffers for ``batch`` sequences of ``n`` queries (``batch * n`` rows), each seen
+    as a numpy array and as a torch tensor (shared memory): written in place by numpy and by
+    ``torch.mm(..., out=)`` alike."""
 
-    def __init__(self, n: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> None:
+    def __init__(self, batch: int, n: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int) -> None:
+        rows = batch * n
+
         def pair(width: int) -> tuple[np.ndarray, Tensor]:
-            array = np.zeros((n, width), dtype=np.float32)
+            array = np.zeros((rows, width), dtype=np.float32)
             return array, torch.from_numpy(array)
 
         self.hidden, self.hidden_t = pair(hidden)  # the residual stream
@@ -76,27 +82,29 @@ class _Rows:
         self.qkv, self.qkv_t = pair((heads + 2 * kv_heads) * head_dim)
         self.gate_up, self.gate_up_t = pair(2 * intermediate)
         self.act, self.act_t = pair(intermediate)
-        self.attn, self.attn_t = pair(heads * head_dim)  # the attention output, (n, heads * head_dim)
+        self.attn, self.attn_t = pair(heads * head_dim)  # the attention output, (rows, heads * head_dim)
+        # the same as (batch, n, heads, head_dim), to copy SDPA's (batch, heads, n, head_dim) into
+        self.attn_heads = self.attn.reshape(batch, n, heads, head_dim)
         qk = (heads + kv_heads) * head_dim
         # q and k as complex pairs per head (rotated in place: interleaved rotary rows)
-        self.qk_complex = self.qkv[:, :qk].view(np.complex64).reshape(n, heads + kv_heads, head_dim // 2)
-        # the query as SDPA wants it, (1, heads, n, head_dim): a view of the buffer
-        self.query = self.qkv_t[:, :heads * head_dim].view(n, heads, head_dim).transpose(0, 1)[None]
-        # the new keys and values as the cache holds them, (kv_heads, n, head_dim): views
-        self.new_k = self.qkv[:, heads * head_dim:qk].reshape(n, kv_heads, head_dim).transpose(1, 0, 2)
-        self.new_v = self.qkv[:, qk:].reshape(n, kv_heads, head_dim).transpose(1, 0, 2)
+        self.qk_complex = self.qkv[:, :qk].view(np.complex64).reshape(rows, heads + kv_heads, head_dim // 2)
+        # the query as SDPA wants it, (batch, heads, n, head_dim): a view of the buffer
+        self.query = self.qkv_t[:, :heads * head_dim].view(batch, n, heads, head_dim).transpose(1, 2)
+        # the new keys and values as the cache holds them, (batch, kv_heads, n, head_dim): views
+        self.new_k = self.qkv[:, heads * head_dim:qk].reshape(batch, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
+        self.new_v = self.qkv[:, qk:].reshape(batch, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
         self.gate = self.gate_up[:, :intermediate]
         self.up = self.gate_up[:, intermediate:]
-        self.sumsq = np.zeros(n, dtype=np.float32)
+        self.sumsq = np.zeros(rows, dtype=np.float32)
 
 
 class HostForward:
-    """:meth:`LeanCausalLM.forward` for batch row 0 of a :class:`KVCache` and up to
-    ``HOST_MAX_QUERIES`` queries, with numpy doing the work between the matrix products.
+    """:meth:`LeanCausalLM.forward` for up to ``HOST_MAX_QUERIES`` query rows, with numpy doing the
+    work between the matrix products.
 
-    Call: ``forward(tokens, positions, start, cache, mask, causal, last_only)`` with ``tokens`` and
-    ``positions`` as (N,) integer numpy arrays and the rest as in ``LeanCausalLM.forward``; returns
-    (1, N, V) logits (N = 1 with ``last_only``), a fresh tensor.
+    Call: ``forward(tokens, positions, start, cache, mask, causal, last_only, first_row)`` with
+    ``tokens`` and ``positions`` as (B, N) integer numpy arrays and the rest as in
+    ``LeanCausalLM.forward``; returns (B, N, V) logits (N = 1 with ``last_only``), a fresh tensor.
     """
 
     def __init__(self, lean) -> None:
@@ -117,14 +125,16 @@ class HostForward:
         self.intermediate = self.layers[0][3].shape[1] // 2 if self.layers else 0
         self.lm_head = lean.lm_head.weight_t
         self.norm_eps = float(lean.norm_eps)
-        self._rows: dict[int, _Rows] = {}
+        self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
 
-    def rows(self, n: int) -> _Rows:
-        buffers = self._rows.get(n)
+    def rows(self, batch: int, n: int) -> _Rows:
+        buffers = self._rows.get((batch, n))
         if buffers is None:
-            buffers = self._rows[n] = _Rows(n, self.hidden, self.heads, self.kv_heads, self.head_dim,
-                                            self.intermediate)
+            if len(self._rows) >= _MAX_SHAPES:
+                self._rows.clear()
+            buffers = self._rows[batch, n] = _Rows(batch, n, self.hidden, self.heads, self.kv_heads,
+                                                   self.head_dim, self.intermediate)
         return buffers
 
     @staticmethod
@@ -144,22 +154,23 @@ class HostForward:
         np.divide(x, scale[:, None], out=rows.normed)
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
-                 causal: bool = False, last_only: bool = False) -> Tensor:
+                 causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:
         with self._lock:
-            return self._forward(tokens, positions, start, cache, mask, causal, last_only)
+            return self._forward(tokens, positions, start, cache, mask, causal, last_only, first_row)
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
-                 causal: bool, last_only: bool) -> Tensor:
+                 causal: bool, last_only: bool, first_row: int) -> Tensor:
         lean = self.lean
-        n = tokens.shape[0]
+        batch, n = tokens.shape
         end = start + n
         if end > cache.capacity:
             cache.grow(end)
         lean.ensure_rotary(end)
-        rotation = lean.rotary_numpy[positions][:, None]  # (N, 1, D/2) complex64
-        keys, values = cache.row0_arrays()
-        rows = self.rows(n)
-        np.take(self.embed, tokens, axis=0, out=rows.hidden)
+        rotation = lean.rotary_numpy[positions.reshape(-1)][:, None]  # (B * N, 1, D/2) complex64
+        all_keys, all_values = cache.arrays()
+        sequences = slice(first_row, first_row + batch)
+        rows = self.rows(batch, n)
+        np.take(self.embed, tokens.reshape(-1), axis=0, out=rows.hidden)
         is_causal = False
         if n > 1 and mask is None:
             if not causal:
@@ -176,14 +187,13 @@ class HostForward:
             if b_qkv is not None:
                 rows.qkv += b_qkv
             rows.qk_complex *= rotation
-            keys[index][:, start:end] = rows.new_k
-            values[index][:, start:end] = rows.new_v
+            keys, values = all_keys[index][sequences], all_values[index][sequences]
+            keys[:, :, start:end] = rows.new_k
+            values[:, :, start:end] = rows.new_v
             attn = torch.nn.functional.scaled_dot_product_attention(
-                rows.query, torch.from_numpy(keys[index][None, :, :end]),
-                torch.from_numpy(values[index][None, :, :end]), attn_mask=mask, is_causal=is_causal,
-                scale=scaling, enable_gqa=enable_gqa)  # (1, heads, N, D)
-            # (heads, N, D) -> (N, heads * D): a view for one query, one copy for several
-            np.copyto(rows.attn.reshape(n, self.heads, self.head_dim), attn.numpy()[0].transpose(1, 0, 2))
+                rows.query, torch.from_numpy(keys[:, :, :end]), torch.from_numpy(values[:, :, :end]),
+                attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)  # (B, heads, N, D)
+            np.copyto(rows.attn_heads, attn.numpy().transpose(0, 2, 1, 3))
             rows.hidden_t.addmm_(rows.attn_t, w_o)
             self._rms_into(rows, eps_post)
             torch.mm(rows.normed_t, w_gate_up, out=rows.gate_up_t)
@@ -195,8 +205,8 @@ class HostForward:
             act *= rows.up
             rows.hidden_t.addmm_(rows.act_t, w_down)
         if last_only and n > 1:
-            last = self.rows(1)
-            np.copyto(last.hidden, rows.hidden[-1:])
+            last = self.rows(batch, 1)
+            np.copyto(last.hidden, rows.hidden.reshape(batch, n, -1)[:, -1])
             rows, n = last, 1
         self._rms_into(rows, self.norm_eps)
-        return torch.mm(rows.normed_t, self.lm_head).view(1, n, -1)
+        return torch.mm(rows.normed_t, self.lm_head).view(batch, n, -1)

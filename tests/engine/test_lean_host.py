@@ -95,8 +95,8 @@ def test_a_broken_host_forward_is_caught(monkeypatch):
     host, plain = _both(target)
     real = host.host_forward._forward
 
-    def late(tokens, positions, start, cache, mask, causal, last_only):
-        return real(tokens, positions, start + 1, cache, mask, causal, last_only)
+    def late(tokens, positions, start, *rest):
+        return real(tokens, positions, start + 1, *rest)
 
     monkeypatch.setattr(host.host_forward, "_forward", late)
     caches = [lean.new_cache(1, 32) for lean in (host, plain)]
@@ -111,7 +111,7 @@ def test_a_broken_host_forward_is_caught(monkeypatch):
 
 def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     """fp32 Llama / Qwen2 on the CPU: yes. bfloat16, Qwen3's q/k norms, or GBV_HOST_FORWARD=0: no.
-    Several sequences and long chains take the torch path (they never reach the host forward)."""
+    Calls of more than HOST_MAX_QUERIES query rows take the torch path."""
     target, _ = hf_pair("llama", vocab=48, seed=5)
     lean = LeanCausalLM(target)
     assert lean.host_forward is not None
@@ -126,17 +126,51 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
 
     calls = []
     real = lean.host_forward._forward
-    monkeypatch.setattr(lean.host_forward, "_forward", lambda *args: calls.append(len(args[0])) or real(*args))
+    monkeypatch.setattr(lean.host_forward, "_forward", lambda *args: calls.append(args[0].shape) or real(*args))
     with torch.inference_mode():
         cache = lean.new_cache(2, 160)
-        lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
-        lean.forward(torch.ones(1, 3, dtype=torch.long), torch.arange(3)[None], 0, cache, None, causal=True,
-                     first_row=1)
         long = lean_host.HOST_MAX_QUERIES + 1
         lean.forward(torch.ones(1, long, dtype=torch.long), torch.arange(long)[None], 0, cache, None, causal=True)
+        half = long // 2 + 1
+        lean.forward(torch.ones(2, half, dtype=torch.long), torch.arange(half).expand(2, half), 0, cache, None,
+                     causal=True)
         assert calls == []
-        lean.forward(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], 0, cache, None, causal=True)
-    assert calls == [4]
+        lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
+        lean.forward(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], 0, cache, None, causal=True,
+                     first_row=1)
+    assert calls == [(2, 3), (1, 4)]
+
+
+def test_host_forward_over_several_sequences_equals_the_torch_forward():
+    """Rows of a batch (the batch engine's forwards): each row with its own positions, mask and dead
+    slots, from a first row other than 0, and a prefill into one row of a shared cache."""
+    target, _ = hf_pair("llama", vocab=48, seed=6, target_size=(64, 2))
+    host, plain = _both(target)
+    gen = torch.Generator().manual_seed(2)
+    caches = [lean.new_cache(4, 16) for lean in (host, plain)]
+    with torch.inference_mode():
+        for row, length in ((1, 5), (2, 9), (3, 3)):  # prefill rows 1-3 one by one (first_row), last only
+            prompt = torch.randint(0, 48, (1, length), generator=gen)
+            outs = [lean.forward(prompt, torch.arange(length)[None], 0, cache, None, causal=True, last_only=True,
+                                 first_row=row) for lean, cache in zip((host, plain), caches)]
+            torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+        lengths = torch.tensor([5, 9, 3])
+        start = 9
+        for n in (1, 4, 7):
+            tokens = torch.randint(0, 48, (3, n), generator=gen)
+            positions = lengths[:, None] + torch.arange(n)[None]
+            slots = torch.arange(start + n)
+            mask = (slots[None, None, :] < lengths[:, None, None]) | (
+                (slots[None, None, :] >= start) & (slots[None, None, :] - start <= torch.arange(n)[None, :, None]))
+            mask = mask & (torch.rand(3, n, start + n, generator=gen) < 0.8)
+            mask[:, torch.arange(n), start + torch.arange(n)] = True
+            outs = [lean.forward(tokens, positions, start, cache, mask[:, None], first_row=1)
+                    for lean, cache in zip((host, plain), caches)]
+            assert outs[0].shape == (3, n, 48)
+            torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+            start += n
+        for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+            torch.testing.assert_close(a[:, :, :start], b[:, :, :start], atol=1e-5, rtol=0)
 
 
 def test_the_engine_decodes_through_the_host_forward(monkeypatch):

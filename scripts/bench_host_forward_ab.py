@@ -1,0 +1,84 @@
+"""The host forward (gbv/engine/lean_host.py) on and off, in one run: single sequences and batches.
+
+    python scripts/bench_host_forward_ab.py --prompts 5               # 5 GSM8K + 5 HumanEval prompts
+    python scripts/bench_host_forward_ab.py --prompts 4 --batch 8     # batches of 8 rows as well
+
+Both variants use the same lean views of the bundled pair; "off" sets their ``host_forward`` to None
+(the torch forward, what ``GBV_HOST_FORWARD=0`` gives), "on" puts it back. For each prompt (and each
+batch of prompts) every row runs once per variant, in alternating order, with the same seed, 1
+thread, EOS off. Prints pooled tokens/s per row and variant and the ratio on/off; the machine is
+shared, so only the ratios within one run mean anything.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from gbv.data import load_prompts
+from gbv.engine.generate import generate
+from gbv.engine.tree_decoder import lean_model
+from gbv.models.loading import load_pair
+
+ROWS = [("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=5, help="prompts per data set (GSM8K, HumanEval)")
+    parser.add_argument("--batch", type=int, default=0, help="also decode batches of this many rows")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", default="0.2,1.0")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    pair = load_pair("bundled", dtype="float32")
+    views = [lean_model(pair.target), lean_model(pair.draft)]
+    host = [view.host_forward for view in views]
+    if any(h is None for h in host):
+        raise SystemExit("the bundled pair has no host forward here (GBV_HOST_FORWARD=0 set?)")
+
+    def use(on: bool) -> None:
+        for view, forward in zip(views, host):
+            view.host_forward = forward if on else None
+
+    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
+               + load_prompts("humaneval", args.prompts)]
+    groups = [[p] for p in prompts]
+    if args.batch > 1:
+        groups += [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    print("| rows | method | T | off tok/s | on tok/s | on/off |")
+    print("|---|---|---|---:|---:|---:|")
+    for temperature in [float(t) for t in args.temperature.split(",")]:
+        settings = dict(temperature=temperature, eos_token_id=[], max_new_tokens=args.max_new_tokens)
+        generate(pair, prompt_ids=prompts[0], method="gbv", num_paths=3, block_len=4, **{**settings,
+                 "max_new_tokens": 16})  # warm-up
+        totals = {}
+        for index, group in enumerate(groups):
+            for on in ((False, True) if index % 2 == 0 else (True, False)):
+                use(on)
+                for method, k, length in ROWS:
+                    start = time.perf_counter()
+                    if len(group) == 1:
+                        outs = [generate(pair, prompt_ids=group[0], method=method, num_paths=k, block_len=length,
+                                         seed=index, **settings)]
+                    else:
+                        outs = generate(pair, prompt_ids=group, method=method, num_paths=k, block_len=length,
+                                        seed=index, batch_size=len(group), **settings)
+                    seconds = time.perf_counter() - start
+                    key = (len(group), method, k, length, on)
+                    made = sum(len(out.token_ids) for out in outs)
+                    tokens, total = totals.get(key, (0, 0.0))
+                    totals[key] = (tokens + made, total + seconds)
+        use(True)
+        for size in sorted({len(g) for g in groups}):
+            for method, k, length in ROWS:
+                rate = {on: totals[size, method, k, length, on][0] / totals[size, method, k, length, on][1]
+                        for on in (False, True)}
+                name = f"{method} K={k} L={length}" if method != "ar" else "ar"
+                print(f"| {size} | {name} | {temperature} | {rate[False]:.1f} | {rate[True]:.1f} | "
+                      f"{rate[True] / rate[False]:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
