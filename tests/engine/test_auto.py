@@ -98,3 +98,49 @@ def test_one_early_rejection_does_not_zero_the_deeper_depths():
         policy.record(1, 3, 0.020)  # L = 8, accepted 2, rejected at depth 3
     assert policy.expected_tokens(1) > 4.0
     assert policy.expected_tokens(0) == pytest.approx(3.0, abs=0.01)
+
+
+def _reference_choice(policy: AutoPolicy, max_block: int | None) -> int:
+    """The UCB choice computed from scratch with :meth:`AutoPolicy.rate` (no cached rates)."""
+    import math
+
+    allowed = [i for i, arm in enumerate(policy.arms) if max_block is None or arm.block_len <= max_block]
+    for i in allowed:
+        if policy.runs[i] < auto._MIN_TRIALS:
+            return i
+    rates = {i: policy.rate(i) for i in allowed}
+    best_rate = max(rates.values()) or 1.0
+    total = sum(policy.trials[i] for i in allowed)
+    return max(allowed, key=lambda i: rates[i] + auto._BONUS * best_rate * math.sqrt(
+        math.log(max(total, 2.0)) / max(policy.trials[i], 1e-9)))
+
+
+def _replay_choices(policy: AutoPolicy, seed: int) -> list[tuple[int, int]]:
+    """Random iterations (the policy's own choices, random yields and clocks, some capped blocks):
+    the policy's choice and the from-scratch choice at every step."""
+    import random
+
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(400):
+        cap = rng.choice([None, None, None, 2, 4, 0])
+        chosen = policy.choose(cap)
+        pairs.append((chosen, _reference_choice(policy, cap)))
+        arm = policy.arms[chosen]
+        tokens = rng.randint(1, arm.block_len + 1) if arm.block_len else 1
+        policy.record(chosen, tokens, rng.uniform(0.5, 1.5) * (0.005 + 0.002 * arm.num_paths * arm.block_len))
+    return pairs
+
+
+def test_cached_rates_give_the_choices_of_rates_computed_afresh():
+    """choose() keeps each arm's rate until its family runs again; over random histories it picks
+    exactly the arm that the rates computed from scratch pick, every time (with and without
+    multi-path arms). The check can fail: rates kept across their family's runs pick other arms."""
+    for greedy in (False, True):
+        for seed in range(3):
+            pairs = _replay_choices(AutoPolicy(auto.default_arms(greedy, True)), seed)
+            assert all(mine == fresh for mine, fresh in pairs)
+    stale = AutoPolicy(auto.default_arms(False, True))
+    stale._members = {family: [] for family in stale._members}  # a family's runs leave its rates as they were
+    pairs = _replay_choices(stale, 0)
+    assert any(mine != fresh for mine, fresh in pairs)
