@@ -432,7 +432,8 @@ class LeanCausalLM:
             (B, N, V) logits (N = 1 with ``last_only``), in the model's dtype.
         """
         batch, n = tokens.shape
-        if batch * n <= HOST_MAX_QUERIES and self.host_forward is not None:
+        # One sequence only: for batches of 8 the host forward measured 0.96-0.99x (the products dominate).
+        if batch == 1 and n <= HOST_MAX_QUERIES and self.host_forward is not None:
             return self.host_forward(tokens.numpy(), positions.numpy(), start, cache, mask, causal, last_only,
                                      first_row)
         end = start + n

@@ -14,10 +14,12 @@ keys and values; only rounding differs (one row's RMS scale is computed in float
 ``tests/engine/test_lean_host.py`` compares the two forwards; every engine test (the chi-square law
 tests, greedy equality with Hugging Face) runs through this one.
 
-:meth:`LeanCausalLM.forward` uses it for calls of up to ``HOST_MAX_QUERIES`` query rows over all
-their sequences, on the CPU in float32, where the model has fused interleaved transposed copies
-(:func:`host_forward_unsupported_reason`). Everything else (long prompts, large batches, CUDA,
-bfloat16) takes the torch path: on a GPU no tensor ever leaves the device for this.
+:meth:`LeanCausalLM.forward` uses it for one sequence (any cache row) and up to
+``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the model has fused interleaved transposed
+copies (:func:`host_forward_unsupported_reason`). It can run several sequences, but in batches of 8
+it measured 0.96-0.99x the torch forward (``scripts/bench_host_forward_ab.py --batch 8``), so the
+batch engine's forwards of several rows, long prompts, CUDA and bfloat16 take the torch path: on a
+GPU no tensor ever leaves the device for this.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def host_forward_unsupported_reason(lean) -> str | None:
     return None
 
 
-# Calls with more query rows than this (over all sequences) take the torch path: a long prompt's
-# chain or a large batch, where the matrix products dominate anyway; the buffers stay small.
+# Calls with more queries than this take the torch path: a long prompt's chain, where the matrix
+# products dominate anyway; the buffers stay small.
 HOST_MAX_QUERIES = 64
 # Buffer sets kept per model, one per (sequences, queries) shape seen; past this many they are dropped.
 _MAX_SHAPES = 128

@@ -111,7 +111,8 @@ def test_a_broken_host_forward_is_caught(monkeypatch):
 
 def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     """fp32 Llama / Qwen2 on the CPU: yes. bfloat16, Qwen3's q/k norms, or GBV_HOST_FORWARD=0: no.
-    Calls of more than HOST_MAX_QUERIES query rows take the torch path."""
+    Calls of several sequences or more than HOST_MAX_QUERIES queries take the torch path; one
+    sequence in any cache row takes the host forward."""
     target, _ = hf_pair("llama", vocab=48, seed=5)
     lean = LeanCausalLM(target)
     assert lean.host_forward is not None
@@ -131,21 +132,26 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
         cache = lean.new_cache(2, 160)
         long = lean_host.HOST_MAX_QUERIES + 1
         lean.forward(torch.ones(1, long, dtype=torch.long), torch.arange(long)[None], 0, cache, None, causal=True)
-        half = long // 2 + 1
-        lean.forward(torch.ones(2, half, dtype=torch.long), torch.arange(half).expand(2, half), 0, cache, None,
-                     causal=True)
-        assert calls == []
         lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
+        assert calls == []
         lean.forward(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], 0, cache, None, causal=True,
                      first_row=1)
-    assert calls == [(2, 3), (1, 4)]
+        lean.forward(torch.ones(1, 1, dtype=torch.long), torch.tensor([[4]]), 4, cache, None)
+    assert calls == [(1, 4), (1, 1)]
 
 
 def test_host_forward_over_several_sequences_equals_the_torch_forward():
-    """Rows of a batch (the batch engine's forwards): each row with its own positions, mask and dead
-    slots, from a first row other than 0, and a prefill into one row of a shared cache."""
+    """Rows of a batch (the batch engine's forwards; the engine sends the host forward one sequence
+    at a time, so it is called directly here): each row with its own positions, mask and dead slots,
+    from a first row other than 0, and a prefill into one row of a shared cache."""
     target, _ = hf_pair("llama", vocab=48, seed=6, target_size=(64, 2))
     host, plain = _both(target)
+    direct = host.host_forward
+
+    def host_forward(tokens, positions, start, cache, mask, causal=False, last_only=False, first_row=0):
+        return direct(tokens.numpy(), positions.numpy(), start, cache, mask, causal, last_only, first_row)
+
+    host.forward = host_forward
     gen = torch.Generator().manual_seed(2)
     caches = [lean.new_cache(4, 16) for lean in (host, plain)]
     with torch.inference_mode():
