@@ -470,7 +470,7 @@ class MassBounds:
 
 
 # Relative margin of the cheap upper bound ``w * sum p`` of a residual mass, for the rounding of the sums.
-_MASS_MARGIN = 1e-9
+MASS_MARGIN = 1e-9
 
 
 def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], weights: list[float],
@@ -487,7 +487,7 @@ def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
     key_h, q_h, p_h = host_array(key), host_array(q), host_array(p)
     law_h = law.on_host()
     totals = p_h[rows].sum(-1, dtype=np.float64).tolist()
-    high = [w * total * (1.0 + _MASS_MARGIN) for w, total in zip(weights, totals)]
+    high = [w * total * (1.0 + MASS_MARGIN) for w, total in zip(weights, totals)]
     splits: dict[int, _BucketSplit] = {}
 
     def split(j: int) -> _BucketSplit:

@@ -549,7 +549,7 @@ def test_bounds_that_miss_the_exact_mass_are_caught(monkeypatch, broken):
     bounds that miss the exact probability: either way the check fails."""
     coarse_buckets(monkeypatch)
     if broken == "cheap":
-        monkeypatch.setattr(ranking, "_MASS_MARGIN", -0.5)
+        monkeypatch.setattr(ranking, "MASS_MARGIN", -0.5)
     real_split = ranking._split_buckets
 
     def split_with_one_bound(*args):

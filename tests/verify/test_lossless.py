@@ -63,6 +63,24 @@ def test_lossless_larger(name, vocab, length, num_paths, kind):
     check_lossless(name, vocab, length, num_paths, kind)
 
 
+# BV has two forms: the host form (block_verify_host: the CPU's, run by the grid above) and the device
+# form (block_verify_on_device: off the CPU). The device form on the same one-path grid points:
+# lossless, and the same expected accepted length as the host form.
+def _block_on_device(draft_tokens, q, p, rng) -> VerifyResult:
+    from gbv.verify.block import block_verify_on_device
+    from gbv.verify.common import host_ints
+
+    check_shapes(draft_tokens, q, p)
+    return VerifyResult(0, *host_ints(*block_verify_on_device(draft_tokens[0], q[0], p[0], rng)))
+
+
+@pytest.mark.parametrize("vocab,length,num_paths,kind", [point for point in FAST if point[2] == 1])
+def test_block_device_form_lossless(vocab, length, num_paths, kind):
+    from exact_checks import check_device_form
+
+    check_device_form(_block_on_device, get_verifier("block"), vocab, length, num_paths, kind)
+
+
 @pytest.mark.parametrize("name", ["token", "block"])
 def test_single_path_methods_ignore_extra_paths(name):
     """Given K > 1 paths, token and block use path 0 only: still lossless, same accepted length."""
@@ -194,10 +212,19 @@ def test_master_check_catches_broken_token_sampler(bug):
     assert master_check_fails(lambda t, q, p, rng: reference_token(t, q, p, rng, bug=bug))
 
 
-def test_master_check_catches_monkeypatched_production_block(monkeypatch):
-    """The production BV with its correction drawn from the unscaled residual (weight ignored)."""
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_master_check_catches_monkeypatched_production_block(form, monkeypatch):
+    """The production BV, in each of its forms (host: the CPU's; device: off the CPU, forced here),
+    with its residual taken unscaled (weight ignored)."""
     import gbv.verify.block as block_module
 
-    real_residual = block_module.residual_on_device
-    monkeypatch.setattr(block_module, "residual_on_device", lambda p, q, scale=1.0: real_residual(p, q))
+    assert not master_check_fails(get_verifier("block"))  # the form as it is passes the same check
+    if form == "device":
+        monkeypatch.setattr(block_module, "uses_device_form", lambda p: True)
+        assert not master_check_fails(get_verifier("block"))
+        real_residual = block_module.residual_on_device
+        monkeypatch.setattr(block_module, "residual_on_device", lambda p, q, scale=1.0: real_residual(p, q))
+    else:
+        real_part = block_module.positive_part_row
+        monkeypatch.setattr(block_module, "positive_part_row", lambda p, q, w: real_part(p, q, 1.0))
     assert master_check_fails(get_verifier("block"))
