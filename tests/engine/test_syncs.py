@@ -104,11 +104,13 @@ def test_replay_random_checks_every_refinements_bounds():
 
 @pytest.mark.parametrize("method", ["token", "block", "gbv", "gbv-adaptive"])
 def test_verify_call_reads_the_host_once(method, monkeypatch):
-    """One path: token and BV, and GBV / gbv-adaptive, which are BV with one path. BV's device form
-    (what runs off the CPU) is forced: its host form reads numpy views of the rows."""
+    """One path: token and BV, and GBV / gbv-adaptive, which are BV with one path. The device forms of
+    token and BV (what runs off the CPU) are forced: their host forms read numpy views of the rows."""
     import gbv.verify.block as block_module
+    import gbv.verify.token as token_module
 
-    monkeypatch.setattr(block_module, "uses_device_form", lambda p: True)
+    for module in (block_module, token_module):
+        monkeypatch.setattr(module, "uses_device_form", lambda p: True)
     tokens, q, p = verify_inputs()
     verifier = get_verifier(method)
     rng = TorchRandom(seed=0)
@@ -152,9 +154,10 @@ def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
     import gbv.verify.gbv_adaptive as gbv_adaptive_module
     import gbv.verify.specinfer as specinfer_module
     import gbv.verify.spectr as spectr_module
+    import gbv.verify.token as token_module
     import gbv.verify.traversal as traversal_module
 
-    for module in (block_module, gbv_module, gbv_adaptive_module, specinfer_module, spectr_module, traversal_module):
+    for module in (block_module, token_module, gbv_module, gbv_adaptive_module, specinfer_module, spectr_module, traversal_module):
         monkeypatch.setattr(module, "uses_device_form", lambda p: True)
     # The host forward (lean_host.py) reads its tokens and the attention through numpy: free on the CPU,
     # and never used on a GPU. Counted here is what a GPU runs: the torch forward.

@@ -63,9 +63,9 @@ def test_lossless_larger(name, vocab, length, num_paths, kind):
     check_lossless(name, vocab, length, num_paths, kind)
 
 
-# BV has two forms: the host form (block_verify_host: the CPU's, run by the grid above) and the device
-# form (block_verify_on_device: off the CPU). The device form on the same one-path grid points:
-# lossless, and the same expected accepted length as the host form.
+# BV and token-level sampling have two forms each: the host form (the CPU's, run by the grid above)
+# and the device form (off the CPU). The device forms on the same one-path grid points: lossless, and
+# the same expected accepted length as the host forms.
 def _block_on_device(draft_tokens, q, p, rng) -> VerifyResult:
     from gbv.verify.block import block_verify_on_device
     from gbv.verify.common import host_ints
@@ -74,11 +74,20 @@ def _block_on_device(draft_tokens, q, p, rng) -> VerifyResult:
     return VerifyResult(0, *host_ints(*block_verify_on_device(draft_tokens[0], q[0], p[0], rng)))
 
 
+def _token_on_device(draft_tokens, q, p, rng) -> VerifyResult:
+    from gbv.verify.token import token_verify_on_device
+
+    check_shapes(draft_tokens, q, p)
+    return VerifyResult(0, *token_verify_on_device(draft_tokens[0], q[0], p[0], rng))
+
+
+@pytest.mark.parametrize("name", ["block", "token"])
 @pytest.mark.parametrize("vocab,length,num_paths,kind", [point for point in FAST if point[2] == 1])
-def test_block_device_form_lossless(vocab, length, num_paths, kind):
+def test_single_path_device_forms_lossless(name, vocab, length, num_paths, kind):
     from exact_checks import check_device_form
 
-    check_device_form(_block_on_device, get_verifier("block"), vocab, length, num_paths, kind)
+    device = {"block": _block_on_device, "token": _token_on_device}[name]
+    check_device_form(device, get_verifier(name), vocab, length, num_paths, kind)
 
 
 @pytest.mark.parametrize("name", ["token", "block"])
@@ -228,3 +237,20 @@ def test_master_check_catches_monkeypatched_production_block(form, monkeypatch):
         real_part = block_module.positive_part_row
         monkeypatch.setattr(block_module, "positive_part_row", lambda p, q, w: real_part(p, q, 1.0))
     assert master_check_fails(get_verifier("block"))
+
+
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_master_check_catches_monkeypatched_production_token(form, monkeypatch):
+    """The production token-level sampler, in each form, with its correction drawn from ``p`` alone
+    (``q`` ignored)."""
+    import gbv.verify.token as token_module
+
+    if form == "device":
+        monkeypatch.setattr(token_module, "uses_device_form", lambda p: True)
+        assert not master_check_fails(get_verifier("token"))
+        real_residual = token_module.residual_on_device
+        monkeypatch.setattr(token_module, "residual_on_device", lambda p, q, scale=1.0: real_residual(p, 0.0 * q))
+    else:
+        assert not master_check_fails(get_verifier("token"))
+        monkeypatch.setattr(token_module, "residual_row_host", lambda p, q: p.astype(np.float64))
+    assert master_check_fails(get_verifier("token"))
