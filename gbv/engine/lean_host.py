@@ -77,7 +77,8 @@ class _Rows:
 
         def pair(width: int) -> tuple[np.ndarray, Tensor]:
             array = np.zeros((rows, width), dtype=np.float32)
-            return array, torch.from_numpy(array)
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                return array, torch.from_numpy(array)
 
         self.hidden, self.hidden_t = pair(hidden)  # the residual stream
         self.normed, self.normed_t = pair(hidden)
@@ -91,7 +92,8 @@ class _Rows:
         # q and k as complex pairs per head (rotated in place: interleaved rotary rows)
         self.qk_complex = self.qkv[:, :qk].view(np.complex64).reshape(rows, heads + kv_heads, head_dim // 2)
         # the query as SDPA wants it, (batch, heads, n, head_dim): a view of the buffer
-        self.query = self.qkv_t[:, :heads * head_dim].view(batch, n, heads, head_dim).transpose(1, 2)
+        with torch.inference_mode(False):
+            self.query = self.qkv_t[:, :heads * head_dim].view(batch, n, heads, head_dim).transpose(1, 2)
         # the new keys and values as the cache holds them, (batch, kv_heads, n, head_dim): views
         self.new_k = self.qkv[:, heads * head_dim:qk].reshape(batch, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
         self.new_v = self.qkv[:, qk:].reshape(batch, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
@@ -157,7 +159,8 @@ class HostForward:
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
                  causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:
-        with self._lock:
+        # (no_grad: the products write into buffers, which autograd refuses for weights that need grad)
+        with self._lock, torch.no_grad():
             return self._forward(tokens, positions, start, cache, mask, causal, last_only, first_row)
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,

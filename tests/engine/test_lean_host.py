@@ -206,3 +206,17 @@ def test_the_engine_decodes_through_the_host_forward(monkeypatch):
     assert counts["n"] == used  # nothing ran through it with GBV_HOST_FORWARD=0
     assert outs["1"] == outs["0"]
     assert np.all([len(tokens) == 24 for tokens in outs["1"]])
+
+
+def test_host_forward_in_and_out_of_inference_mode():
+    """Buffers first made inside inference mode stay writable outside it, and weights that need grad
+    (an HF model outside no_grad) do not stop the products written into buffers."""
+    target, _ = hf_pair("llama", vocab=48, seed=5)
+    host, plain = _both(target)
+    tokens, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+    with torch.inference_mode():
+        inside = host.forward(tokens, positions, 0, host.new_cache(1, 8), None, causal=True)
+    outside = host.forward(tokens, positions, 0, host.new_cache(1, 8), None, causal=True)
+    reference = plain.forward(tokens, positions, 0, plain.new_cache(1, 8), None, causal=True)
+    assert torch.equal(inside, outside)
+    torch.testing.assert_close(outside, reference.detach(), atol=2e-5, rtol=0)
