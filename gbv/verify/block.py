@@ -135,18 +135,35 @@ def positive_part_row(p_row: np.ndarray, q_row: np.ndarray, w: float) -> np.ndar
     return np.maximum(w * p_row.astype(np.float64) - q_row, 0.0)
 
 
+def on_path_host(tokens: Tensor, q_path: Tensor, p_path: Tensor) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """numpy views of one path's (L, V) q and (L+1, V) p rows, and the on-path ratios
+    ``p_{i-1}(x_i) / q_{i-1}(x_i)`` in float64 (inf where only q is 0; 0 for 0 / 0): the start of the
+    host forms of BV and of token-level sampling."""
+    q_h, p_h = host_array(q_path), host_array(p_path)
+    depth = np.arange(tokens.shape[0])
+    drafted = host_array(tokens)
+    p_on = p_h[depth, drafted].astype(np.float64).tolist()
+    q_on = q_h[depth, drafted].astype(np.float64).tolist()
+    ratios = [pp / qq if qq > 0.0 else (math.inf if pp > 0.0 else 0.0) for pp, qq in zip(p_on, q_on)]
+    return q_h, p_h, ratios
+
+
+def normalized_or(dist: np.ndarray, fallback: Tensor) -> Tensor:
+    """``dist / dist.sum()`` as a tensor, or ``fallback`` where ``dist`` has no mass (a branch of
+    probability 0 in exact arithmetic: round-off only, as :func:`gbv.verify.common.normalize_or`)."""
+    total = float(dist.sum())
+    if total <= 0.0:
+        return fallback
+    return torch.from_numpy(dist / total)
+
+
 def block_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource) -> tuple[int, int]:
     """BV on one path on the host: :func:`block_verify_core` with the rows as numpy views (float64
     sums), each residual mass computed only when its stop coin needs it (bounds ``0 <= r_i <= w_i
     sum p_i`` first). Why: the tensor form is about 100 small torch calls, ~1 ms at V = 4096 on this
     CPU; this is a few dozen numpy calls. Shapes as :func:`block_verify_on_device`."""
     block_len = tokens.shape[0]
-    q_h, p_h = host_array(q_path), host_array(p_path)
-    depth = np.arange(block_len)
-    drafted = host_array(tokens)
-    p_on = p_h[depth, drafted].astype(np.float64).tolist()
-    q_on = q_h[depth, drafted].astype(np.float64).tolist()
-    ratios = [pp / qq if qq > 0.0 else (math.inf if pp > 0.0 else 0.0) for pp, qq in zip(p_on, q_on)]
+    q_h, p_h, ratios = on_path_host(tokens, q_path, p_path)
 
     def positive_part(i: int, w: float) -> np.ndarray:
         return positive_part_row(p_h[i], q_h[i], w)
@@ -158,11 +175,7 @@ def block_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: Rando
                           exact=lambda j: float(positive_part(rows[j], weights[j]).sum()))
 
     def residual_dist(i: int, w: float) -> Tensor:
-        dist = positive_part(i, w)
-        total = float(dist.sum())
-        if total <= 0.0:  # a branch of probability 0 in exact arithmetic: round-off only (as normalize_or)
-            return p_path[i]
-        return torch.from_numpy(dist / total)
+        return normalized_or(positive_part(i, w), p_path[i])
 
     return block_verify_core(ratios, residual_bounds, residual_dist, p_path[block_len], rng)
 

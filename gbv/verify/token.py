@@ -12,12 +12,11 @@ numpy views of the rows (the CPU's: a few numpy calls instead of ~40 small torch
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch import Tensor
 
+from gbv.verify.block import normalized_or, on_path_host
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs, residual_on_device,
                                take_row, uses_device_form)
-from gbv.verify.ranking import host_array
 
 
 def token_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource) -> tuple[int, int]:
@@ -48,18 +47,10 @@ def token_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: Rando
     draw from ``norm((p - q)+)`` (float64), or from ``p_L`` after a full block. Shapes as
     :func:`token_verify_on_device`."""
     block_len = tokens.shape[0]
-    q_h, p_h = host_array(q_path), host_array(p_path)
-    depth = np.arange(block_len)
-    drafted = host_array(tokens)
-    p_on = p_h[depth, drafted].astype(np.float64).tolist()
-    q_on = q_h[depth, drafted].astype(np.float64).tolist()
-    for i in range(block_len):
-        if not rng.accept(min(1.0, p_on[i] / q_on[i]) if q_on[i] > 0.0 else (1.0 if p_on[i] > 0.0 else 0.0)):
-            dist = residual_row_host(p_h[i], q_h[i])
-            total = float(dist.sum())
-            if total <= 0.0:  # a branch of probability 0 in exact arithmetic: round-off only (as normalize_or)
-                return i, rng.sample(p_path[i])
-            return i, rng.sample(torch.from_numpy(dist / total))
+    q_h, p_h, ratios = on_path_host(tokens, q_path, p_path)
+    for i, ratio in enumerate(ratios):
+        if not rng.accept(min(1.0, ratio)):
+            return i, rng.sample(normalized_or(residual_row_host(p_h[i], q_h[i]), p_path[i]))
     return block_len, rng.sample(p_path[block_len])
 
 
