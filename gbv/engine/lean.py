@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.lean_host import HOST_MAX_QUERIES, HostForward, host_forward_unsupported_reason
+from gbv.engine.lean_host import HOST_MAX_QUERIES, HostForward, attention_mask, host_forward_unsupported_reason
 
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
@@ -364,7 +364,7 @@ class LeanCausalLM:
         self.device = self.embed.device
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
         self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
-        self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host decode step)
+        self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host forward)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
 
@@ -447,14 +447,7 @@ class LeanCausalLM:
         # The hidden states are 2D, (B * N, hidden), between the attention blocks: every product is one
         # mm / addmm call on them (a 3D input costs matmul's dispatch and two views, ~7 us a product).
         hidden = torch.embedding(self.embed, tokens.reshape(-1))  # (F.embedding's checks cost per call)
-        if mask is None and n > 1 and not causal:
-            raise ValueError("several queries need a mask or causal=True")
-        use_causal = mask is None and causal and start == 0 and n > 1
-        # One query needs no mask: it attends every slot up to its own, which is all of them. (A mask
-        # of all True costs its construction and SDPA's float conversion of it in every layer.)
-        if mask is None and causal and start > 0 and n > 1:
-            slots = torch.arange(end, device=tokens.device)
-            mask = (slots[None, :] <= slots[start:end, None])[None, None]
+        mask, use_causal = attention_mask(mask, causal, start, n, tokens.device)
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, layer.input_eps)

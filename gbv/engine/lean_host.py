@@ -59,6 +59,22 @@ def host_forward_unsupported_reason(lean) -> str | None:
     return None
 
 
+def attention_mask(mask: Tensor | None, causal: bool, start: int, n: int, device) -> tuple[Tensor | None, bool]:
+    """What SDPA gets for ``n`` queries written from slot ``start`` (both forwards):
+    ``(mask, is_causal)``. A given mask as it is. None for one query: it attends every slot up to its
+    own, which is all of them (a mask of all True costs its construction and SDPA's float conversion
+    in every layer). A causal chain from slot 0: SDPA's own causal flag. A causal chain after a
+    prefix: the mask "slot <= own slot"."""
+    if mask is not None or n == 1:
+        return mask, False
+    if not causal:
+        raise ValueError("several queries need a mask or causal=True")
+    if start == 0:
+        return None, True
+    slots = torch.arange(start + n, device=device)
+    return (slots[None, :] <= slots[start:, None])[None, None], False
+
+
 # Calls with more queries than this take the torch path: a long prompt's chain, where the matrix
 # products dominate anyway; the buffers stay small.
 HOST_MAX_QUERIES = 64
@@ -176,15 +192,7 @@ class HostForward:
         sequences = slice(first_row, first_row + batch)
         rows = self.rows(batch, n)
         np.take(self.embed, tokens.reshape(-1), axis=0, out=rows.hidden)
-        is_causal = False
-        if n > 1 and mask is None:
-            if not causal:
-                raise ValueError("several queries need a mask or causal=True")
-            if start == 0:
-                is_causal = True
-            else:
-                slots = torch.arange(end)
-                mask = (slots[None, :] <= slots[start:end, None])[None, None]
+        mask, is_causal = attention_mask(mask, causal, start, n, cache.keys[0].device)
         enable_gqa = self.kv_heads != self.heads
         for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
             self._rms_into(rows, eps_in)

@@ -11,10 +11,9 @@ numpy views of the rows (the CPU's: a few numpy calls instead of ~40 small torch
 
 from __future__ import annotations
 
-import numpy as np
 from torch import Tensor
 
-from gbv.verify.block import normalized_or, on_path_host
+from gbv.verify.block import normalized_or, on_path_host, positive_part_row
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs, residual_on_device,
                                take_row, uses_device_form)
 
@@ -37,11 +36,6 @@ def token_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: 
     return tau, token
 
 
-def residual_row_host(p_row: np.ndarray, q_row: np.ndarray) -> np.ndarray:
-    """``(p - q)+`` of one node's (V,) rows, in float64 (token-level sampling's correction, unnormalised)."""
-    return np.maximum(p_row.astype(np.float64) - q_row, 0.0)
-
-
 def token_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource) -> tuple[int, int]:
     """The sequential rule on the host: one coin per drafted token until the first rejection, then a
     draw from ``norm((p - q)+)`` (float64), or from ``p_L`` after a full block. Shapes as
@@ -50,7 +44,7 @@ def token_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: Rando
     q_h, p_h, ratios = on_path_host(tokens, q_path, p_path)
     for i, ratio in enumerate(ratios):
         if not rng.accept(min(1.0, ratio)):
-            return i, rng.sample(normalized_or(residual_row_host(p_h[i], q_h[i]), p_path[i]))
+            return i, rng.sample(normalized_or(positive_part_row(p_h[i], q_h[i], 1.0), p_path[i]))
     return block_len, rng.sample(p_path[block_len])
 
 

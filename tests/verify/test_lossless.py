@@ -252,5 +252,5 @@ def test_master_check_catches_monkeypatched_production_token(form, monkeypatch):
         monkeypatch.setattr(token_module, "residual_on_device", lambda p, q, scale=1.0: real_residual(p, 0.0 * q))
     else:
         assert not master_check_fails(get_verifier("token"))
-        monkeypatch.setattr(token_module, "residual_row_host", lambda p, q: p.astype(np.float64))
+        monkeypatch.setattr(token_module, "positive_part_row", lambda p, q, w: p.astype(np.float64))
     assert master_check_fails(get_verifier("token"))
