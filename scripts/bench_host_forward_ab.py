@@ -1,10 +1,13 @@
-"""The host forward (gbv/engine/lean_host.py) on and off, in one run: single sequences and batches.
+"""The host forward (gbv/engine/lean_host.py), or its panel kernel, on and off in one run.
 
     python scripts/bench_host_forward_ab.py --prompts 5               # 5 GSM8K + 5 HumanEval prompts
     python scripts/bench_host_forward_ab.py --prompts 4 --batch 8     # batches of 8 rows as well
+    python scripts/bench_host_forward_ab.py --switch kernels           # its compiled kernels
 
-Both variants use the same lean views of the bundled pair; "off" sets their ``host_forward`` to None
-(the torch forward, what ``GBV_HOST_FORWARD=0`` gives), "on" puts it back. For each prompt (and each
+Both variants use the same lean views of the bundled pair. With ``--switch host`` (the default),
+"off" sets their ``host_forward`` to None (the torch forward, what ``GBV_HOST_FORWARD=0`` gives); with
+``--switch panels``, "off" gives the host forward's products to torch's GEMM (what ``GBV_PANELS=0``
+gives). "on" puts it back. For each prompt (and each
 batch of prompts) every row runs once per variant, in alternating order, with the same seed, 1
 thread, EOS off. Prints pooled tokens/s per row and variant and the ratio on/off; the machine is
 shared, so only the ratios within one run mean anything.
@@ -30,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=0, help="also decode batches of this many rows")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0.2,1.0")
+    parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention"], default="host",
+                        help="what to turn off: the host forward, or its compiled kernels (both or one)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype="float32")
@@ -37,10 +42,19 @@ def main(argv: list[str] | None = None) -> None:
     host = [view.host_forward for view in views]
     if any(h is None for h in host):
         raise SystemExit("the bundled pair has no host forward here (GBV_HOST_FORWARD=0 set?)")
+    kernels = {"kernels": ("panels_off", "attention_off"), "panels": ("panels_off",),
+               "attention": ("attention_off",)}.get(args.switch, ())
+    reasons = [getattr(h, name) for h in host for name in kernels if getattr(h, name)]
+    if reasons:
+        raise SystemExit(f"the compiled kernels do not run here: {reasons[0]}")
 
     def use(on: bool) -> None:
         for view, forward in zip(views, host):
-            view.host_forward = forward if on else None
+            if args.switch == "host":
+                view.host_forward = forward if on else None
+            else:
+                for name in kernels:
+                    setattr(forward, name, None if on else "off for the A/B run")
 
     prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
                + load_prompts("humaneval", args.prompts)]

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gbv.engine.host_kernels import PanelWeight, attention_into, host_kernels_unavailable
+
 
 def host_forward_unsupported_reason(lean) -> str | None:
     """None when :class:`HostForward` can run ``lean`` (a ``LeanCausalLM``); else why not.
@@ -78,6 +80,13 @@ def attention_mask(mask: Tensor | None, causal: bool, start: int, n: int, device
 # Calls with more queries than this take the torch path: a long prompt's chain, where the matrix
 # products dominate anyway; the buffers stay small.
 HOST_MAX_QUERIES = 64
+# Calls of up to this many query rows use the compiled kernels (host_kernels.py), more use torch's GEMM
+# and SDPA. On the bundled target the products measured 1.4-2.1x MKL from 1 to 9 rows, 1.17x at 13 and
+# 0.9x at 25; the attention 1.3-2x SDPA up to 7 queries, 0.8x at 25.
+KERNEL_MAX_ROWS = 12
+# Panel copies are a further copy of the weights: only for models this small (those that run on one
+# thread by default, gbv/engine/threads.py), whose steps the memory traffic of the products bounds.
+PANEL_MAX_PARAMETERS = 100_000_000
 # Buffer sets kept per model, one per (sequences, queries) shape seen; past this many they are dropped.
 _MAX_SHAPES = 128
 
@@ -118,6 +127,26 @@ class _Rows:
         self.sumsq = np.zeros(rows, dtype=np.float32)
 
 
+class _Product:
+    """One weight of the host forward, ``y = x @ W`` for a (K, N) ``weight_t``: torch's GEMM, or the
+    panel kernel on a packed copy (``panel``, None where the kernels are not used)."""
+
+    def __init__(self, weight_t: Tensor, panels: bool) -> None:
+        self.weight_t = weight_t
+        self.panel = PanelWeight(weight_t) if panels else None
+
+    def into(self, x: np.ndarray, x_t: Tensor, out: np.ndarray, out_t: Tensor, accumulate: bool,
+             panels: bool) -> None:
+        """``out = x @ W`` (``out += x @ W`` when accumulating); ``x``/``x_t`` and ``out``/``out_t`` are
+        the numpy and torch views of the same buffers."""
+        if panels and self.panel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+            self.panel.matmul_into(x, out, accumulate)
+        elif accumulate:
+            out_t.addmm_(x_t, self.weight_t)
+        else:
+            torch.mm(x_t, self.weight_t, out=out_t)
+
+
 class HostForward:
     """:meth:`LeanCausalLM.forward` for up to ``HOST_MAX_QUERIES`` query rows, with numpy doing the
     work between the matrix products.
@@ -135,15 +164,25 @@ class HostForward:
         self.heads, self.kv_heads, self.head_dim = lean.num_heads, lean.kv_heads, lean.head_dim
         self.hidden = lean.embed.shape[1]
         self.embed = lean.embed.detach().numpy()
+        # Why the compiled kernels are not used (None when they are, on one torch thread; see
+        # host_kernels.py): the products' (``panels_off``) and the attention's (``attention_off``).
+        self.attention_off = host_kernels_unavailable()
+        if self.attention_off is None and self.head_dim % 8:
+            self.attention_off = "head_dim not a multiple of 8"
+        self.panels_off = host_kernels_unavailable()
+        if self.panels_off is None and sum(m.weight_t.numel() for m in lean.matrices()) > PANEL_MAX_PARAMETERS:
+            self.panels_off = f"more than {PANEL_MAX_PARAMETERS:,} parameters"
+        panels = self.panels_off is None
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
             bias = None if qkv.bias is None else qkv.bias.detach().numpy()
-            self.layers.append((qkv.weight_t, bias, layer.o.weight_t, layer.gate_up.parts[0].weight_t,
-                                layer.down.weight_t, float(layer.input_eps), float(layer.post_eps),
-                                float(layer.scaling)))
-        self.intermediate = self.layers[0][3].shape[1] // 2 if self.layers else 0
-        self.lm_head = lean.lm_head.weight_t
+            self.layers.append((_Product(qkv.weight_t, panels), bias, _Product(layer.o.weight_t, panels),
+                                _Product(layer.gate_up.parts[0].weight_t, panels),
+                                _Product(layer.down.weight_t, panels), float(layer.input_eps),
+                                float(layer.post_eps), float(layer.scaling)))
+        self.intermediate = self.layers[0][3].weight_t.shape[1] // 2 if self.layers else 0
+        self.lm_head = _Product(lean.lm_head.weight_t, panels)
         self.norm_eps = float(lean.norm_eps)
         self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
@@ -192,34 +231,55 @@ class HostForward:
         sequences = slice(first_row, first_row + batch)
         rows = self.rows(batch, n)
         np.take(self.embed, tokens.reshape(-1), axis=0, out=rows.hidden)
-        mask, is_causal = attention_mask(mask, causal, start, n, cache.keys[0].device)
+        # The kernels run on one thread: with more, torch's GEMM and SDPA are left the work.
+        one_thread = torch.get_num_threads() == 1
+        panels = self.panels_off is None and one_thread
+        if self.attention_off is None and one_thread and n <= KERNEL_MAX_ROWS:
+            if mask is None and not causal and n > 1:
+                raise ValueError("several queries need a mask or causal=True")
+            # the kernel's own rule without a mask: query i attends slots 0 .. start + i
+            kernel_masks = None if mask is None else np.ascontiguousarray(mask.numpy()[:, 0])  # (B, N, end)
+            attend = True
+        else:
+            mask, is_causal = attention_mask(mask, causal, start, n, cache.keys[0].device)
+            attend = False
         enable_gqa = self.kv_heads != self.heads
         for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
             self._rms_into(rows, eps_in)
-            torch.mm(rows.normed_t, w_qkv, out=rows.qkv_t)
+            w_qkv.into(rows.normed, rows.normed_t, rows.qkv, rows.qkv_t, False, panels)
             if b_qkv is not None:
                 rows.qkv += b_qkv
             rows.qk_complex *= rotation
             keys, values = all_keys[index][sequences], all_values[index][sequences]
             keys[:, :, start:end] = rows.new_k
             values[:, :, start:end] = rows.new_v
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                rows.query, torch.from_numpy(keys[:, :, :end]), torch.from_numpy(values[:, :, :end]),
-                attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)  # (B, heads, N, D)
-            np.copyto(rows.attn_heads, attn.numpy().transpose(0, 2, 1, 3))
-            rows.hidden_t.addmm_(rows.attn_t, w_o)
+            if attend:
+                for b in range(batch):
+                    attention_into(rows.qkv[b * n:(b + 1) * n], keys[b], values[b], rows.attn[b * n:(b + 1) * n],
+                                   None if kernel_masks is None else kernel_masks[b], self.heads, start, end,
+                                   scaling)
+            else:
+                attn = torch.nn.functional.scaled_dot_product_attention(
+                    rows.query, torch.from_numpy(keys[:, :, :end]), torch.from_numpy(values[:, :, :end]),
+                    attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)  # (B, heads, N, D)
+                np.copyto(rows.attn_heads, attn.numpy().transpose(0, 2, 1, 3))
+            w_o.into(rows.attn, rows.attn_t, rows.hidden, rows.hidden_t, True, panels)
             self._rms_into(rows, eps_post)
-            torch.mm(rows.normed_t, w_gate_up, out=rows.gate_up_t)
+            w_gate_up.into(rows.normed, rows.normed_t, rows.gate_up, rows.gate_up_t, False, panels)
             act = rows.act  # SiLU(g) * u = g * u / (1 + exp(-g))
             np.negative(rows.gate, out=act)
             np.exp(act, out=act)
             act += 1.0
             np.divide(rows.gate, act, out=act)
             act *= rows.up
-            rows.hidden_t.addmm_(rows.act_t, w_down)
+            w_down.into(rows.act, rows.act_t, rows.hidden, rows.hidden_t, True, panels)
         if last_only and n > 1:
             last = self.rows(batch, 1)
             np.copyto(last.hidden, rows.hidden.reshape(batch, n, -1)[:, -1])
             rows, n = last, 1
         self._rms_into(rows, self.norm_eps)
-        return torch.mm(rows.normed_t, self.lm_head).view(batch, n, -1)
+        # The logits leave in a fresh tensor (the caller keeps them).
+        logits = np.empty((rows.normed.shape[0], self.lm_head.weight_t.shape[1]), dtype=np.float32)
+        logits_t = torch.from_numpy(logits)
+        self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False, panels)
+        return logits_t.view(batch, n, -1)

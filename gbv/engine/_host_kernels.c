@@ -1,0 +1,389 @@
+/* The host forward's compiled kernels (float32, x86-64 with AVX2 and FMA): products of a few rows
+ * by a weight packed in column panels, and attention of a few queries over a sequence's cache.
+ *
+ * Products. Why: on the CPUs this project is measured on, MKL's and OpenBLAS's float32 GEMM of a few rows by
+ * a weight matrix runs at about a quarter of the core's arithmetic rate and far under its memory
+ * rate: the bundled target's matrices cost 2.5 ms for 1 row but 6-7 ms for 5 rows (docs/ENGINE.md,
+ * "Panel products"). So every token a draft adds to the target's pass cost a large share of a
+ * whole step. Here the weight is read once, as one sequential stream, and each of its values is
+ * used for every row while it sits in a register: 5 rows cost little more than 1.
+ *
+ * Layout: a weight W of shape (K, N) (the lean forward's transposed copy, y = x @ W) is packed as
+ * panels of PANEL = 16 columns, (ceil(N / 16), K, 16), zero-padded on the right (gbv/engine/panels.py
+ * packs it). For each panel, rows are taken TILE_ROWS at a time; the panel (K * 64 bytes) stays in
+ * the L1/L2 cache while every row tile reads it, so the weight crosses the memory bus once.
+ *
+ * Each output is sum_k x[r, k] * W[k, c] accumulated in order of k in float32 (one fused
+ * multiply-add per term), then added to y when accumulating: the same sum as any GEMM, in another
+ * order. No threads: the engine runs small models on one (gbv/engine/threads.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+#define PANEL 16
+#define TILE_ROWS 6
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GBV_PANELS_X86 1
+#include <immintrin.h>
+
+/* One tile: R rows of x (row stride xs) by one panel, into R rows of y (row stride ys), `width` of
+ * the panel's 16 columns. R is a constant in each copy, so the accumulators stay in registers. */
+#define DEFINE_TILE(R)                                                                             \
+    __attribute__((target("avx2,fma"))) static void tile_##R(                                      \
+        const float *x, Py_ssize_t xs, const float *panel, Py_ssize_t K, float *y, Py_ssize_t ys, \
+        int width, int accumulate) {                                                              \
+        __m256 lo[R], hi[R];                                                                      \
+        for (int r = 0; r < R; r++) {                                                             \
+            lo[r] = _mm256_setzero_ps();                                                          \
+            hi[r] = _mm256_setzero_ps();                                                          \
+        }                                                                                         \
+        _Pragma("GCC unroll 4") for (Py_ssize_t k = 0; k < K; k++) {                              \
+            const __m256 w_lo = _mm256_loadu_ps(panel + k * PANEL);                               \
+            const __m256 w_hi = _mm256_loadu_ps(panel + k * PANEL + 8);                           \
+            for (int r = 0; r < R; r++) {                                                         \
+                const __m256 b = _mm256_broadcast_ss(x + r * xs + k);                             \
+                lo[r] = _mm256_fmadd_ps(b, w_lo, lo[r]);                                          \
+                hi[r] = _mm256_fmadd_ps(b, w_hi, hi[r]);                                          \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) {                                                             \
+            float *out = y + r * ys;                                                              \
+            if (width == PANEL) {                                                                 \
+                if (accumulate) {                                                                 \
+                    lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(out));                           \
+                    hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(out + 8));                       \
+                }                                                                                 \
+                _mm256_storeu_ps(out, lo[r]);                                                     \
+                _mm256_storeu_ps(out + 8, hi[r]);                                                 \
+            } else { /* the last panel of a width that is not a multiple of 16 */                 \
+                float sums[PANEL];                                                                \
+                _mm256_storeu_ps(sums, lo[r]);                                                    \
+                _mm256_storeu_ps(sums + 8, hi[r]);                                                \
+                for (int c = 0; c < width; c++)                                                   \
+                    out[c] = accumulate ? out[c] + sums[c] : sums[c];                             \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+/* One row: two sets of accumulators (even and odd k), since a single chain of fused multiply-adds
+ * waits on its own latency; the two halves are added at the end. */
+__attribute__((target("avx2,fma"))) static void tile_1(const float *x, Py_ssize_t xs, const float *panel,
+                                                       Py_ssize_t K, float *y, Py_ssize_t ys, int width,
+                                                       int accumulate) {
+    (void)xs;
+    (void)ys;
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    __m256 lo_odd = _mm256_setzero_ps(), hi_odd = _mm256_setzero_ps();
+    Py_ssize_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        const __m256 b = _mm256_broadcast_ss(x + k), b_odd = _mm256_broadcast_ss(x + k + 1);
+        lo = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL), lo);
+        hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL + 8), hi);
+        lo_odd = _mm256_fmadd_ps(b_odd, _mm256_loadu_ps(panel + (k + 1) * PANEL), lo_odd);
+        hi_odd = _mm256_fmadd_ps(b_odd, _mm256_loadu_ps(panel + (k + 1) * PANEL + 8), hi_odd);
+    }
+    if (k < K) {
+        const __m256 b = _mm256_broadcast_ss(x + k);
+        lo = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL), lo);
+        hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL + 8), hi);
+    }
+    lo = _mm256_add_ps(lo, lo_odd);
+    hi = _mm256_add_ps(hi, hi_odd);
+    if (width == PANEL) {
+        if (accumulate) {
+            lo = _mm256_add_ps(lo, _mm256_loadu_ps(y));
+            hi = _mm256_add_ps(hi, _mm256_loadu_ps(y + 8));
+        }
+        _mm256_storeu_ps(y, lo);
+        _mm256_storeu_ps(y + 8, hi);
+    } else {
+        float sums[PANEL];
+        _mm256_storeu_ps(sums, lo);
+        _mm256_storeu_ps(sums + 8, hi);
+        for (int c = 0; c < width; c++)
+            y[c] = accumulate ? y[c] + sums[c] : sums[c];
+    }
+}
+
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
+
+typedef void (*tile_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, float *, Py_ssize_t, int, int);
+static const tile_fn TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+
+static void panel_product(const float *x, const float *panels, float *y, Py_ssize_t M, Py_ssize_t K,
+                          Py_ssize_t N, int accumulate) {
+    const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
+    for (Py_ssize_t p = 0; p < num_panels; p++) {
+        const float *panel = panels + p * K * PANEL;
+        const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+        for (Py_ssize_t r = 0; r < M; r += TILE_ROWS) {
+            const int rows = (int)(M - r < TILE_ROWS ? M - r : TILE_ROWS);
+            TILES[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
+        }
+    }
+}
+
+/* sum_d a[d] * b[d] over D values (D a multiple of 8: eight partial sums, then added). */
+__attribute__((target("avx2,fma"))) static inline float dot8(const float *a, const float *b, int D) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8)
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), sum);
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
+/* The dot products of q with eight consecutive keys (rows of D floats), as one vector. */
+__attribute__((target("avx2,fma"))) static inline __m256 dot8x8(const float *q, const float *k, int D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 7 * D + d), a7);
+    }
+    /* pairwise sums within 128-bit lanes, then the two lanes of each key added */
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* exp(x) for x <= 0, eight at a time (Cephes' expf: x = n ln 2 + r, a degree-5 polynomial for e^r,
+ * about 1 ulp); exactly 0 below -87, where float32's normal range ends, and for -inf. */
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+    const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
+}
+
+/* Attention of n queries of one sequence over its cached keys and values (head_dim D a multiple of 8).
+ *
+ * Why: torch's scaled_dot_product_attention costs 50-80 us a call here for one query over a few
+ * hundred slots (8 heads of 32), about a sixth of a bundled-target step, for some 10 us of arithmetic.
+ *
+ * q: n rows of q_stride floats, the heads * D query values at the start of each row. keys, values:
+ * (kv_heads, capacity, D). out: (n, heads * D). Query i attends slot j < end where mask[i * end + j]
+ * is non-zero, or, with no mask, where j <= start + i (a causal chain after `start` cached slots; one
+ * query attends every slot). Head h reads kv head h / (heads / kv_heads). Softmax in float32 with the
+ * maximum subtracted; a slot not attended gets weight exactly 0. `scores` is room for `end` floats
+ * rounded up to a multiple of 8. */
+__attribute__((target("avx2,fma"))) static void attend(
+    const float *q, Py_ssize_t q_stride, const float *keys, const float *values, Py_ssize_t capacity,
+    float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
+    Py_ssize_t end, float scale, float *scores) {
+    const int group = heads / kv_heads;
+    /* heads outside, queries inside: a head's keys and values stay in the cache for all its queries */
+    for (int h = 0; h < heads; h++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t limit = mask ? end : start + i + 1; /* slots j < limit may be attended */
+            const Py_ssize_t padded = (limit + 7) / 8 * 8;
+            const unsigned char *allowed = mask ? mask + i * end : NULL;
+            const float *qh = q + i * q_stride + (Py_ssize_t)h * D;
+            const float *kh = keys + (Py_ssize_t)(h / group) * capacity * D;
+            const float *vh = values + (Py_ssize_t)(h / group) * capacity * D;
+            /* scores: eight keys at a time (their sums reduced together), then any left one by one */
+            Py_ssize_t j = 0;
+            const __m256 scale8 = _mm256_set1_ps(scale);
+            for (; j + 8 <= limit; j += 8)
+                _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8x8(qh, kh + j * D, D), scale8));
+            for (; j < limit; j++) scores[j] = dot8(qh, kh + j * D, D) * scale;
+            if (allowed)
+                for (j = 0; j < limit; j++)
+                    if (!allowed[j]) scores[j] = -INFINITY;
+            for (j = limit; j < padded; j++) scores[j] = -INFINITY;
+            /* their maximum */
+            __m256 maxima = _mm256_set1_ps(-INFINITY);
+            for (j = 0; j < padded; j += 8) maxima = _mm256_max_ps(maxima, _mm256_loadu_ps(scores + j));
+            float lanes[8];
+            _mm256_storeu_ps(lanes, maxima);
+            float best = lanes[0];
+            for (int l = 1; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+            /* weights exp(score - best), in place, and their total */
+            const __m256 shift = _mm256_set1_ps(best);
+            __m256 totals = _mm256_setzero_ps();
+            for (j = 0; j < padded; j += 8) {
+                const __m256 weight = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
+                _mm256_storeu_ps(scores + j, weight);
+                totals = _mm256_add_ps(totals, weight);
+            }
+            _mm256_storeu_ps(lanes, totals);
+            const float inverse = 1.0f / (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                                          ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+            /* out = sum_j weight_j v_j / total, 32 columns at a time in registers, two slots a step
+             * (two sets of sums: each waits on its own fused multiply-adds only). A slot not attended
+             * adds 0 * v = 0 exactly (cached values are finite). */
+            float *o = out + i * (Py_ssize_t)heads * D + (Py_ssize_t)h * D;
+            for (int c = 0; c < D; c += 32) {
+                const int chunks = (D - c) >= 32 ? 4 : (D - c) / 8;
+                __m256 even[4], odd[4];
+                for (int k = 0; k < 4; k++) even[k] = odd[k] = _mm256_setzero_ps();
+                for (j = 0; j + 2 <= limit; j += 2) {
+                    const __m256 w_even = _mm256_broadcast_ss(scores + j), w_odd = _mm256_broadcast_ss(scores + j + 1);
+                    const float *v = vh + j * D + c;
+                    for (int k = 0; k < chunks; k++) {
+                        even[k] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(v + 8 * k), even[k]);
+                        odd[k] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(v + D + 8 * k), odd[k]);
+                    }
+                }
+                if (j < limit) {
+                    const __m256 w_even = _mm256_broadcast_ss(scores + j);
+                    for (int k = 0; k < chunks; k++)
+                        even[k] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(vh + j * D + c + 8 * k), even[k]);
+                }
+                const __m256 factor = _mm256_set1_ps(inverse);
+                for (int k = 0; k < chunks; k++)
+                    _mm256_storeu_ps(o + c + 8 * k, _mm256_mul_ps(_mm256_add_ps(even[k], odd[k]), factor));
+            }
+        }
+    }
+}
+#endif
+
+static int cpu_supported(void) {
+#ifdef GBV_PANELS_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *supported(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(cpu_supported());
+}
+
+static PyObject *matmul(PyObject *self, PyObject *args) {
+    Py_buffer x, panels, y;
+    Py_ssize_t M, K, N;
+    int accumulate;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnp", &x, &panels, &y, &M, &K, &N, &accumulate))
+        return NULL;
+    const char *error = NULL;
+    const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
+    if (!cpu_supported())
+        error = "panel products need an x86-64 CPU with AVX2 and FMA";
+    else if (M < 0 || K < 1 || N < 1)
+        error = "shapes must be M >= 0, K >= 1, N >= 1";
+    else if (x.len != M * K * (Py_ssize_t)sizeof(float))
+        error = "x must hold M * K float32 values";
+    else if (panels.len != num_panels * K * PANEL * (Py_ssize_t)sizeof(float))
+        error = "panels must hold ceil(N / 16) * K * 16 float32 values";
+    else if (y.len != M * N * (Py_ssize_t)sizeof(float))
+        error = "y must hold M * N float32 values";
+    if (error == NULL) {
+#ifdef GBV_PANELS_X86
+        Py_BEGIN_ALLOW_THREADS
+        panel_product((const float *)x.buf, (const float *)panels.buf, (float *)y.buf, M, K, N, accumulate);
+        Py_END_ALLOW_THREADS
+#endif
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&panels);
+    PyBuffer_Release(&y);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *attention(PyObject *self, PyObject *args) {
+    Py_buffer q, keys, values, out, mask = {0};
+    PyObject *mask_object;
+    Py_ssize_t q_stride, n, start, end;
+    int heads, kv_heads, D;
+    double scale;
+    if (!PyArg_ParseTuple(args, "y*ny*y*w*Oniiinnd", &q, &q_stride, &keys, &values, &out, &mask_object, &n,
+                          &heads, &kv_heads, &D, &start, &end, &scale))
+        return NULL;
+    int have_mask = mask_object != Py_None;
+    if (have_mask && PyObject_GetBuffer(mask_object, &mask, PyBUF_SIMPLE) != 0) {
+        PyBuffer_Release(&q);
+        PyBuffer_Release(&keys);
+        PyBuffer_Release(&values);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    const char *error = NULL;
+    const Py_ssize_t per_kv = (Py_ssize_t)kv_heads * D * (Py_ssize_t)sizeof(float);
+    const Py_ssize_t capacity = per_kv > 0 ? keys.len / per_kv : 0;
+    if (!cpu_supported())
+        error = "host attention needs an x86-64 CPU with AVX2 and FMA";
+    else if (n < 1 || heads < 1 || kv_heads < 1 || D < 8 || D % 8 != 0 || heads % kv_heads != 0)
+        error = "need n, heads, kv_heads >= 1, head_dim a multiple of 8 and heads a multiple of kv_heads";
+    else if (keys.len != capacity * per_kv || values.len != keys.len)
+        error = "keys and values must both be (kv_heads, capacity, head_dim) float32";
+    else if (end < 1 || end > capacity || (!have_mask && start + n > end) || start < 0)
+        error = "slots out of range: need start + n <= end <= capacity";
+    else if (q_stride < (Py_ssize_t)heads * D || q.len < ((n - 1) * q_stride + (Py_ssize_t)heads * D) * (Py_ssize_t)sizeof(float))
+        error = "q must hold n rows of q_stride float32 values, heads * head_dim of them used";
+    else if (out.len != n * (Py_ssize_t)heads * D * (Py_ssize_t)sizeof(float))
+        error = "out must hold n * heads * head_dim float32 values";
+    else if (have_mask && mask.len != n * end)
+        error = "mask must hold n * end bytes";
+    float *scores = NULL;
+    if (error == NULL) {
+        scores = (float *)PyMem_RawMalloc((size_t)((end + 7) / 8 * 8) * sizeof(float));
+        if (scores == NULL) error = "out of memory";
+    }
+    if (error == NULL) {
+#ifdef GBV_PANELS_X86
+        Py_BEGIN_ALLOW_THREADS
+        attend((const float *)q.buf, q_stride, (const float *)keys.buf, (const float *)values.buf, capacity,
+               (float *)out.buf, have_mask ? (const unsigned char *)mask.buf : NULL, n, heads, kv_heads, D,
+               start, end, (float)scale, scores);
+        Py_END_ALLOW_THREADS
+#endif
+    }
+    PyMem_RawFree(scores);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&out);
+    if (have_mask) PyBuffer_Release(&mask);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef METHODS[] = {
+    {"supported", supported, METH_NOARGS, "True when this CPU runs the panel kernel (x86-64, AVX2, FMA)."},
+    {"matmul", matmul, METH_VARARGS,
+     "matmul(x, panels, y, M, K, N, accumulate): y (M, N) = [y +] x (M, K) @ W (K, N), W packed as "
+     "(ceil(N/16), K, 16) panels; all C-contiguous float32 buffers."},
+    {"attention", attention, METH_VARARGS,
+     "attention(q, q_stride, keys, values, out, mask, n, heads, kv_heads, head_dim, start, end, scale): "
+     "out (n, heads * head_dim) = softmax(scale * q k^T) v over one sequence's (kv_heads, capacity, "
+     "head_dim) cache; mask: n * end bytes (non-zero = attend) or None for the causal chain after start."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_host_kernels", NULL, -1, METHODS};
+
+PyMODINIT_FUNC PyInit__host_kernels(void) { return PyModule_Create(&MODULE); }

@@ -1,0 +1,80 @@
+"""The host forward's compiled kernels (``_host_kernels.c``; CPU, float32, AVX2 + FMA).
+
+- **Products of a few rows** (:class:`PanelWeight`). ``y = x @ W`` for a (K, N) weight and M rows
+  costs MKL here about as much per added row as a whole 1-row product (docs/ENGINE.md, "Compiled
+  kernels"): 2.5 ms for the bundled target's matrices at 1 row, 6-7 ms at 5 rows, against a memory
+  floor of about 1.8 ms. The kernel reads a packed copy of W once per call and uses each value for
+  every row, so a pass of 5 tokens costs little more than one.
+- **Attention of a few queries** (:func:`attention_into`) over one sequence's cache: torch's SDPA
+  costs 60-80 us a call for one query over a few hundred slots, for about 10 us of arithmetic.
+
+They serve the host forward (``lean_host.py``). Where the extension is missing (no C compiler at
+install) or the CPU lacks AVX2/FMA, :func:`host_kernels_unavailable` says why and the host forward
+keeps torch's products and attention.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from torch import Tensor
+
+PANEL = 16
+
+try:  # built by setup.py when a C compiler is at hand
+    from gbv.engine import _host_kernels
+except ImportError:  # pragma: no cover - depends on the install
+    _host_kernels = None
+
+
+def host_kernels_unavailable() -> str | None:
+    """None when the compiled kernels can run here; else why not. ``GBV_HOST_KERNELS=0`` in the
+    environment turns them off (for before/after measurements)."""
+    if os.environ.get("GBV_HOST_KERNELS", "1") == "0":
+        return "GBV_HOST_KERNELS=0"
+    if _host_kernels is None:
+        return "the extension gbv.engine._host_kernels was not built (no C compiler at install?)"
+    if not _host_kernels.supported():
+        return "this CPU has no AVX2/FMA"
+    return None
+
+
+class PanelWeight:
+    """A (K, N) float32 weight (``y = x @ W``) packed as (ceil(N / 16), K, 16) column panels,
+    zero-padded on the right. The packed copy is made once; ``weight`` itself is not kept."""
+
+    def __init__(self, weight: Tensor | np.ndarray) -> None:
+        w = weight.detach().cpu().numpy() if isinstance(weight, Tensor) else np.asarray(weight)
+        if w.ndim != 2 or w.dtype != np.float32:
+            raise ValueError(f"a panel weight is a 2-D float32 matrix, got {w.dtype} {w.shape}")
+        self.in_features, self.out_features = w.shape
+        num_panels = -(-self.out_features // PANEL)
+        padded = np.zeros((self.in_features, num_panels * PANEL), dtype=np.float32)
+        padded[:, :self.out_features] = w
+        self.panels = np.ascontiguousarray(padded.reshape(self.in_features, num_panels, PANEL).transpose(1, 0, 2))
+
+    def matmul_into(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
+        """``out = x @ W`` (or ``out += x @ W``) in place; ``x`` (M, K) and ``out`` (M, N) C-contiguous
+        float32 arrays. Returns ``out``."""
+        _host_kernels.matmul(x, self.panels, out, x.shape[0], self.in_features, self.out_features, accumulate)
+        return out
+
+
+def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.ndarray,
+                   mask: np.ndarray | None, heads: int, start: int, end: int, scale: float) -> np.ndarray:
+    """Attention of one sequence's n queries over slots ``0 .. end-1`` of its cache, into ``out``.
+
+    Args:
+        q: (n, width) float32, C-contiguous rows whose first ``heads * D`` values are the query (the
+            host forward passes its fused q/k/v rows as they are).
+        keys, values: (kv_heads, capacity, D) float32, C-contiguous (one sequence of the cache).
+        out: (n, heads * D) float32, C-contiguous.
+        mask: (n, end) bool/uint8, C-contiguous, True where query i may attend slot j; or None, where
+            query i attends every slot up to ``start + i`` (one query: every slot).
+    Returns ``out``. Softmax of ``scale * q k^T`` over the allowed slots, times ``values``.
+    """
+    kv_heads, _, head_dim = keys.shape
+    _host_kernels.attention(q, q.shape[1], keys, values, out, mask, q.shape[0], heads, kv_heads, head_dim,
+                            start, end, scale)
+    return out

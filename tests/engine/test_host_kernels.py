@@ -1,0 +1,146 @@
+"""The host forward's compiled kernels (gbv/engine/host_kernels.py, _host_kernels.c): products by
+panel-packed weights and attention over one sequence's cache. Each must give what numpy / a float64
+reference gives, on every shape the host forward can pass, refuse bad buffers with a clear error, and
+be used only where it can be."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gbv.engine.host_kernels as host_kernels
+from gbv.engine.host_kernels import PanelWeight, attention_into, host_kernels_unavailable
+from gbv.engine.lean import LeanCausalLM
+
+from engine_toy import hf_pair
+
+needs_kernels = pytest.mark.skipif(host_kernels_unavailable() is not None,
+                                   reason=f"compiled kernels unavailable: {host_kernels_unavailable()}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 5), (16, 16), (33, 47), (64, 256), (256, 768)])
+def test_panel_products_equal_numpy(in_features, out_features):
+    """Every row count the host forward gives the kernel (0 to 13, tiles of 6 and their remainders),
+    widths that are and are not multiples of 16, written and accumulated."""
+    rng = np.random.default_rng(in_features * 1000 + out_features)
+    weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
+    panel = PanelWeight(weight)
+    for rows in range(0, 14):
+        x = rng.standard_normal((rows, in_features)).astype(np.float32)
+        exact = x.astype(np.float64) @ weight.astype(np.float64)
+        out = np.full((rows, out_features), np.nan, dtype=np.float32)
+        panel.matmul_into(x, out)
+        tolerance = 1e-5 * np.sqrt(in_features) * (1 + np.abs(exact).max(initial=0))
+        np.testing.assert_allclose(out, exact, rtol=0, atol=tolerance)
+        before = rng.standard_normal((rows, out_features)).astype(np.float32)
+        out = before.copy()
+        panel.matmul_into(x, out, accumulate=True)
+        np.testing.assert_allclose(out, before + exact, rtol=0, atol=tolerance + 1e-6)
+
+
+def _reference_attention(q, keys, values, allowed, heads, scale):
+    """float64: softmax(scale q k^T) over the allowed slots, times v; (n, heads * D)."""
+    n = q.shape[0]
+    kv_heads, _, head_dim = keys.shape
+    out = np.zeros((n, heads * head_dim))
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        for i in range(n):
+            slots = np.flatnonzero(allowed[i])
+            scores = scale * (keys[g, slots].astype(np.float64) @ q[i, h * head_dim:(h + 1) * head_dim])
+            weights = np.exp(scores - scores.max())
+            out[i, h * head_dim:(h + 1) * head_dim] = weights @ values[g, slots] / weights.sum()
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,heads,kv_heads,head_dim,start,masked", [
+    (1, 8, 8, 32, 300, False),   # one decode query over a long cache
+    (1, 2, 2, 8, 0, False),      # the first slot only
+    (5, 8, 8, 32, 40, False),    # a causal chain after a prefix
+    (4, 4, 4, 16, 0, False),     # a causal chain from slot 0
+    (7, 8, 2, 32, 20, True),     # a tree mask, grouped-query attention
+    (12, 4, 1, 72, 9, True),     # head_dim not a multiple of 32; one kv head
+    (3, 2, 2, 8, 5, True),
+])
+def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, start, masked):
+    rng = np.random.default_rng(n * 100 + head_dim + start)
+    end = start + n
+    capacity = end + 3  # slots past the end hold values the kernel must not read
+    keys = rng.standard_normal((kv_heads, capacity, head_dim)).astype(np.float32)
+    values = rng.standard_normal((kv_heads, capacity, head_dim)).astype(np.float32)
+    keys[:, end:] = np.nan
+    values[:, end:] = np.nan
+    qkv = (2 * rng.standard_normal((n, (heads + 2 * kv_heads) * head_dim))).astype(np.float32)
+    if masked:
+        allowed = rng.random((n, end)) < 0.4
+        allowed[np.arange(n), start + np.arange(n)] = True  # every node sees itself
+        values[:, np.flatnonzero(~allowed.any(axis=0))] = 1e30  # a slot no query attends must weigh exactly 0
+    else:
+        allowed = np.arange(end)[None, :] <= start + np.arange(n)[:, None]
+    out = np.full((n, heads * head_dim), np.nan, dtype=np.float32)
+    attention_into(qkv, keys, values, out, np.ascontiguousarray(allowed) if masked else None, heads, start, end,
+                   0.3)
+    exact = _reference_attention(qkv, keys, values, allowed, heads, 0.3)
+    np.testing.assert_allclose(out, exact, rtol=0, atol=2e-5)
+
+
+@needs_kernels
+def test_kernels_refuse_bad_buffers():
+    panel = PanelWeight(np.ones((4, 20), dtype=np.float32))
+    with pytest.raises(ValueError, match="y must hold"):
+        panel.matmul_into(np.ones((2, 4), np.float32), np.ones((2, 19), np.float32))
+    with pytest.raises(ValueError, match="x must hold"):
+        host_kernels._host_kernels.matmul(np.ones((2, 3), np.float32), panel.panels, np.ones((2, 20), np.float32),
+                                          2, 4, 20, False)
+    with pytest.raises(ValueError, match="2-D float32"):
+        PanelWeight(np.ones((4, 20)))
+    keys = np.zeros((2, 10, 8), np.float32)
+    q, out = np.zeros((3, 48), np.float32), np.zeros((3, 16), np.float32)
+    with pytest.raises(ValueError, match="slots out of range"):
+        attention_into(q, keys, keys, out, None, 2, 8, 11, 1.0)  # end past the capacity
+    with pytest.raises(ValueError, match="mask must hold"):
+        attention_into(q, keys, keys, out, np.ones((3, 5), bool), 2, 3, 6, 1.0)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8"):
+        attention_into(np.zeros((1, 12), np.float32), np.zeros((1, 10, 4), np.float32),
+                       np.zeros((1, 10, 4), np.float32), np.zeros((1, 4), np.float32), None, 1, 0, 1, 1.0)
+
+
+@needs_kernels
+def test_host_forward_uses_the_kernels_only_where_it_can(monkeypatch):
+    """On one thread with the extension: both kernels. GBV_HOST_KERNELS=0: neither (the reason is kept).
+    The logits agree either way to float32 rounding."""
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    with_kernels = LeanCausalLM(target).host_forward
+    assert with_kernels.panels_off is None and with_kernels.attention_off is None
+    monkeypatch.setenv("GBV_HOST_KERNELS", "0")
+    without = LeanCausalLM(target).host_forward
+    assert without.panels_off == without.attention_off == "GBV_HOST_KERNELS=0"
+    monkeypatch.delenv("GBV_HOST_KERNELS")
+    gen = torch.Generator().manual_seed(1)
+    caches = [forward.lean.new_cache(1, 64) for forward in (with_kernels, without)]
+    tokens = torch.randint(0, 48, (1, 9), generator=gen).numpy()
+    positions = np.arange(9)[None]
+    with torch.inference_mode():
+        outs = [forward(tokens, positions, 0, cache, None, causal=True) for forward, cache in
+                zip((with_kernels, without), caches)]
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+    for layer in range(len(caches[0].keys)):  # the same keys and values written either way
+        torch.testing.assert_close(caches[0].keys[layer][:, :, :9], caches[1].keys[layer][:, :, :9], atol=2e-5, rtol=0)
+        torch.testing.assert_close(caches[0].values[layer][:, :, :9], caches[1].values[layer][:, :, :9], atol=2e-5,
+                                   rtol=0)
+
+
+def test_without_the_extension_the_host_forward_keeps_torch(monkeypatch):
+    """A machine where the extension did not build: the reason is said, and the forward still runs."""
+    monkeypatch.setattr(host_kernels, "_host_kernels", None)
+    assert "not built" in host_kernels_unavailable()
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    forward = LeanCausalLM(target).host_forward
+    assert "not built" in forward.panels_off and "not built" in forward.attention_off
+    cache = forward.lean.new_cache(1, 16)
+    with torch.inference_mode():
+        logits = forward(np.array([[1, 2, 3]]), np.arange(3)[None], 0, cache, None, causal=True)
+    assert logits.shape == (1, 3, 48) and torch.isfinite(logits).all()
