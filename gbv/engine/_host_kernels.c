@@ -23,6 +23,9 @@
 
 #define PANEL 16
 #define TILE_ROWS 6
+/* Panel rows (64 bytes each) fetched ahead of use: on the bundled target, 5-row products took 2.8 ms
+ * with it against 3.1 ms without (the hardware prefetcher alone leaves the stream waiting). */
+#define PREFETCH_AHEAD 32
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GBV_PANELS_X86 1
@@ -40,6 +43,7 @@
             hi[r] = _mm256_setzero_ps();                                                          \
         }                                                                                         \
         _Pragma("GCC unroll 4") for (Py_ssize_t k = 0; k < K; k++) {                              \
+            _mm_prefetch((const char *)(panel + (k + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);       \
             const __m256 w_lo = _mm256_loadu_ps(panel + k * PANEL);                               \
             const __m256 w_hi = _mm256_loadu_ps(panel + k * PANEL + 8);                           \
             for (int r = 0; r < R; r++) {                                                         \
@@ -78,6 +82,8 @@ __attribute__((target("avx2,fma"))) static void tile_1(const float *x, Py_ssize_
     __m256 lo_odd = _mm256_setzero_ps(), hi_odd = _mm256_setzero_ps();
     Py_ssize_t k = 0;
     for (; k + 1 < K; k += 2) {
+        _mm_prefetch((const char *)(panel + (k + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+        _mm_prefetch((const char *)(panel + (k + 1 + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
         const __m256 b = _mm256_broadcast_ss(x + k), b_odd = _mm256_broadcast_ss(x + k + 1);
         lo = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL), lo);
         hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL + 8), hi);
@@ -372,6 +378,61 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* One inverse-CDF draw per row, the rule of gbv.verify.common.draw_rows on given uniforms: row r's
+ * token is the first whose cumulative mass (float64, summed in order, as torch's cumsum) exceeds
+ * u[r] * (total * below_one), the last token if none does.
+ *
+ * Why: draw_rows' six tensor calls cost 60-75 us a row at V = 4096 here, against ~10 us for the two
+ * passes below; the engine draws once per drafted depth and once per plain target step. */
+static void draw(const float *probs, const double *u, long long *out, Py_ssize_t rows, Py_ssize_t V,
+                 double below_one) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = probs + r * V;
+        double total = 0.0;
+        for (Py_ssize_t v = 0; v < V; v++) total += (double)row[v];
+        const double point = u[r] * (total * below_one);
+        double cumulative = 0.0;
+        Py_ssize_t token = V - 1;
+        for (Py_ssize_t v = 0; v < V; v++) {
+            cumulative += (double)row[v];
+            if (cumulative > point) {
+                token = v;
+                break;
+            }
+        }
+        out[r] = token;
+    }
+}
+
+static PyObject *draw_rows(PyObject *self, PyObject *args) {
+    Py_buffer probs, u, out;
+    Py_ssize_t rows, V;
+    double below_one;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnd", &probs, &u, &out, &rows, &V, &below_one)) return NULL;
+    const char *error = NULL;
+    if (rows < 0 || V < 1)
+        error = "need rows >= 0 and V >= 1";
+    else if (probs.len != rows * V * (Py_ssize_t)sizeof(float))
+        error = "probs must hold rows * V float32 values";
+    else if (u.len != rows * (Py_ssize_t)sizeof(double))
+        error = "u must hold rows float64 values";
+    else if (out.len != rows * (Py_ssize_t)sizeof(long long))
+        error = "out must hold rows int64 values";
+    if (error == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        draw((const float *)probs.buf, (const double *)u.buf, (long long *)out.buf, rows, V, below_one);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&probs);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&out);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef METHODS[] = {
     {"supported", supported, METH_NOARGS, "True when this CPU runs the panel kernel (x86-64, AVX2, FMA)."},
     {"matmul", matmul, METH_VARARGS,
@@ -381,6 +442,9 @@ static PyMethodDef METHODS[] = {
      "attention(q, q_stride, keys, values, out, mask, n, heads, kv_heads, head_dim, start, end, scale): "
      "out (n, heads * head_dim) = softmax(scale * q k^T) v over one sequence's (kv_heads, capacity, "
      "head_dim) cache; mask: n * end bytes (non-zero = attend) or None for the causal chain after start."},
+    {"draw_rows", draw_rows, METH_VARARGS,
+     "draw_rows(probs, u, out, rows, V, below_one): out[r] = the first token whose float64 cumulative "
+     "mass exceeds u[r] * (total_r * below_one), else V - 1 (gbv.verify.common.draw_rows' rule)."},
     {NULL, NULL, 0, NULL},
 };
 

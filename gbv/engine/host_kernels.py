@@ -5,10 +5,14 @@
   kernels"): 2.5 ms for the bundled target's matrices at 1 row, 6-7 ms at 5 rows, against a memory
   floor of about 1.8 ms. The kernel reads a packed copy of W once per call and uses each value for
   every row, so a pass of 5 tokens costs little more than one.
+- **One inverse-CDF draw per row** (:func:`draw_rows_host`), the rule of
+  :func:`gbv.verify.common.draw_rows` on the same uniforms: 60-75 us a row at V = 4096 through six
+  tensor calls, about 10 us here.
 - **Attention of a few queries** (:func:`attention_into`) over one sequence's cache: torch's SDPA
   costs 60-80 us a call for one query over a few hundred slots, for about 10 us of arithmetic.
 
-They serve the host forward (``lean_host.py``). Where the extension is missing (no C compiler at
+The products and the attention serve the host forward (``lean_host.py``), the draw the engine's
+:func:`gbv.engine.sampling.sample`. Where the extension is missing (no C compiler at
 install) or the CPU lacks AVX2/FMA, :func:`host_kernels_unavailable` says why and the host forward
 keeps torch's products and attention.
 """
@@ -18,7 +22,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 from torch import Tensor
+
+from gbv.verify.common import BELOW_ONE
 
 PANEL = 16
 
@@ -78,3 +85,21 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
     _host_kernels.attention(q, q.shape[1], keys, values, out, mask, q.shape[0], heads, kv_heads, head_dim,
                             start, end, scale)
     return out
+
+
+def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
+    """:func:`gbv.verify.common.draw_rows` by the compiled kernel, on the same uniforms (one
+    ``torch.rand`` of the same shape from the same generator, so the random stream and every draw
+    are the same); None where it does not apply (not float32 on the CPU, or no kernels here).
+    ``probs``: (..., V); returns (...) long."""
+    if (probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.requires_grad
+            or (generator is not None and generator.device.type != "cpu") or host_kernels_unavailable()):
+        return None
+    vocab = probs.shape[-1]
+    rows = probs.detach().numpy()
+    if not rows.flags.c_contiguous:  # (the first depth's row expanded over the paths)
+        rows = np.ascontiguousarray(rows)
+    u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64)
+    tokens = np.empty(probs.shape[:-1], dtype=np.int64)
+    _host_kernels.draw_rows(rows, u.numpy(), tokens, tokens.size, vocab, BELOW_ONE)
+    return torch.from_numpy(tokens)

@@ -149,7 +149,8 @@ class TorchRandom:
         return draw_rows(dist, self.generator)
 
 
-_BELOW_ONE = 1.0 - 2.0 ** -52
+# u * total * BELOW_ONE stays below total (see draw_rows); public for the engine's compiled draw.
+BELOW_ONE = 1.0 - 2.0 ** -52
 
 
 def draw_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -172,7 +173,7 @@ def draw_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     # normal float64 total (every float32 row with mass has one), total * (1 - 2^-52) rounds to at
     # least one ulp below total, and u < 1 keeps the product at or below that. (The top 2^-52 of the
     # mass is never drawn: below the float64 rounding of the cumulative sums themselves.)
-    point = u.mul_(total * _BELOW_ONE)
+    point = u.mul_(total * BELOW_ONE)
     return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 

@@ -144,3 +144,32 @@ def test_without_the_extension_the_host_forward_keeps_torch(monkeypatch):
     with torch.inference_mode():
         logits = forward(np.array([[1, 2, 3]]), np.arange(3)[None], 0, cache, None, causal=True)
     assert logits.shape == (1, 3, 48) and torch.isfinite(logits).all()
+
+
+@needs_kernels
+def test_compiled_draw_equals_draw_rows():
+    """The same generator state gives the same token as draw_rows, row for row: normalised and
+    unnormalised rows, zero masses (never drawn), tiny totals, expanded (non-contiguous) rows, V = 1."""
+    from gbv.engine.host_kernels import draw_rows_host
+    from gbv.verify.common import draw_rows
+
+    rng = np.random.default_rng(0)
+    first, second = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    drawn = 0
+    for trial in range(600):
+        vocab = 4096 if trial % 7 == 0 else int(rng.integers(1, 40))
+        probs = torch.from_numpy(rng.random((int(rng.integers(1, 5)), vocab)).astype(np.float32))
+        probs[torch.from_numpy(rng.random(probs.shape) < 0.5)] = 0.0
+        probs[:, 0] += (probs.sum(-1) == 0).float()
+        if trial % 3 == 0:
+            probs = probs / probs.sum(-1, keepdim=True)
+        if trial % 5 == 0:
+            probs = probs * 1e-30
+        if trial % 11 == 0:
+            probs = probs[:1].expand(3, -1)
+        expected, got = draw_rows(probs, first), draw_rows_host(probs, second)
+        assert torch.equal(expected, got), (trial, expected, got)
+        assert bool((probs.gather(-1, got[:, None]) > 0).all())  # a token of mass 0 is never drawn
+        drawn += len(got)
+    assert drawn > 1000
+    assert draw_rows_host(torch.ones(2, 3, dtype=torch.float64), first) is None  # not float32: not here

@@ -162,6 +162,8 @@ def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
     # The host forward (lean_host.py) reads its tokens and the attention through numpy: free on the CPU,
     # and never used on a GPU. Counted here is what a GPU runs: the torch forward.
     monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    # Likewise the compiled draw (host_kernels.draw_rows_host): CPU tensors only.
+    monkeypatch.setenv("GBV_HOST_KERNELS", "0")
 
     target, draft = hf_pair("llama", vocab=64, seed=2)
     sharpen(target, draft, scale=3.0)
