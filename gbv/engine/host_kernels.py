@@ -87,6 +87,27 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
     return out
 
 
+def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWeight, w_gate_up: PanelWeight,
+               w_down: PanelWeight, rotation: np.ndarray, keys: np.ndarray, values: np.ndarray,
+               mask: np.ndarray | None, start: int, eps_in: float, eps_post: float, scale: float) -> None:
+    """One decoder layer of the host forward for the n rows of one sequence, in place on
+    ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call.
+
+    The layer as :class:`gbv.engine.lean_host.HostForward` computes it (norm weights folded, q/k/v and
+    gate/up fused, rotary pairs interleaved): rms norm, q/k/v product (+ bias), the rotation
+    ``rotation`` ((n, 1, D/2) complex64, one row per query) on q and k, k and v into slots
+    ``start .. start+n-1`` of ``keys``/``values`` ((kv_heads, capacity, D) of this sequence), attention
+    as :func:`attention_into` (``mask`` (n, start+n) or None), o product added, rms norm, gate/up
+    product, SiLU(gate) * up, down product added.
+    """
+    n, hidden = rows.hidden.shape
+    kv_heads, _, head_dim = keys.shape
+    _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
+                        w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
+                        rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
+                        eps_post, scale)
+
+
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
     """:func:`gbv.verify.common.draw_rows` by the compiled kernel, on the same uniforms (one
     ``torch.rand`` of the same shape from the same generator, so the random stream and every draw

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gbv.engine.host_kernels import PanelWeight, attention_into, host_kernels_unavailable
+from gbv.engine.host_kernels import PanelWeight, attention_into, host_kernels_unavailable, layer_into
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -244,7 +244,16 @@ class HostForward:
             mask, is_causal = attention_mask(mask, causal, start, n, cache.keys[0].device)
             attend = False
         enable_gqa = self.kv_heads != self.heads
-        for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
+        if panels and attend and batch == 1:
+            # Both kernels on one sequence: each layer is one compiled call (host_kernels.layer_into).
+            for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
+                layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
+                           all_keys[index][first_row], all_values[index][first_row],
+                           None if kernel_masks is None else kernel_masks[0], start, eps_in, eps_post, scaling)
+            layers = ()
+        else:
+            layers = self.layers
+        for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(layers):
             self._rms_into(rows, eps_in)
             w_qkv.into(rows.normed, rows.normed_t, rows.qkv, rows.qkv_t, False, panels)
             if b_qkv is not None:
