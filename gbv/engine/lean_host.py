@@ -81,9 +81,10 @@ def attention_mask(mask: Tensor | None, causal: bool, start: int, n: int, device
 # products dominate anyway; the buffers stay small.
 HOST_MAX_QUERIES = 64
 # Calls of up to this many query rows use the compiled kernels (host_kernels.py), more use torch's GEMM
-# and SDPA. On the bundled target the products measured 1.4-2.1x MKL from 1 to 9 rows, 1.17x at 13 and
-# 0.9x at 25; the attention 1.3-2x SDPA up to 7 queries, 0.8x at 25.
-KERNEL_MAX_ROWS = 12
+# and SDPA. On the bundled target, a whole 1-sequence pass through them (one call a layer) measured
+# 1.5x the torch products and SDPA at 1 row, 2.3x at 5, 1.3x at 13, 1.15x at 17 and 1.0x at 25 rows
+# (products alone: 1.4-2.1x MKL from 1 to 9 rows, 0.9x at 25; attention alone 0.8x SDPA at 25).
+KERNEL_MAX_ROWS = 24
 # Panel copies are a further copy of the weights: only for models this small (those that run on one
 # thread by default, gbv/engine/threads.py), whose steps the memory traffic of the products bounds.
 PANEL_MAX_PARAMETERS = 100_000_000
