@@ -14,6 +14,11 @@ keys and values; only rounding differs (one row's RMS scale is computed in float
 ``tests/engine/test_lean_host.py`` compares the two forwards; every engine test (the chi-square law
 tests, greedy equality with Hugging Face) runs through this one.
 
+Where the compiled kernels run (``host_kernels.py``: x86-64 with AVX2, one torch thread, up to
+``KERNEL_MAX_ROWS`` queries), the products and the attention go to them instead of torch, and for one
+sequence each layer is a single compiled call (``layer_into``): the same mathematics, summed in
+another order.
+
 :meth:`LeanCausalLM.forward` uses it for one sequence (any cache row) and up to
 ``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the model has fused interleaved transposed
 copies (:func:`host_forward_unsupported_reason`). It can run several sequences, but in batches of 8
