@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.lean_host import HOST_MAX_QUERIES, HostForward, attention_mask, host_forward_unsupported_reason
+from gbv.engine.lean_host import HostForward, attention_mask, host_forward_unsupported_reason
 
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
@@ -432,8 +432,8 @@ class LeanCausalLM:
             (B, N, V) logits (N = 1 with ``last_only``), in the model's dtype.
         """
         batch, n = tokens.shape
-        # One sequence only: for batches of 8 the host forward measured 0.96-0.99x (the products dominate).
-        if batch == 1 and n <= HOST_MAX_QUERIES and self.host_forward is not None:
+        # One sequence, or a few rows in all where the compiled kernels run (HostForward.takes).
+        if self.host_forward is not None and self.host_forward.takes(batch, n):
             return self.host_forward(tokens.numpy(), positions.numpy(), start, cache, mask, causal, last_only,
                                      first_row)
         end = start + n

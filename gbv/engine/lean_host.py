@@ -21,10 +21,11 @@ another order.
 
 :meth:`LeanCausalLM.forward` uses it for one sequence (any cache row) and up to
 ``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the model has fused interleaved transposed
-copies (:func:`host_forward_unsupported_reason`). It can run several sequences, but in batches of 8
-it measured 0.96-0.99x the torch forward (``scripts/bench_host_forward_ab.py --batch 8``), so the
-batch engine's forwards of several rows, long prompts, CUDA and bfloat16 take the torch path: on a
-GPU no tensor ever leaves the device for this.
+copies (:func:`host_forward_unsupported_reason`), and for several sequences where the compiled
+kernels run and the rows in all are at most ``KERNEL_MAX_ROWS`` (:meth:`HostForward.takes`; without
+the kernels, batches of 8 measured 0.96-0.99x the torch forward, ``scripts/bench_host_forward_ab.py
+--batch 8``). Larger batches, long prompts, CUDA and bfloat16 take the torch path: on a GPU no
+tensor ever leaves the device for this.
 """
 
 from __future__ import annotations
@@ -192,6 +193,16 @@ class HostForward:
         self.norm_eps = float(lean.norm_eps)
         self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
+
+    def takes(self, batch: int, n: int) -> bool:
+        """Whether :meth:`LeanCausalLM.forward` should run ``batch`` sequences of ``n`` queries here: one
+        sequence of up to ``HOST_MAX_QUERIES``, or several where the compiled kernels run and the rows
+        in all are at most ``KERNEL_MAX_ROWS``. (Without the kernels, batches of 8 measured 0.96-0.99x
+        the torch forward: torch's products dominate either way.)"""
+        if batch == 1:
+            return n <= HOST_MAX_QUERIES
+        return (batch * n <= KERNEL_MAX_ROWS and self.panels_off is None and self.attention_off is None
+                and torch.get_num_threads() == 1)
 
     def rows(self, batch: int, n: int) -> _Rows:
         buffers = self._rows.get((batch, n))

@@ -111,8 +111,9 @@ def test_a_broken_host_forward_is_caught(monkeypatch):
 
 def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     """fp32 Llama / Qwen2 on the CPU: yes. bfloat16, Qwen3's q/k norms, or GBV_HOST_FORWARD=0: no.
-    Calls of several sequences or more than HOST_MAX_QUERIES queries take the torch path; one
-    sequence in any cache row takes the host forward."""
+    Calls of more than HOST_MAX_QUERIES queries take the torch path; one sequence in any cache row
+    takes the host forward; several sequences only where the compiled kernels run and the rows in all
+    are at most KERNEL_MAX_ROWS."""
     target, _ = hf_pair("llama", vocab=48, seed=5)
     lean = LeanCausalLM(target)
     assert lean.host_forward is not None
@@ -132,12 +133,20 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
         cache = lean.new_cache(2, 160)
         long = lean_host.HOST_MAX_QUERIES + 1
         lean.forward(torch.ones(1, long, dtype=torch.long), torch.arange(long)[None], 0, cache, None, causal=True)
+        many = lean_host.KERNEL_MAX_ROWS // 2 + 1  # two sequences, more rows in all than the kernels take
+        lean.forward(torch.ones(2, many, dtype=torch.long), torch.arange(many).expand(2, many), 0, cache, None,
+                     causal=True)
+        kernels_off = lean.host_forward.panels_off
+        lean.host_forward.panels_off = "off for this test"
         lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
         assert calls == []
+        lean.host_forward.panels_off = kernels_off
+        lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
         lean.forward(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], 0, cache, None, causal=True,
                      first_row=1)
         lean.forward(torch.ones(1, 1, dtype=torch.long), torch.tensor([[4]]), 4, cache, None)
-    assert calls == [(1, 4), (1, 1)]
+    with_kernels = kernels_off is None and lean.host_forward.attention_off is None and torch.get_num_threads() == 1
+    assert calls == ([(2, 3)] if with_kernels else []) + [(1, 4), (1, 1)]
 
 
 def test_host_forward_over_several_sequences_equals_the_torch_forward():
