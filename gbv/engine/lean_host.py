@@ -250,7 +250,7 @@ class HostForward:
         np.take(self.embed, tokens.reshape(-1), axis=0, out=rows.hidden)
         # The kernels run on one thread: with more, torch's GEMM and SDPA are left the work.
         one_thread = torch.get_num_threads() == 1
-        panels = self.panels_off is None and one_thread
+        panels = self.panels_off is None and one_thread and self.lm_head.panel is not None  # (packed at build)
         if self.attention_off is None and one_thread and n <= KERNEL_MAX_ROWS:
             if mask is None and not causal and n > 1:
                 raise ValueError("several queries need a mask or causal=True")
