@@ -82,11 +82,29 @@ def _interrupt_exits() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+class _Version(argparse.Action):
+    """``--version``: the version, then whether the engine's compiled CPU kernels run here (a user whose
+    install had no C compiler gets a slower engine, and this says so). Imports torch only when asked."""
+
+    def __init__(self, option_strings, version: str, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="show the version and whether the compiled CPU kernels run, then exit"):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.version = version
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from gbv.engine.host_kernels import host_kernels_unavailable
+
+        reason = host_kernels_unavailable()
+        kernels = "on" if reason is None else f"off ({reason})"
+        sys.stdout.write(f"{self.version}\nCPU kernels: {kernels}\n")
+        parser.exit()
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     from gbv import __version__
 
     parser = _Parser(prog="gbv", description="Lossless multi-path speculative sampling (GBV and baselines).")
-    parser.add_argument("--version", action="version", version=f"gbv {__version__}")
+    parser.add_argument("--version", action=_Version, version=f"gbv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     # Register only the named subcommand when there is one, all of them for --help.
     named = [a for a in argv if a in SUBCOMMANDS][:1] or list(SUBCOMMANDS)

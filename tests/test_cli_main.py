@@ -30,7 +30,11 @@ def test_version(capsys):
         main(["--version"])
     except SystemExit as exc:
         assert exc.code == 0
-    assert capsys.readouterr().out.strip() == f"gbv {gbv.__version__}"
+    version, kernels = capsys.readouterr().out.strip().split("\n")
+    assert version == f"gbv {gbv.__version__}"
+    from gbv.engine.host_kernels import host_kernels_unavailable
+    reason = host_kernels_unavailable()
+    assert kernels == ("CPU kernels: on" if reason is None else f"CPU kernels: off ({reason})")
 
 
 def test_caps_fail_fast_with_the_allowed_range():
