@@ -95,7 +95,7 @@ class _Version(argparse.Action):
         from gbv.engine.host_kernels import host_kernels_unavailable
 
         reason = host_kernels_unavailable()
-        kernels = "on" if reason is None else f"off ({reason})"
+        kernels = "on" if reason is None else f"off: {reason}"
         sys.stdout.write(f"{self.version}\nCPU kernels: {kernels}\n")
         parser.exit()
 

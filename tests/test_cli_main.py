@@ -34,7 +34,7 @@ def test_version(capsys):
     assert version == f"gbv {gbv.__version__}"
     from gbv.engine.host_kernels import host_kernels_unavailable
     reason = host_kernels_unavailable()
-    assert kernels == ("CPU kernels: on" if reason is None else f"CPU kernels: off ({reason})")
+    assert kernels == ("CPU kernels: on" if reason is None else f"CPU kernels: off: {reason}")
 
 
 def test_caps_fail_fast_with_the_allowed_range():
