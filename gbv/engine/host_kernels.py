@@ -5,14 +5,16 @@
   kernels"): 2.5 ms for the bundled target's matrices at 1 row, 6-7 ms at 5 rows, against a memory
   floor of about 1.8 ms. The kernel reads a packed copy of W once per call and uses each value for
   every row, so a pass of 5 tokens costs little more than one.
-- **One inverse-CDF draw per row** (:func:`draw_rows_host`), the rule of
-  :func:`gbv.verify.common.draw_rows` on the same uniforms: 60-75 us a row at V = 4096 through six
-  tensor calls, about 10 us here.
 - **Attention of a few queries** (:func:`attention_into`) over one sequence's cache: torch's SDPA
-  costs 60-80 us a call for one query over a few hundred slots, for about 10 us of arithmetic.
+  costs 50-80 us a call for one query over a few hundred slots, for about 10 us of arithmetic.
+- **A whole decoder layer in one call** (:func:`layer_into`): the two above and the norms, the
+  rotation, the cache writes and SiLU, for one sequence.
+- **One inverse-CDF draw per row** (:func:`draw_rows_host`), the rule of
+  :func:`gbv.verify.common.draw_rows` on the same uniforms: 73 -> 46 us a draw at V = 4096 (the
+  kernel itself takes about 10 us; the rest is the uniform's ``torch.rand`` and the calls around it).
 
-The products and the attention serve the host forward (``lean_host.py``), the draw the engine's
-:func:`gbv.engine.sampling.sample`. Where the extension is missing (no C compiler at
+The products, the attention and the layer serve the host forward (``lean_host.py``), the draw the
+engine's :func:`gbv.engine.sampling.sample`. Where the extension is missing (no C compiler at
 install) or the CPU lacks AVX2/FMA, :func:`host_kernels_unavailable` says why and the host forward
 keeps torch's products and attention.
 """
