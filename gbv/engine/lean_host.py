@@ -173,10 +173,11 @@ class HostForward:
         self.embed = lean.embed.detach().numpy()
         # Why the compiled kernels are not used (None when they are, on one torch thread; see
         # host_kernels.py): the products' (``panels_off``) and the attention's (``attention_off``).
-        self.attention_off = host_kernels_unavailable()
+        unavailable = host_kernels_unavailable()
+        self.attention_off = unavailable
         if self.attention_off is None and self.head_dim % 8:
             self.attention_off = "head_dim not a multiple of 8"
-        self.panels_off = host_kernels_unavailable()
+        self.panels_off = unavailable
         if self.panels_off is None and sum(m.weight_t.numel() for m in lean.matrices()) > PANEL_MAX_PARAMETERS:
             self.panels_off = f"more than {PANEL_MAX_PARAMETERS:,} parameters"
         panels = self.panels_off is None
