@@ -20,120 +20,148 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stdint.h>
 
 #define PANEL 16
 #define TILE_ROWS 6
-/* Panel rows (64 bytes each) are prefetched this many rows ahead, non-temporally (_MM_HINT_NTA: a weight
+/* Panel rows (64 bytes each in float32) are prefetched 16 rows (this many bytes) ahead, non-temporally (_MM_HINT_NTA: a weight
  * streamed once per pass should not push the other model's weights out of the shared L3). Measured on
  * the bundled pair against no prefetch: the target's 1-token step 2.58 -> 1.9 ms, its 5-token pass
  * 4.3 -> 3.9 ms, and a draft step taken between target passes 0.63 -> 0.52 ms. (_MM_HINT_T0 gained
- * only on the 5-token pass; 8, 16, 32 and 64 rows ahead are within the noise of each other.) */
-#define PREFETCH_AHEAD 16
+ * only on the 5-token pass; 8, 16, 32 and 64 rows ahead are within the noise of each other.) 16 float32
+ * rows are 1024 bytes: bfloat16 panels (32-byte rows) are prefetched as many bytes ahead. */
+#define PREFETCH_BYTES 1024
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GBV_PANELS_X86 1
 #include <immintrin.h>
 
-/* One tile: R rows of x (row stride xs) by one panel, into R rows of y (row stride ys), `width` of
- * the panel's 16 columns. R is a constant in each copy, so the accumulators stay in registers. */
-#define DEFINE_TILE(R)                                                                             \
-    __attribute__((target("avx2,fma"))) static void tile_##R(                                      \
-        const float *x, Py_ssize_t xs, const float *panel, Py_ssize_t K, float *y, Py_ssize_t ys, \
-        int width, int accumulate) {                                                              \
-        __m256 lo[R], hi[R];                                                                      \
-        for (int r = 0; r < R; r++) {                                                             \
-            lo[r] = _mm256_setzero_ps();                                                          \
-            hi[r] = _mm256_setzero_ps();                                                          \
-        }                                                                                         \
-        _Pragma("GCC unroll 4") for (Py_ssize_t k = 0; k < K; k++) {                              \
-            _mm_prefetch((const char *)(panel + (k + PREFETCH_AHEAD) * PANEL), _MM_HINT_NTA);       \
-            const __m256 w_lo = _mm256_loadu_ps(panel + k * PANEL);                               \
-            const __m256 w_hi = _mm256_loadu_ps(panel + k * PANEL + 8);                           \
-            for (int r = 0; r < R; r++) {                                                         \
-                const __m256 b = _mm256_broadcast_ss(x + r * xs + k);                             \
-                lo[r] = _mm256_fmadd_ps(b, w_lo, lo[r]);                                          \
-                hi[r] = _mm256_fmadd_ps(b, w_hi, hi[r]);                                          \
-            }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < R; r++) {                                                             \
-            float *out = y + r * ys;                                                              \
-            if (width == PANEL) {                                                                 \
-                if (accumulate) {                                                                 \
-                    lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(out));                           \
-                    hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(out + 8));                       \
-                }                                                                                 \
-                _mm256_storeu_ps(out, lo[r]);                                                     \
-                _mm256_storeu_ps(out + 8, hi[r]);                                                 \
-            } else { /* the last panel of a width that is not a multiple of 16 */                 \
-                float sums[PANEL];                                                                \
-                _mm256_storeu_ps(sums, lo[r]);                                                    \
-                _mm256_storeu_ps(sums + 8, hi[r]);                                                \
-                for (int c = 0; c < width; c++)                                                   \
-                    out[c] = accumulate ? out[c] + sums[c] : sums[c];                             \
-            }                                                                                     \
-        }                                                                                         \
+/* Loading one panel row (16 weights) as two vectors of 8 float32 columns, lo (0-7) and hi (8-15).
+ * float32 panels: two loads. bfloat16 panels (the upper half of a float32's bits): one 32-byte load
+ * and two interleaves with zeros, which turn each 16-bit value into the float32 it stands for
+ * exactly. The interleave takes words 0-3 and 8-11 into lo and 4-7 and 12-15 into hi, so
+ * host_kernels.py stores each bf16 panel row in the column order 0-3, 8-11, 4-7, 12-15. */
+#define LOAD_F32(p, k, lo, hi)                                                                      \
+    do {                                                                                            \
+        lo = _mm256_loadu_ps((p) + (k) * PANEL);                                                    \
+        hi = _mm256_loadu_ps((p) + (k) * PANEL + 8);                                                \
+    } while (0)
+#define LOAD_BF16(p, k, lo, hi)                                                                     \
+    do {                                                                                            \
+        const __m256i raw_ = _mm256_loadu_si256((const __m256i *)((p) + (k) * PANEL));              \
+        lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw_));              \
+        hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw_));              \
+    } while (0)
+#define PREFETCH(p, k) _mm_prefetch((const char *)((p) + (k) * PANEL) + PREFETCH_BYTES, _MM_HINT_NTA)
+
+/* The tiles' sums, stored into R rows of y (row stride ys): `width` of the panel's 16 columns. */
+#define STORE_TILE(R)                                                                               \
+    for (int r = 0; r < R; r++) {                                                                   \
+        float *out = y + r * ys;                                                                    \
+        if (width == PANEL) {                                                                       \
+            if (accumulate) {                                                                       \
+                lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(out));                                 \
+                hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(out + 8));                             \
+            }                                                                                       \
+            _mm256_storeu_ps(out, lo[r]);                                                           \
+            _mm256_storeu_ps(out + 8, hi[r]);                                                       \
+        } else { /* the last panel of a width that is not a multiple of 16 */                       \
+            float sums[PANEL];                                                                      \
+            _mm256_storeu_ps(sums, lo[r]);                                                          \
+            _mm256_storeu_ps(sums + 8, hi[r]);                                                      \
+            for (int c = 0; c < width; c++)                                                         \
+                out[c] = accumulate ? out[c] + sums[c] : sums[c];                                   \
+        }                                                                                           \
+    }
+
+/* One tile: R rows of x (row stride xs) by one panel of WTYPE weights, into R rows of y (row stride
+ * ys), `width` of the panel's 16 columns. R is a constant in each copy, so the accumulators stay in
+ * registers. */
+#define DEFINE_TILE(R, NAME, WTYPE, LOAD)                                                           \
+    __attribute__((target("avx2,fma"))) static void tile_##NAME##_##R(                              \
+        const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
+        int width, int accumulate) {                                                                \
+        const WTYPE *panel = (const WTYPE *)panel_bytes;                                            \
+        __m256 lo[R], hi[R];                                                                        \
+        for (int r = 0; r < R; r++) {                                                               \
+            lo[r] = _mm256_setzero_ps();                                                            \
+            hi[r] = _mm256_setzero_ps();                                                            \
+        }                                                                                           \
+        _Pragma("GCC unroll 4") for (Py_ssize_t k = 0; k < K; k++) {                                \
+            PREFETCH(panel, k);                                                                     \
+            __m256 w_lo, w_hi;                                                                      \
+            LOAD(panel, k, w_lo, w_hi);                                                             \
+            for (int r = 0; r < R; r++) {                                                           \
+                const __m256 b = _mm256_broadcast_ss(x + r * xs + k);                               \
+                lo[r] = _mm256_fmadd_ps(b, w_lo, lo[r]);                                            \
+                hi[r] = _mm256_fmadd_ps(b, w_hi, hi[r]);                                            \
+            }                                                                                       \
+        }                                                                                           \
+        STORE_TILE(R)                                                                               \
     }
 
 /* One row: two sets of accumulators (even and odd k), since a single chain of fused multiply-adds
  * waits on its own latency; the two halves are added at the end. */
-__attribute__((target("avx2,fma"))) static void tile_1(const float *x, Py_ssize_t xs, const float *panel,
-                                                       Py_ssize_t K, float *y, Py_ssize_t ys, int width,
-                                                       int accumulate) {
-    (void)xs;
-    (void)ys;
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    __m256 lo_odd = _mm256_setzero_ps(), hi_odd = _mm256_setzero_ps();
-    Py_ssize_t k = 0;
-    for (; k + 1 < K; k += 2) {
-        _mm_prefetch((const char *)(panel + (k + PREFETCH_AHEAD) * PANEL), _MM_HINT_NTA);
-        _mm_prefetch((const char *)(panel + (k + 1 + PREFETCH_AHEAD) * PANEL), _MM_HINT_NTA);
-        const __m256 b = _mm256_broadcast_ss(x + k), b_odd = _mm256_broadcast_ss(x + k + 1);
-        lo = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL), lo);
-        hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL + 8), hi);
-        lo_odd = _mm256_fmadd_ps(b_odd, _mm256_loadu_ps(panel + (k + 1) * PANEL), lo_odd);
-        hi_odd = _mm256_fmadd_ps(b_odd, _mm256_loadu_ps(panel + (k + 1) * PANEL + 8), hi_odd);
+#define DEFINE_TILE_1(NAME, WTYPE, LOAD)                                                            \
+    __attribute__((target("avx2,fma"))) static void tile_##NAME##_1(                                \
+        const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
+        int width, int accumulate) {                                                                \
+        (void)xs;                                                                                   \
+        const WTYPE *panel = (const WTYPE *)panel_bytes;                                            \
+        __m256 lo[1] = {_mm256_setzero_ps()}, hi[1] = {_mm256_setzero_ps()};                        \
+        __m256 lo_odd = _mm256_setzero_ps(), hi_odd = _mm256_setzero_ps(), w_lo, w_hi;              \
+        Py_ssize_t k = 0;                                                                           \
+        for (; k + 1 < K; k += 2) {                                                                 \
+            PREFETCH(panel, k);                                                                     \
+            PREFETCH(panel, k + 1);                                                                 \
+            const __m256 b = _mm256_broadcast_ss(x + k), b_odd = _mm256_broadcast_ss(x + k + 1);   \
+            LOAD(panel, k, w_lo, w_hi);                                                             \
+            lo[0] = _mm256_fmadd_ps(b, w_lo, lo[0]);                                                \
+            hi[0] = _mm256_fmadd_ps(b, w_hi, hi[0]);                                                \
+            LOAD(panel, k + 1, w_lo, w_hi);                                                         \
+            lo_odd = _mm256_fmadd_ps(b_odd, w_lo, lo_odd);                                          \
+            hi_odd = _mm256_fmadd_ps(b_odd, w_hi, hi_odd);                                          \
+        }                                                                                           \
+        if (k < K) {                                                                                \
+            const __m256 b = _mm256_broadcast_ss(x + k);                                            \
+            LOAD(panel, k, w_lo, w_hi);                                                             \
+            lo[0] = _mm256_fmadd_ps(b, w_lo, lo[0]);                                                \
+            hi[0] = _mm256_fmadd_ps(b, w_hi, hi[0]);                                                \
+        }                                                                                           \
+        lo[0] = _mm256_add_ps(lo[0], lo_odd);                                                       \
+        hi[0] = _mm256_add_ps(hi[0], hi_odd);                                                       \
+        STORE_TILE(1)                                                                               \
     }
-    if (k < K) {
-        const __m256 b = _mm256_broadcast_ss(x + k);
-        lo = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL), lo);
-        hi = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + k * PANEL + 8), hi);
-    }
-    lo = _mm256_add_ps(lo, lo_odd);
-    hi = _mm256_add_ps(hi, hi_odd);
-    if (width == PANEL) {
-        if (accumulate) {
-            lo = _mm256_add_ps(lo, _mm256_loadu_ps(y));
-            hi = _mm256_add_ps(hi, _mm256_loadu_ps(y + 8));
-        }
-        _mm256_storeu_ps(y, lo);
-        _mm256_storeu_ps(y + 8, hi);
-    } else {
-        float sums[PANEL];
-        _mm256_storeu_ps(sums, lo);
-        _mm256_storeu_ps(sums + 8, hi);
-        for (int c = 0; c < width; c++)
-            y[c] = accumulate ? y[c] + sums[c] : sums[c];
-    }
-}
 
-DEFINE_TILE(2)
-DEFINE_TILE(3)
-DEFINE_TILE(4)
-DEFINE_TILE(5)
-DEFINE_TILE(6)
+#define DEFINE_TILES(NAME, WTYPE, LOAD)                                                             \
+    DEFINE_TILE_1(NAME, WTYPE, LOAD)                                                                \
+    DEFINE_TILE(2, NAME, WTYPE, LOAD)                                                               \
+    DEFINE_TILE(3, NAME, WTYPE, LOAD)                                                               \
+    DEFINE_TILE(4, NAME, WTYPE, LOAD)                                                               \
+    DEFINE_TILE(5, NAME, WTYPE, LOAD)                                                               \
+    DEFINE_TILE(6, NAME, WTYPE, LOAD)
 
-typedef void (*tile_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, float *, Py_ssize_t, int, int);
-static const tile_fn TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+DEFINE_TILES(f32, float, LOAD_F32)
+DEFINE_TILES(bf16, uint16_t, LOAD_BF16)
 
-static void panel_product(const float *x, const float *panels, float *y, Py_ssize_t M, Py_ssize_t K,
+typedef void (*tile_fn)(const float *, Py_ssize_t, const void *, Py_ssize_t, float *, Py_ssize_t, int, int);
+static const tile_fn TILES_F32[TILE_ROWS + 1] = {NULL, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5,
+                                                 tile_f32_6};
+static const tile_fn TILES_BF16[TILE_ROWS + 1] = {NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4,
+                                                  tile_bf16_5, tile_bf16_6};
+
+/* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (bf16 = 0) or bfloat16 (bf16 = 1). */
+static void panel_product(const float *x, const void *panels, int bf16, float *y, Py_ssize_t M, Py_ssize_t K,
                           Py_ssize_t N, int accumulate) {
     const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
+    const Py_ssize_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
+    const tile_fn *tiles = bf16 ? TILES_BF16 : TILES_F32;
     for (Py_ssize_t p = 0; p < num_panels; p++) {
-        const float *panel = panels + p * K * PANEL;
+        const void *panel = (const char *)panels + p * panel_bytes;
         const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
         for (Py_ssize_t r = 0; r < M; r += TILE_ROWS) {
             const int rows = (int)(M - r < TILE_ROWS ? M - r : TILE_ROWS);
-            TILES[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
+            tiles[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
         }
     }
 }
@@ -295,16 +323,17 @@ static void rms_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H, dou
  *   k, v written to cache slots start .. start+n-1; attn = attention (see attend());
  *   hidden += attn @ W_o; normed = rms(hidden); gate_up = normed @ W_gate_up;
  *   act = silu(gate) * up; hidden += act @ W_down.
- * normed, qkv, attn, gate_up, act are work buffers of n rows. */
+ * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are panels of float32
+ * (bf16 = 0) or of bfloat16 (bf16 = 1); everything else is float32. */
 __attribute__((target("avx2,fma"))) static void layer_forward(
-    float *hidden, float *normed, float *qkv, float *attn, float *gate_up, float *act, const float *w_qkv,
-    const float *b_qkv, const float *w_o, const float *w_gate_up, const float *w_down, Py_ssize_t n, int H,
+    float *hidden, float *normed, float *qkv, float *attn, float *gate_up, float *act, const void *w_qkv,
+    const float *b_qkv, const void *w_o, const void *w_gate_up, const void *w_down, int bf16, Py_ssize_t n, int H,
     int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, float *keys,
     float *values, Py_ssize_t capacity, const unsigned char *mask, Py_ssize_t start, float scale,
     float *scores) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     rms_rows(hidden, normed, n, H, eps_in);
-    panel_product(normed, w_qkv, qkv, n, H, width, 0);
+    panel_product(normed, w_qkv, bf16, qkv, n, H, width, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         float *row = qkv + i * width;
         if (b_qkv)
@@ -326,15 +355,15 @@ __attribute__((target("avx2,fma"))) static void layer_forward(
         }
     }
     attend(qkv, width, keys, values, capacity, attn, mask, n, heads, kv_heads, D, start, start + n, scale, scores);
-    panel_product(attn, w_o, hidden, n, (Py_ssize_t)heads * D, H, 1);
+    panel_product(attn, w_o, bf16, hidden, n, (Py_ssize_t)heads * D, H, 1);
     rms_rows(hidden, normed, n, H, eps_post);
-    panel_product(normed, w_gate_up, gate_up, n, H, 2 * (Py_ssize_t)I, 0);
+    panel_product(normed, w_gate_up, bf16, gate_up, n, H, 2 * (Py_ssize_t)I, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         const float *gate = gate_up + i * 2 * I, *up = gate + I;
         float *out = act + i * I;
         for (int c = 0; c < I; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
     }
-    panel_product(act, w_down, hidden, n, I, H, 1);
+    panel_product(act, w_down, bf16, hidden, n, I, H, 1);
 }
 #endif
 
@@ -354,8 +383,8 @@ static PyObject *supported(PyObject *self, PyObject *unused) {
 static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_buffer x, panels, y;
     Py_ssize_t M, K, N;
-    int accumulate;
-    if (!PyArg_ParseTuple(args, "y*y*w*nnnp", &x, &panels, &y, &M, &K, &N, &accumulate))
+    int accumulate, bf16;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnpp", &x, &panels, &y, &M, &K, &N, &accumulate, &bf16))
         return NULL;
     const char *error = NULL;
     const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
@@ -365,14 +394,15 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
         error = "shapes must be M >= 0, K >= 1, N >= 1";
     else if (x.len != M * K * (Py_ssize_t)sizeof(float))
         error = "x must hold M * K float32 values";
-    else if (panels.len != num_panels * K * PANEL * (Py_ssize_t)sizeof(float))
-        error = "panels must hold ceil(N / 16) * K * 16 float32 values";
+    else if (panels.len != num_panels * K * PANEL * (bf16 ? 2 : 4))
+        error = bf16 ? "panels must hold ceil(N / 16) * K * 16 bfloat16 values"
+                     : "panels must hold ceil(N / 16) * K * 16 float32 values";
     else if (y.len != M * N * (Py_ssize_t)sizeof(float))
         error = "y must hold M * N float32 values";
     if (error == NULL) {
 #ifdef GBV_PANELS_X86
         Py_BEGIN_ALLOW_THREADS
-        panel_product((const float *)x.buf, (const float *)panels.buf, (float *)y.buf, M, K, N, accumulate);
+        panel_product((const float *)x.buf, panels.buf, bf16, (float *)y.buf, M, K, N, accumulate);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -525,12 +555,12 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 static PyObject *layer(PyObject *self, PyObject *args) {
     PyObject *objects[15];
     Py_ssize_t n, start;
-    int H, heads, kv_heads, D, I;
+    int H, heads, kv_heads, D, I, bf16;
     double eps_in, eps_post, scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiinddd", &objects[0], &objects[1], &objects[2], &objects[3],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddp", &objects[0], &objects[1], &objects[2], &objects[3],
                           &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9], &objects[10],
                           &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads, &kv_heads, &D, &I,
-                          &start, &eps_in, &eps_post, &scale))
+                          &start, &eps_in, &eps_post, &scale, &bf16))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host layer needs an x86-64 CPU with AVX2 and FMA");
@@ -543,7 +573,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     }
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t end = start + n;
-#define PANELS(K, N) ((((N) + PANEL - 1) / PANEL) * (K) * PANEL * f)
+#define PANELS(K, N) ((((N) + PANEL - 1) / PANEL) * (K) * PANEL * (bf16 ? 2 : 4))
     /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask */
     const Py_ssize_t sizes[15] = {n * H * f, n * H * f, n * width * f, n * heads * D * f, n * 2 * I * f, n * I * f,
                                   PANELS(H, width), width * f, PANELS((Py_ssize_t)heads * D, H),
@@ -584,9 +614,8 @@ static PyObject *layer(PyObject *self, PyObject *args) {
 #ifdef GBV_PANELS_X86
         Py_BEGIN_ALLOW_THREADS
         layer_forward((float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
-                      (float *)views[4].buf, (float *)views[5].buf, (const float *)views[6].buf,
-                      given[7] ? (const float *)views[7].buf : NULL, (const float *)views[8].buf,
-                      (const float *)views[9].buf, (const float *)views[10].buf, n, H, heads, kv_heads, D, I, eps_in,
+                      (float *)views[4].buf, (float *)views[5].buf, views[6].buf,
+                      given[7] ? (const float *)views[7].buf : NULL, views[8].buf, views[9].buf, views[10].buf, bf16, n, H, heads, kv_heads, D, I, eps_in,
                       eps_post, (const float *)views[11].buf, (float *)views[12].buf, (float *)views[13].buf,
                       capacity, given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores);
         Py_END_ALLOW_THREADS
@@ -602,16 +631,17 @@ static PyObject *layer(PyObject *self, PyObject *args) {
 static PyMethodDef METHODS[] = {
     {"supported", supported, METH_NOARGS, "True when this CPU runs the panel kernel (x86-64, AVX2, FMA)."},
     {"matmul", matmul, METH_VARARGS,
-     "matmul(x, panels, y, M, K, N, accumulate): y (M, N) = [y +] x (M, K) @ W (K, N), W packed as "
-     "(ceil(N/16), K, 16) panels; all C-contiguous float32 buffers."},
+     "matmul(x, panels, y, M, K, N, accumulate, bf16): y (M, N) = [y +] x (M, K) @ W (K, N), W packed as "
+     "(ceil(N/16), K, 16) panels of float32 or (bf16) bfloat16; x and y C-contiguous float32."},
     {"attention", attention, METH_VARARGS,
      "attention(q, q_stride, keys, values, out, mask, n, heads, kv_heads, head_dim, start, end, scale): "
      "out (n, heads * head_dim) = softmax(scale * q k^T) v over one sequence's (kv_heads, capacity, "
      "head_dim) cache; mask: n * end bytes (non-zero = attend) or None for the causal chain after start."},
     {"layer", layer, METH_VARARGS,
      "layer(hidden, normed, qkv, attn, gate_up, act, w_qkv, b_qkv, w_o, w_gate_up, w_down, rotation, keys, "
-     "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale): one "
-     "decoder layer of the host forward for n rows of one sequence, in place on hidden."},
+     "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale, bf16): one "
+     "decoder layer of the host forward for n rows of one sequence, in place on hidden (bf16: the weights' "
+     "panels hold bfloat16)."},
     {"draw_rows", draw_rows, METH_VARARGS,
      "draw_rows(probs, u, out, rows, V, below_one): out[r] = the first token whose float64 cumulative "
      "mass exceeds u[r] * (total_r * below_one), else V - 1 (gbv.verify.common.draw_rows' rule)."},

@@ -49,24 +49,42 @@ def host_kernels_unavailable() -> str | None:
     return None
 
 
+# The column order of a bfloat16 panel row as stored: the kernel widens the 16 values to float32 with
+# two interleaves, which take words 0-3 and 8-11 to columns 0-7 and words 4-7 and 12-15 to columns 8-15.
+_BF16_ORDER = np.array([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
 class PanelWeight:
     """A (K, N) float32 weight (``y = x @ W``) packed as (ceil(N / 16), K, 16) column panels,
-    zero-padded on the right. The packed copy is made once; ``weight`` itself is not kept."""
+    zero-padded on the right. The packed copy is made once; ``weight`` itself is not kept.
 
-    def __init__(self, weight: Tensor | np.ndarray) -> None:
+    ``bf16``: the panels hold bfloat16 (half the bytes to stream; the kernel widens each value to the
+    float32 it stands for and sums in float32 as before). Every value of ``weight`` must then be a
+    bfloat16 value already (raises otherwise): the panels never round.
+    """
+
+    def __init__(self, weight: Tensor | np.ndarray, bf16: bool = False) -> None:
         w = weight.detach().cpu().numpy() if isinstance(weight, Tensor) else np.asarray(weight)
         if w.ndim != 2 or w.dtype != np.float32:
             raise ValueError(f"a panel weight is a 2-D float32 matrix, got {w.dtype} {w.shape}")
+        self.bf16 = bf16
         self.in_features, self.out_features = w.shape
         num_panels = -(-self.out_features // PANEL)
         padded = np.zeros((self.in_features, num_panels * PANEL), dtype=np.float32)
         padded[:, :self.out_features] = w
-        self.panels = np.ascontiguousarray(padded.reshape(self.in_features, num_panels, PANEL).transpose(1, 0, 2))
+        panels = padded.reshape(self.in_features, num_panels, PANEL).transpose(1, 0, 2)
+        if bf16:
+            bits = np.ascontiguousarray(panels[:, :, _BF16_ORDER]).view(np.uint32)
+            if np.any(bits & 0xFFFF):
+                raise ValueError("bf16 panels need weights that are bfloat16 values (round them first)")
+            panels = (bits >> 16).astype(np.uint16)
+        self.panels = np.ascontiguousarray(panels)
 
     def matmul_into(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
         """``out = x @ W`` (or ``out += x @ W``) in place; ``x`` (M, K) and ``out`` (M, N) C-contiguous
         float32 arrays. Returns ``out``."""
-        _host_kernels.matmul(x, self.panels, out, x.shape[0], self.in_features, self.out_features, accumulate)
+        _host_kernels.matmul(x, self.panels, out, x.shape[0], self.in_features, self.out_features, accumulate,
+                             self.bf16)
         return out
 
 
@@ -104,10 +122,13 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     """
     n, hidden = rows.hidden.shape
     kv_heads, _, head_dim = keys.shape
+    bf16 = w_qkv.bf16
+    if not w_o.bf16 == w_gate_up.bf16 == w_down.bf16 == bf16:
+        raise ValueError("a layer's four panel weights must all be float32 or all bfloat16")
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
-                        eps_post, scale)
+                        eps_post, scale, bf16)
 
 
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:

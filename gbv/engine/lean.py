@@ -19,11 +19,15 @@ configurations this module does not cover (:func:`lean_unsupported_reason` says 
 
 from __future__ import annotations
 
+import copy
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.lean_host import HostForward, attention_mask, host_forward_unsupported_reason
+from gbv.engine.host_kernels import host_kernels_unavailable
+from gbv.engine.lean_host import PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_unsupported_reason
 
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
@@ -201,6 +205,33 @@ def bf16_products_upcast(dtype: torch.dtype, device: torch.device) -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "NO AVX")
 
 
+def bf16_weights_in_float32_reason(model) -> str | None:
+    """None when the lean view of ``model`` should compute in float32 over its bfloat16 weights (the
+    compiled kernels reading them as bfloat16 panels); else why not (one phrase).
+
+    Why: on these CPUs torch has no fast bfloat16 kernels (a 1-token step of the bundled target costs
+    about 3x the float32 one), while the panel kernel streams bfloat16 weights at half float32's bytes
+    and widens them to float32 exactly in registers. So a small bfloat16 model on the CPU, where the
+    compiled kernels run, is run as the float32 model with the same weight values: activations, the
+    KV cache and the logits are float32 (more precise than bfloat16's, so its logits differ from
+    Hugging Face's bf16 forward by about as much as another kernel's rounding would). The norms' weights
+    folded into the matrices after them are rounded to bfloat16 once, at load, so that both the torch
+    path and the panels hold one and the same bfloat16 matrix. ``GBV_HOST_KERNELS=0`` keeps the model in
+    bfloat16 throughout, as before.
+    """
+    parameters = list(model.parameters())
+    if not parameters or parameters[0].dtype != torch.bfloat16 or parameters[0].device.type != "cpu":
+        return "not bfloat16 on the CPU"
+    if os.environ.get("GBV_HOST_FORWARD", "1") == "0":
+        return "GBV_HOST_FORWARD=0"
+    unavailable = host_kernels_unavailable()
+    if unavailable is not None:
+        return unavailable
+    if sum(p.numel() for p in parameters) > PANEL_MAX_PARAMETERS:
+        return f"more than {PANEL_MAX_PARAMETERS:,} parameters"
+    return None
+
+
 class _Linear:
     """``y = x W^T + b`` for one weight ``W`` of shape (out, in); ``x`` is (..., in).
 
@@ -335,6 +366,12 @@ class LeanCausalLM:
             raise ValueError(f"no lean forward for this model: {reason}")
         self.model = model
         config = model.config.get_text_config()
+        # The dtype the matrices' values are (bfloat16 ones may be run in float32: see
+        # bf16_weights_in_float32_reason); ``self.dtype`` is the one the forward computes in.
+        self.weight_dtype = model.model.embed_tokens.weight.dtype
+        self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
+        if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after
+            model = copy.deepcopy(model).to(torch.float32)
         inner = model.model
         self.embed = inner.embed_tokens.weight
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
@@ -355,6 +392,11 @@ class LeanCausalLM:
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
                                self.upcast)
         self.norm = None if _fold_norm_weight(self.lm_head, inner.norm.weight) else inner.norm.weight
+        if self.bf16_in_float32:  # folded weights back to bfloat16 values (one rounding, at load)
+            with torch.no_grad():
+                for matrix in self.matrices():
+                    held = matrix.weight_t if matrix.weight is None else matrix.weight
+                    held.copy_(held.to(torch.bfloat16))
         self.rotary = inner.rotary_emb
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads

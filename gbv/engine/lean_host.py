@@ -138,9 +138,9 @@ class _Product:
     """One weight of the host forward, ``y = x @ W`` for a (K, N) ``weight_t``: torch's GEMM, or the
     panel kernel on a packed copy (``panel``, None where the kernels are not used)."""
 
-    def __init__(self, weight_t: Tensor, panels: bool) -> None:
+    def __init__(self, weight_t: Tensor, panels: bool, bf16: bool = False) -> None:
         self.weight_t = weight_t
-        self.panel = PanelWeight(weight_t) if panels else None
+        self.panel = PanelWeight(weight_t, bf16) if panels else None
 
     def into(self, x: np.ndarray, x_t: Tensor, out: np.ndarray, out_t: Tensor, accumulate: bool,
              panels: bool) -> None:
@@ -181,16 +181,18 @@ class HostForward:
         if self.panels_off is None and sum(m.weight_t.numel() for m in lean.matrices()) > PANEL_MAX_PARAMETERS:
             self.panels_off = f"more than {PANEL_MAX_PARAMETERS:,} parameters"
         panels = self.panels_off is None
+        # A bfloat16 model run in float32 (lean.bf16_in_float32): its panels hold bfloat16, half the bytes.
+        bf16 = getattr(lean, "bf16_in_float32", False)
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
             bias = None if qkv.bias is None else qkv.bias.detach().numpy()
-            self.layers.append((_Product(qkv.weight_t, panels), bias, _Product(layer.o.weight_t, panels),
-                                _Product(layer.gate_up.parts[0].weight_t, panels),
-                                _Product(layer.down.weight_t, panels), float(layer.input_eps),
+            self.layers.append((_Product(qkv.weight_t, panels, bf16), bias, _Product(layer.o.weight_t, panels, bf16),
+                                _Product(layer.gate_up.parts[0].weight_t, panels, bf16),
+                                _Product(layer.down.weight_t, panels, bf16), float(layer.input_eps),
                                 float(layer.post_eps), float(layer.scaling)))
         self.intermediate = self.layers[0][3].weight_t.shape[1] // 2 if self.layers else 0
-        self.lm_head = _Product(lean.lm_head.weight_t, panels)
+        self.lm_head = _Product(lean.lm_head.weight_t, panels, bf16)
         self.norm_eps = float(lean.norm_eps)
         self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model

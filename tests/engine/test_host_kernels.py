@@ -19,14 +19,25 @@ needs_kernels = pytest.mark.skipif(host_kernels_unavailable() is not None,
                                    reason=f"compiled kernels unavailable: {host_kernels_unavailable()}")
 
 
+def _bf16_values(array: np.ndarray) -> np.ndarray:
+    """float32 ``array`` rounded to bfloat16 values (still float32)."""
+    return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
+
+
 @needs_kernels
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 5), (16, 16), (33, 47), (64, 256), (256, 768)])
-def test_panel_products_equal_numpy(in_features, out_features):
+def test_panel_products_equal_numpy(in_features, out_features, bf16):
     """Every row count the host forward gives the kernel (0 to 13, tiles of 6 and their remainders),
-    widths that are and are not multiples of 16, written and accumulated."""
+    widths that are and are not multiples of 16, written and accumulated; float32 and bfloat16 panels
+    (the latter of bf16 values: the same sums, bit for bit, as float32 panels of those values)."""
     rng = np.random.default_rng(in_features * 1000 + out_features)
     weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
-    panel = PanelWeight(weight)
+    if bf16:
+        weight = _bf16_values(weight)
+        as_float32 = PanelWeight(weight)
+    panel = PanelWeight(weight, bf16=bf16)
+    assert panel.panels.dtype == (np.uint16 if bf16 else np.float32)
     for rows in range(0, 14):
         x = rng.standard_normal((rows, in_features)).astype(np.float32)
         exact = x.astype(np.float64) @ weight.astype(np.float64)
@@ -34,10 +45,29 @@ def test_panel_products_equal_numpy(in_features, out_features):
         panel.matmul_into(x, out)
         tolerance = 1e-5 * np.sqrt(in_features) * (1 + np.abs(exact).max(initial=0))
         np.testing.assert_allclose(out, exact, rtol=0, atol=tolerance)
+        if bf16:
+            same = np.full((rows, out_features), np.nan, dtype=np.float32)
+            np.testing.assert_array_equal(out, as_float32.matmul_into(x, same))
         before = rng.standard_normal((rows, out_features)).astype(np.float32)
         out = before.copy()
         panel.matmul_into(x, out, accumulate=True)
         np.testing.assert_allclose(out, before + exact, rtol=0, atol=tolerance + 1e-6)
+
+
+def test_bf16_panels_hold_the_values_in_the_kernels_column_order():
+    """Each stored bf16 panel row is the top half of each float32 weight, columns in the order the
+    kernel's widening gives back as 0..15 (0-3, 8-11, 4-7, 12-15); weights that are not bf16 values
+    are refused (the panels never round)."""
+    weight = _bf16_values(np.arange(3 * 20, dtype=np.float32).reshape(3, 20) * 0.37 + 1)
+    panel = PanelWeight(weight, bf16=True)
+    assert panel.panels.shape == (2, 3, 16)
+    widened = (panel.panels.astype(np.uint32) << 16).view(np.float32)
+    order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+    np.testing.assert_array_equal(widened[0][:, order.index(5)], weight[:, 5])
+    np.testing.assert_array_equal(widened[1][:, order.index(3)], weight[:, 19])
+    assert not widened[1][:, [order.index(c) for c in range(4, 16)]].any()  # padding
+    with pytest.raises(ValueError, match="bfloat16 values"):
+        PanelWeight(weight + np.float32(1e-3), bf16=True)
 
 
 def _reference_attention(q, keys, values, allowed, heads, scale):
@@ -94,7 +124,10 @@ def test_kernels_refuse_bad_buffers():
         panel.matmul_into(np.ones((2, 4), np.float32), np.ones((2, 19), np.float32))
     with pytest.raises(ValueError, match="x must hold"):
         host_kernels._host_kernels.matmul(np.ones((2, 3), np.float32), panel.panels, np.ones((2, 20), np.float32),
-                                          2, 4, 20, False)
+                                          2, 4, 20, False, False)
+    with pytest.raises(ValueError, match="bfloat16 values"):  # float32 panels passed as bf16
+        host_kernels._host_kernels.matmul(np.ones((2, 4), np.float32), panel.panels, np.ones((2, 20), np.float32),
+                                          2, 4, 20, False, True)
     with pytest.raises(ValueError, match="2-D float32"):
         PanelWeight(np.ones((4, 20)))
     keys = np.zeros((2, 10, 8), np.float32)

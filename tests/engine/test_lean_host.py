@@ -4,11 +4,14 @@ shape the engines give it, and be used only where it can be."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 import gbv.engine.lean_host as lean_host
+from gbv.engine.host_kernels import host_kernels_unavailable
 from gbv.engine.generate import generate
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.tree import build_tree, prefix_then
@@ -34,13 +37,17 @@ def _random_tree_mask(n: int, prefix: int, gen: torch.Generator) -> torch.Tensor
     return prefix_then(ancestors, prefix)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: grouped-query attention; qwen2: q/k/v biases
-def test_host_forward_equals_the_torch_forward(arch):
+def test_host_forward_equals_the_torch_forward(arch, dtype):
     """Chains (causal, from slot 0 and after a prefix), tree passes with random masks, one query, last
     only: the logits and every cache entry written agree with the torch forward to float32 rounding,
-    through a cache that grows on the way."""
+    through a cache that grows on the way. A bfloat16 model runs in float32 (bf16 panels) on both."""
+    if dtype == torch.bfloat16 and host_kernels_unavailable() is not None:
+        pytest.skip(f"bf16 runs in float32 only with the compiled kernels: {host_kernels_unavailable()}")
     target, _ = hf_pair(arch, vocab=48, seed=5, target_size=(64, 2))
-    host, plain = _both(target)
+    host, plain = _both(target.to(dtype))
+    assert host.dtype == plain.dtype == torch.float32
     gen = torch.Generator().manual_seed(0)
     caches = [lean.new_cache(1, 8) for lean in (host, plain)]  # small on purpose: both grow
     prompt = torch.randint(0, 48, (1, 6), generator=gen)
@@ -89,6 +96,40 @@ def test_host_forward_on_the_bundled_pair():
             torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif(host_kernels_unavailable() is not None, reason="bf16 runs in float32 only with the kernels")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_runs_in_float32(arch, monkeypatch):
+    """A bfloat16 model on the CPU, where the compiled kernels run: the lean view computes in float32
+    (activations, cache, logits) over the model's bf16 weight values, the norms' weights folded and
+    rounded to bf16 once, the panels in bf16. Its logits are those of the same weights in float32 to
+    about one bf16 rounding of the folded weights, and within bf16 rounding of Hugging Face's bf16
+    forward. The Hugging Face model is left as it was. With GBV_HOST_KERNELS=0 it stays bf16."""
+    fp32, _ = hf_pair(arch, vocab=48, seed=7, target_size=(64, 2))
+    model = fp32.to(torch.bfloat16)  # (in place: fp32 is the same module)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    lean = LeanCausalLM(model)
+    assert lean.bf16_in_float32 and lean.dtype == torch.float32 and lean.weight_dtype == torch.bfloat16
+    assert lean.new_cache(1, 4).keys[0].dtype == torch.float32
+    for matrix in lean.matrices():
+        assert matrix.weight_t.dtype == torch.float32
+        assert torch.equal(matrix.weight_t, matrix.weight_t.to(torch.bfloat16).float())  # bf16 values
+    products = [p for layer in lean.host_forward.layers for p in (layer[0], layer[2], layer[3], layer[4])]
+    assert all(p.panel.bf16 and p.panel.panels.dtype == np.uint16 for p in products + [lean.host_forward.lm_head])
+    assert all(torch.equal(t, before[name]) and t.dtype == torch.bfloat16 for name, t in model.state_dict().items())
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.inference_mode():
+        logits = lean.forward(tokens, torch.arange(10)[None], 0, lean.new_cache(1, 16), None, causal=True)
+        hf_bf16 = model(input_ids=tokens).logits.float()
+        as_float32 = copy.deepcopy(model).float()(input_ids=tokens).logits
+    assert logits.dtype == torch.float32
+    scale = float(as_float32.abs().max())
+    assert (logits - as_float32).abs().max() < 0.02 * scale
+    assert (logits - hf_bf16).abs().max() < 0.05 * scale
+    monkeypatch.setenv("GBV_HOST_KERNELS", "0")
+    plain = LeanCausalLM(model)
+    assert not plain.bf16_in_float32 and plain.dtype == torch.bfloat16
+
+
 def test_a_broken_host_forward_is_caught(monkeypatch):
     """The comparison can fail: a host forward that writes the new keys one slot too late differs."""
     target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
@@ -117,8 +158,10 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     target, _ = hf_pair("llama", vocab=48, seed=5)
     lean = LeanCausalLM(target)
     assert lean.host_forward is not None
-    assert lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=48)[0].to(torch.bfloat16))) \
-        == "not float32 on the CPU"
+    with monkeypatch.context() as patch:  # (bf16 with the kernels: run in float32, test_bf16_runs_in_float32)
+        patch.setenv("GBV_HOST_KERNELS", "0")
+        assert lean_host.host_forward_unsupported_reason(
+            LeanCausalLM(hf_pair("llama", vocab=48)[0].to(torch.bfloat16))) == "not float32 on the CPU"
     if "qwen3" in ARCHITECTURES:
         assert lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("qwen3", vocab=48)[0])) \
             == "q/k norms (Qwen3)"
