@@ -1,4 +1,4 @@
-/* The host forward's compiled kernels (float32, x86-64 with AVX2 and FMA): products of a few rows
+/* The host forward's compiled kernels (float32; weights float32 or bfloat16; x86-64 with AVX2 and FMA): products of a few rows
  * by a weight packed in column panels, and attention of a few queries over a sequence's cache.
  *
  * Products. Why: on the CPUs this project is measured on, MKL's and OpenBLAS's float32 GEMM of a few rows by
@@ -9,8 +9,10 @@
  * used for every row while it sits in a register: 5 rows cost little more than 1.
  *
  * Layout: a weight W of shape (K, N) (the lean forward's transposed copy, y = x @ W) is packed as
- * panels of PANEL = 16 columns, (ceil(N / 16), K, 16), zero-padded on the right (gbv/engine/panels.py
- * packs it). For each panel, rows are taken TILE_ROWS at a time; the panel (K * 64 bytes) stays in
+ * panels of PANEL = 16 columns, (ceil(N / 16), K, 16), zero-padded on the right (PanelWeight in
+ * gbv/engine/host_kernels.py packs it), in float32 or in bfloat16 (half the bytes to stream; each
+ * value widened to its float32 in registers, so the sums are those of float32 panels of the same
+ * values). For each panel, rows are taken TILE_ROWS at a time; the panel (K * 64 bytes) stays in
  * the L1/L2 cache while every row tile reads it, so the weight crosses the memory bus once.
  *
  * Each output is sum_k x[r, k] * W[k, c] accumulated in order of k in float32 (one fused

@@ -45,6 +45,9 @@ class DecoderState:
         self.rng = TorchRandom(self.generator)
         self.tokens: list[int] = []
         self.draft_len = 0
+        # Set: the prompt's prefill leaves the draft unfed (AutoDecoder sets it); the first speculative
+        # step feeds the draft everything it has not seen, as it does after any plain target step.
+        self.defer_draft = False
         self.stats = GenerationStats(method=method, num_paths=self.num_paths, block_len=self.block_len,
                                      depth_accept_counts=[0] * self.block_len)
 
@@ -53,7 +56,7 @@ class DecoderState:
         start = self._clock()
         self.tokens = list(prompt_ids)
         self._feed_prompt(self.tokens[:-1])
-        self.draft_len = len(self.tokens) - 1
+        self.draft_len = 0 if self.defer_draft else len(self.tokens) - 1
         self.stats.prompt_tokens = len(self.tokens)
         self.stats.time_prefill += self._clock() - start
 
@@ -96,7 +99,7 @@ class Decoder(DecoderState):
         if head:
             ids = self._ids(head)
             self.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1)
-            if self.draft_cache is not None:
+            if self.draft_cache is not None and not self.defer_draft:
                 self.draft(input_ids=ids, cache=self.draft_cache, use_cache=True, logits_to_keep=1)
 
     def step(self, block_len: int | None = None) -> list[int]:

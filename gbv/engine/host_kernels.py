@@ -1,5 +1,8 @@
 """The host forward's compiled kernels (``_host_kernels.c``; CPU, float32, AVX2 + FMA).
 
+Everything is float32 except the weights of the products, which are float32 or bfloat16 panels (a
+bfloat16 model runs in float32 over its bf16 weight values: ``gbv.engine.lean.bf16_weights_in_float32_reason``).
+
 - **Products of a few rows** (:class:`PanelWeight`). ``y = x @ W`` for a (K, N) weight and M rows
   costs MKL here about as much per added row as a whole 1-row product (docs/ENGINE.md, "Compiled
   kernels"): 2.5 ms for the bundled target's matrices at 1 row, 6-7 ms at 5 rows, against a memory

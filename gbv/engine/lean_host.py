@@ -24,8 +24,10 @@ another order.
 copies (:func:`host_forward_unsupported_reason`), and for several sequences where the compiled
 kernels run and the rows in all are at most ``KERNEL_MAX_ROWS`` (:meth:`HostForward.takes`; without
 the kernels, batches of 8 measured 0.96-0.99x the torch forward, ``scripts/bench_host_forward_ab.py
---batch 8``). Larger batches, long prompts, CUDA and bfloat16 take the torch path: on a GPU no
-tensor ever leaves the device for this.
+--batch 8``). Larger batches, long prompts and CUDA take the torch path: on a GPU no tensor ever
+leaves the device for this. A small bfloat16 model on the CPU runs here too, in float32 over its bf16
+weight values (``LeanCausalLM.bf16_in_float32``; the panels then hold bfloat16, half the bytes); where
+the kernels do not run, bfloat16 takes the torch path.
 """
 
 from __future__ import annotations

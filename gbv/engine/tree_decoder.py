@@ -86,8 +86,20 @@ class TreeDecoder(DecoderState):
             self.draft_cache = self.draft.new_cache(1, capacity)
         if head:
             self._chain(self.target, self.target_cache, head, 0)
-            if self.draft is not None:
+            if self.draft is not None and not self.defer_draft:
                 self._chain(self.draft, self.draft_cache, head, 0)
+
+    def catch_up_draft(self) -> None:
+        """Feed the draft, as one chain, every committed token it has not seen but the pending one (after
+        a deferred prefill or plain target steps), so that the next speculative step feeds it only the
+        pending token. Timed as draft time."""
+        lag = self.tokens[self.draft_len:-1]
+        if self.draft is None or not lag:
+            return
+        start = self._clock()
+        self._chain(self.draft, self.draft_cache, lag, self.draft_len)
+        self.draft_len += len(lag)
+        self.stats.time_draft += self._clock() - start
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration; returns the newly committed tokens (the last one is the new pending token).

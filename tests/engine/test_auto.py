@@ -22,7 +22,9 @@ def short_arms(monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ["tree", "hf"])
-def test_auto_is_lossless(short_arms, engine):
+def test_auto_is_lossless(short_arms, engine, monkeypatch):
+    # every arm must run (the switches are what is tested), even those too slow to ever win here
+    monkeypatch.setattr(AutoPolicy, "ceiling", lambda self, index: float("inf"))
     pair = sharp_llama_pair() if engine == "tree" else ModelPair(*table_pair(vocab=6))
     target = pair.target
     stat, threshold = check(pair, 1200, 1.0, method="auto")
@@ -58,6 +60,38 @@ def test_policy_explores_then_exploits_the_fastest_arm():
     assert policy.best() == arms[1]
     # Near the end only short blocks fit: the cap is honoured.
     assert policy.arms[policy.choose(max_block=0)].method == "ar"
+
+
+def test_arms_that_cannot_win_are_not_explored():
+    """ar makes 700 tokens/s; a block of L costs 2 + 0.5 L ms, a multi-path arm 10 K L ms (a CPU, where
+    trees are dear). The multi-path arm of K=2 L=4 runs once: even keeping every draft it would make
+    62 tokens/s. The arms that dominate it (more paths or longer blocks) never run; the blocks are
+    explored as before. When every arm gets 20x slower (another process takes the core), the stale
+    ceiling of the multi-path arm is above the leader's rate again, and it is tried again."""
+    arms = auto.default_arms(False, True)
+    policy = AutoPolicy(arms)
+    slow = [1.0]
+
+    def run(index: int) -> None:
+        arm = arms[index]
+        if arm.method == "ar":
+            policy.record(index, 1, slow[0] / 700)
+        elif arm.num_paths == 1:
+            policy.record(index, 2, slow[0] * (0.002 + 0.0005 * arm.block_len))
+        else:
+            policy.record(index, arm.block_len, slow[0] * 0.010 * arm.num_paths * arm.block_len)
+
+    for _ in range(300):
+        run(policy.choose())
+    multi = [i for i, arm in enumerate(arms) if arm.num_paths > 1]
+    assert policy.runs[multi[0]] == 1 and arms[multi[0]] == Arm(arms[multi[0]].method, 2, 4)
+    assert all(policy.runs[i] == 0 for i in multi[1:])
+    assert all(policy.runs[i] >= auto._MIN_TRIALS for i, arm in enumerate(arms) if arm.num_paths == 1)
+    assert policy.best() == arms[0]
+    slow[0] = 20.0
+    for _ in range(1000):
+        run(policy.choose())
+    assert policy.runs[multi[0]] > 1
 
 
 def test_policy_pools_acceptance_so_unlucky_first_trials_do_not_bury_a_long_block():
@@ -100,11 +134,26 @@ def test_one_early_rejection_does_not_zero_the_deeper_depths():
     assert policy.expected_tokens(0) == pytest.approx(3.0, abs=0.01)
 
 
+def _reference_ceiling(policy: AutoPolicy, index: int) -> float:
+    """(L + 1) tokens over the least the arm can cost: its own mean seconds, or before it ran, the
+    largest mean of the speculative arms with no more paths and no longer blocks."""
+    arm = policy.arms[index]
+    means = [policy.seconds[j] / policy.trials[j] for j, other in enumerate(policy.arms)
+             if policy.trials[j] > 0 and (j == index or (policy.trials[index] == 0 and other.method != "ar"
+                                                          and other.num_paths <= arm.num_paths
+                                                          and other.block_len <= arm.block_len))]
+    return (arm.block_len + 1) / max(means) if means else float("inf")
+
+
 def _reference_choice(policy: AutoPolicy, max_block: int | None) -> int:
     """The UCB choice computed from scratch with :meth:`AutoPolicy.rate` (no cached rates)."""
     import math
 
     allowed = [i for i, arm in enumerate(policy.arms) if max_block is None or arm.block_len <= max_block]
+    explored = [i for i in allowed if policy.runs[i] >= auto._MIN_TRIALS]
+    if explored:  # arms that cannot beat the best explored one even if every draft were kept are left out
+        leader = max(explored, key=policy.rate)
+        allowed = [i for i in allowed if i == leader or _reference_ceiling(policy, i) >= policy.rate(leader)]
     for i in allowed:
         if policy.runs[i] < auto._MIN_TRIALS:
             return i
@@ -144,3 +193,42 @@ def test_cached_rates_give_the_choices_of_rates_computed_afresh():
     stale._members = {family: [] for family in stale._members}  # a family's runs leave its rates as they were
     pairs = _replay_choices(stale, 0)
     assert any(mine != fresh for mine, fresh in pairs)
+
+
+def test_where_ar_leads_the_draft_is_fed_the_prompt_only_when_it_is_needed(monkeypatch):
+    """With ar the leader, auto's prefill leaves the draft unfed (no draft forward at all while ar
+    runs). When a speculative arm runs, the draft is first fed everything it missed, outside the arm's
+    clock, and its cache then gives the logits of a fresh prefill."""
+    import time
+
+    import torch
+
+    from gbv.engine.decoder import make_decoder
+    from gbv.engine.sampling import SamplingConfig
+
+    target, draft = hf_pair("llama", vocab=32, seed=5)
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 3)]
+    monkeypatch.setattr(auto, "default_arms", lambda greedy, has_draft: arms)
+    sampling = SamplingConfig(temperature=1.0)
+    dec = make_decoder(target, draft, "auto", 1, 3, 32, sampling, sampling, 0, "cpu")
+    for _ in range(2):
+        dec.policy.record(0, 1, 0.001)  # ar explored: the leader; the block arm is still to explore
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    with torch.inference_mode():
+        dec.prefill(prompt)
+        assert dec.base.draft_len == 0  # nothing fed to the draft
+        real = dec.base.catch_up_draft
+
+        def slow_catch_up():
+            time.sleep(0.3)
+            real()
+
+        monkeypatch.setattr(dec.base, "catch_up_draft", slow_catch_up)
+        new = dec.step()
+        assert dec.policy.runs[1] == 1 and dec.policy.seconds[1] < 0.3  # the catch-up is not the arm's
+        tokens = dec.base.tokens
+        assert tokens == prompt + new and dec.base.draft_len >= len(prompt) - 1
+        cached = dec.base._chain(dec.base.draft, dec.base.draft_cache, tokens[dec.base.draft_len:],
+                                 dec.base.draft_len)
+        fresh = draft(input_ids=torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=0)
