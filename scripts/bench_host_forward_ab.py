@@ -3,11 +3,14 @@
     python scripts/bench_host_forward_ab.py --prompts 5               # 5 GSM8K + 5 HumanEval prompts
     python scripts/bench_host_forward_ab.py --prompts 4 --batch 8     # batches of 8 rows as well
     python scripts/bench_host_forward_ab.py --switch kernels           # its compiled kernels
+    python scripts/bench_host_forward_ab.py --switch bf16              # bfloat16: in float32 or as before
 
 Both variants use the same lean views of the bundled pair. With ``--switch host`` (the default),
 "off" sets their ``host_forward`` to None (the torch forward, what ``GBV_HOST_FORWARD=0`` gives); with
 ``--switch panels``, "off" gives the host forward's products to torch's GEMM (what ``GBV_PANELS=0``
-gives). "on" puts it back. For each prompt (and each
+gives). "on" puts it back. With ``--switch bf16`` the pair is loaded twice in bfloat16: "on" runs as the
+engine now does (float32 over the bf16 weight values, bf16 panels: ``bf16_weights_in_float32_reason``),
+"off" as before (bfloat16 throughout on torch, what ``GBV_HOST_KERNELS=0`` gives). For each prompt (and each
 batch of prompts) every row runs once per variant, in alternating order, with the same seed, 1
 thread, EOS off. Prints pooled tokens/s per row and variant and the ratio on/off; the machine is
 shared, so only the ratios within one run mean anything.
@@ -15,6 +18,7 @@ shared, so only the ratios within one run mean anything.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -33,10 +37,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=0, help="also decode batches of this many rows")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0.2,1.0")
-    parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention"], default="host",
-                        help="what to turn off: the host forward, or its compiled kernels (both or one)")
+    parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention", "bf16"], default="host",
+                        help="what to turn off: the host forward, or its compiled kernels (both or one); bf16: "
+                             "bfloat16 run in float32 against bfloat16 throughout")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.switch == "bf16":
+        pairs = {True: load_pair("bundled", dtype="bfloat16"), False: load_pair("bundled", dtype="bfloat16")}
+        os.environ["GBV_HOST_KERNELS"] = "0"  # only while the "off" pair's lean views are built
+        try:
+            old = [lean_model(pairs[False].target), lean_model(pairs[False].draft)]
+        finally:
+            del os.environ["GBV_HOST_KERNELS"]
+        new = [lean_model(pairs[True].target), lean_model(pairs[True].draft)]
+        if not all(view.bf16_in_float32 for view in new) or any(view.bf16_in_float32 for view in old):
+            raise SystemExit("bfloat16 does not run in float32 here (no compiled kernels?)")
+        run_ab(args, pairs, lambda on: None)
+        return
     pair = load_pair("bundled", dtype="float32")
     views = [lean_model(pair.target), lean_model(pair.draft)]
     host = [view.host_forward for view in views]
@@ -56,6 +73,13 @@ def main(argv: list[str] | None = None) -> None:
                 for name in kernels:
                     setattr(forward, name, None if on else "off for the A/B run")
 
+    run_ab(args, {True: pair, False: pair}, use)
+
+
+def run_ab(args, pairs: dict, use) -> None:
+    """Every row of ``ROWS`` with ``pairs[on]`` after ``use(on)``, on and off alternately per prompt
+    (and batch); prints the table."""
+    pair = pairs[True]
     prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
                + load_prompts("humaneval", args.prompts)]
     groups = [[p] for p in prompts]
@@ -65,14 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---:|---:|---:|")
     for temperature in [float(t) for t in args.temperature.split(",")]:
         settings = dict(temperature=temperature, eos_token_id=[], max_new_tokens=args.max_new_tokens)
-        generate(pair, prompt_ids=prompts[0], method="gbv", num_paths=3, block_len=4, **{**settings,
-                 "max_new_tokens": 16})  # warm-up
+        for each in pairs.values():
+            generate(each, prompt_ids=prompts[0], method="gbv", num_paths=3, block_len=4, **{**settings,
+                     "max_new_tokens": 16})  # warm-up
         totals = {}
         for index, group in enumerate(groups):
             for on in ((False, True) if index % 2 == 0 else (True, False)):
                 use(on)
                 for method, k, length in ROWS:
                     start = time.perf_counter()
+                    pair = pairs[on]
                     if len(group) == 1:
                         outs = [generate(pair, prompt_ids=group[0], method=method, num_paths=k, block_len=length,
                                          seed=index, **settings)]

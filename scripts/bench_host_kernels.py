@@ -4,7 +4,8 @@
 
 Four tables, medians over repeats (the machine is shared: compare within a table only):
 1. the bundled target's matrix products (every layer's fused q/k/v, o, gate/up, down, and the LM head)
-   for M rows: ``x @ W_t`` through torch (MKL) against the panel kernel;
+   for M rows: ``x @ W_t`` through torch (MKL) against the panel kernel, with float32 panels and with
+   bfloat16 panels of the same matrices rounded to bf16 (what a bfloat16 model runs: half the bytes);
 2. attention of n queries over a 150-slot cache (8 heads of 32, like the bundled models): SDPA
    against the kernel;
 3. one draw per row at V = 4096: ``draw_rows`` against the compiled draw;
@@ -19,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from gbv.engine.host_kernels import attention_into, draw_rows_host, host_kernels_unavailable
+from gbv.engine.host_kernels import PanelWeight, attention_into, draw_rows_host, host_kernels_unavailable
 from gbv.engine.tree import prefix_then
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
@@ -52,15 +53,18 @@ def main(argv: list[str] | None = None) -> None:
     megabytes = sum(p.weight_t.numel() for p in products) * 4 / 1e6
     rng = np.random.default_rng(0)
 
-    print(f"1. Target matrix products ({megabytes:.1f} MB of weights), ms\n")
-    print("| rows | torch (MKL) | panel kernel | ratio |\n|---:|---:|---:|---:|")
+    bf16_panels = [PanelWeight(p.weight_t.to(torch.bfloat16).float(), bf16=True) for p in products]
+    print(f"1. Target matrix products ({megabytes:.1f} MB of weights in float32), ms\n")
+    print("| rows | torch (MKL) | panel kernel | ratio | bf16 panels | fp32 / bf16 panels |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for rows in (1, 2, 3, 5, 9, 13, 17, 25):
         xs = [rng.standard_normal((rows, p.weight_t.shape[0])).astype(np.float32) for p in products]
         ys = [np.zeros((rows, p.weight_t.shape[1]), np.float32) for p in products]
         xt = [torch.from_numpy(x) for x in xs]
         mkl = median_ms(lambda: [x @ p.weight_t for x, p in zip(xt, products)], args.repeats)
         panel = median_ms(lambda: [p.panel.matmul_into(x, y) for x, y, p in zip(xs, ys, products)], args.repeats)
-        print(f"| {rows} | {mkl:.2f} | {panel:.2f} | {mkl / panel:.2f}x |")
+        half = median_ms(lambda: [p.matmul_into(x, y) for x, y, p in zip(xs, ys, bf16_panels)], args.repeats)
+        print(f"| {rows} | {mkl:.2f} | {panel:.2f} | {mkl / panel:.2f}x | {half:.2f} | {panel / half:.2f}x |")
 
     print("\n2. Attention over 150 cached slots + n new (8 heads of 32), us\n")
     print("| queries | mask | SDPA | kernel | ratio |\n|---:|---|---:|---:|---:|")

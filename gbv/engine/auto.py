@@ -302,19 +302,21 @@ class AutoDecoder:
         leader = self.policy.leader()
         self.base.defer_draft = (hasattr(self.base, "catch_up_draft") and leader is not None
                                  and self.policy.arms[leader].method == "ar")
+        self.prompt_len = len(prompt_ids)
         self.base.prefill(prompt_ids)
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration with the chosen arm; ``block_len`` caps the block (near the end)."""
         index = self.policy.choose(block_len)
         arm = self.policy.arms[index]
-        if arm.method != "ar" and hasattr(self.base, "catch_up_draft"):
-            # The draft's lag (a deferred prompt, the tokens of plain steps since it last ran) is fed
-            # outside the arm's clock: the arms are compared on what an iteration of each costs. Charged
-            # to the arm, a first trial after a deferred prompt (+10 ms on the bundled pair) ruled out
-            # the best arm (BV L=2 in float32) for good. The lag is at most what feeding the draft the
-            # prompt at once would have cost.
-            self.base.catch_up_draft()
+        if arm.method != "ar" and self.base.draft_len < self.prompt_len - 1:
+            # A deferred prompt is fed to the draft outside the arm's clock: it is the prefill, which
+            # no arm was ever charged (charged to the arm, +10 ms on the bundled pair put BV L = 2, the
+            # best arm in float32, under its ceiling for good). The tokens of plain steps since the
+            # draft last ran are fed inside the clock, as before: a cost of switching to speculation,
+            # which the policy should see (uncharged, near-tied arms were tried too often: auto fell
+            # to 0.94x ar in bfloat16, where ar is the best arm).
+            self.base.catch_up_draft(self.prompt_len - 1)
         start = time.perf_counter()
         if arm.method == "ar":
             new = self.base.step(0)

@@ -197,8 +197,8 @@ def test_cached_rates_give_the_choices_of_rates_computed_afresh():
 
 def test_where_ar_leads_the_draft_is_fed_the_prompt_only_when_it_is_needed(monkeypatch):
     """With ar the leader, auto's prefill leaves the draft unfed (no draft forward at all while ar
-    runs). When a speculative arm runs, the draft is first fed everything it missed, outside the arm's
-    clock, and its cache then gives the logits of a fresh prefill."""
+    runs). When a speculative arm runs, the draft is first fed the prompt, outside the arm's clock,
+    and its cache then gives the logits of a fresh prefill."""
     import time
 
     import torch
@@ -219,9 +219,9 @@ def test_where_ar_leads_the_draft_is_fed_the_prompt_only_when_it_is_needed(monke
         assert dec.base.draft_len == 0  # nothing fed to the draft
         real = dec.base.catch_up_draft
 
-        def slow_catch_up():
+        def slow_catch_up(*args):
             time.sleep(0.3)
-            real()
+            real(*args)
 
         monkeypatch.setattr(dec.base, "catch_up_draft", slow_catch_up)
         new = dec.step()
