@@ -1,5 +1,6 @@
-/* The host forward's compiled kernels (float32; weights float32 or bfloat16; x86-64 with AVX2 and FMA): products of a few rows
- * by a weight packed in column panels, and attention of a few queries over a sequence's cache.
+/* The host forward's compiled kernels (float32; weights float32 or bfloat16; x86-64 with AVX2 and
+ * FMA): products of a few rows by a weight packed in column panels, and attention of a few queries
+ * over a sequence's cache.
  *
  * Products. Why: on the CPUs this project is measured on, MKL's and OpenBLAS's float32 GEMM of a few rows by
  * a weight matrix runs at about a quarter of the core's arithmetic rate and far under its memory
@@ -26,12 +27,13 @@
 
 #define PANEL 16
 #define TILE_ROWS 6
-/* Panel rows (64 bytes each in float32) are prefetched 16 rows (this many bytes) ahead, non-temporally (_MM_HINT_NTA: a weight
- * streamed once per pass should not push the other model's weights out of the shared L3). Measured on
- * the bundled pair against no prefetch: the target's 1-token step 2.58 -> 1.9 ms, its 5-token pass
- * 4.3 -> 3.9 ms, and a draft step taken between target passes 0.63 -> 0.52 ms. (_MM_HINT_T0 gained
- * only on the 5-token pass; 8, 16, 32 and 64 rows ahead are within the noise of each other.) 16 float32
- * rows are 1024 bytes: bfloat16 panels (32-byte rows) are prefetched as many bytes ahead. */
+/* Panel rows (64 bytes each in float32) are prefetched 16 rows (this many bytes) ahead,
+ * non-temporally (_MM_HINT_NTA: a weight streamed once per pass should not push the other model's
+ * weights out of the shared L3). Measured on the bundled pair against no prefetch: the target's
+ * 1-token step 2.58 -> 1.9 ms, its 5-token pass 4.3 -> 3.9 ms, and a draft step taken between target
+ * passes 0.63 -> 0.52 ms. (_MM_HINT_T0 gained only on the 5-token pass; 8, 16, 32 and 64 rows ahead
+ * are within the noise of each other.) bfloat16 panels (32-byte rows) are prefetched as many bytes
+ * ahead. */
 #define PREFETCH_BYTES 1024
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -617,9 +619,9 @@ static PyObject *layer(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         layer_forward((float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
                       (float *)views[4].buf, (float *)views[5].buf, views[6].buf,
-                      given[7] ? (const float *)views[7].buf : NULL, views[8].buf, views[9].buf, views[10].buf, bf16, n, H, heads, kv_heads, D, I, eps_in,
-                      eps_post, (const float *)views[11].buf, (float *)views[12].buf, (float *)views[13].buf,
-                      capacity, given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores);
+                      given[7] ? (const float *)views[7].buf : NULL, views[8].buf, views[9].buf, views[10].buf,
+                      bf16, n, H, heads, kv_heads, D, I, eps_in, eps_post, (const float *)views[11].buf,
+                      (float *)views[12].buf, (float *)views[13].buf, capacity, given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores);
         Py_END_ALLOW_THREADS
 #endif
     }

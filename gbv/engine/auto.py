@@ -181,9 +181,8 @@ class AutoPolicy:
         against a 1.4 ms ``ar`` step; exploring every arm twice cost 0.2 s, 14% of a 10-prompt run
         (bfloat16 bundled pair), where ``ar`` was the best arm all along."""
         allowed = [i for i, arm in enumerate(self.arms) if max_block is None or arm.block_len <= max_block]
-        explored = [i for i in allowed if self.runs[i] >= _MIN_TRIALS]
-        if explored:
-            leader = max(explored, key=self._rate)
+        leader = self.leader(allowed)
+        if leader is not None:
             floor = self._rate(leader)
             allowed = [i for i in allowed if i == leader or self.ceiling(i) >= floor]
         for i in allowed:
@@ -199,9 +198,10 @@ class AutoPolicy:
                 best, best_score = i, score
         return best
 
-    def leader(self) -> int | None:
-        """The arm with the best rate among those that have finished exploring (None before any has)."""
-        explored = [i for i in range(len(self.arms)) if self.runs[i] >= _MIN_TRIALS]
+    def leader(self, among: list[int] | None = None) -> int | None:
+        """The arm with the best rate among those (of ``among``, default all) that have finished
+        exploring; None before any has."""
+        explored = [i for i in (range(len(self.arms)) if among is None else among) if self.runs[i] >= _MIN_TRIALS]
         return max(explored, key=self._rate) if explored else None
 
     def record(self, index: int, tokens: int, seconds: float) -> None:

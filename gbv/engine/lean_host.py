@@ -184,12 +184,13 @@ class HostForward:
             self.panels_off = f"more than {PANEL_MAX_PARAMETERS:,} parameters"
         panels = self.panels_off is None
         # A bfloat16 model run in float32 (lean.bf16_in_float32): its panels hold bfloat16, half the bytes.
-        bf16 = getattr(lean, "bf16_in_float32", False)
+        bf16 = lean.bf16_in_float32
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
             bias = None if qkv.bias is None else qkv.bias.detach().numpy()
-            self.layers.append((_Product(qkv.weight_t, panels, bf16), bias, _Product(layer.o.weight_t, panels, bf16),
+            self.layers.append((_Product(qkv.weight_t, panels, bf16), bias,
+                                _Product(layer.o.weight_t, panels, bf16),
                                 _Product(layer.gate_up.parts[0].weight_t, panels, bf16),
                                 _Product(layer.down.weight_t, panels, bf16), float(layer.input_eps),
                                 float(layer.post_eps), float(layer.scaling)))

@@ -89,12 +89,10 @@ class TreeDecoder(DecoderState):
             if self.draft is not None and not self.defer_draft:
                 self._chain(self.draft, self.draft_cache, head, 0)
 
-    def catch_up_draft(self, upto: int | None = None) -> None:
+    def catch_up_draft(self, upto: int) -> None:
         """Feed the draft, as one chain, the committed tokens it has not seen before position ``upto``
-        (default: all but the pending one), after a deferred prefill or plain target steps. Timed as
-        draft time."""
-        upto = len(self.tokens) - 1 if upto is None else min(upto, len(self.tokens) - 1)
-        lag = self.tokens[self.draft_len:upto]
+        (at most all but the pending one), after a deferred prefill. Timed as draft time."""
+        lag = self.tokens[self.draft_len:min(upto, len(self.tokens) - 1)]
         if self.draft is None or not lag:
             return
         start = self._clock()
