@@ -4,13 +4,17 @@
     python scripts/bench_host_forward_ab.py --prompts 4 --batch 8     # batches of 8 rows as well
     python scripts/bench_host_forward_ab.py --switch kernels           # its compiled kernels
     python scripts/bench_host_forward_ab.py --switch bf16              # bfloat16: in float32 or as before
+    python scripts/bench_host_forward_ab.py --switch fused --dtype bfloat16   # one-call forward and draw
 
 Both variants use the same lean views of the bundled pair. With ``--switch host`` (the default),
 "off" sets their ``host_forward`` to None (the torch forward, what ``GBV_HOST_FORWARD=0`` gives); with
 ``--switch panels``, "off" gives the host forward's products to torch's GEMM (what ``GBV_PANELS=0``
 gives). "on" puts it back. With ``--switch bf16`` the pair is loaded twice in bfloat16: "on" runs as the
 engine now does (float32 over the bf16 weight values, bf16 panels: ``bf16_weights_in_float32_reason``),
-"off" as before (bfloat16 throughout on torch, what ``GBV_HOST_KERNELS=0`` gives). For each prompt (and each
+"off" as before (bfloat16 throughout on torch, what ``GBV_HOST_KERNELS=0`` gives). With ``--switch fused``
+(``--dtype`` float32 or bfloat16), "off" runs a sequence's host forward one compiled call per layer
+and its softmax and draws on torch, as before the sixteenth session; "on" makes the forward one
+compiled call and the softmax and draw another. For each prompt (and each
 batch of prompts) every row runs once per variant, in alternating order, with the same seed, 1
 thread, EOS off. Prints pooled tokens/s per row and variant and the ratio on/off; the machine is
 shared, so only the ratios within one run mean anything.
@@ -24,6 +28,7 @@ import time
 import torch
 
 from gbv.data import load_prompts
+from gbv.engine import sampling
 from gbv.engine.generate import generate
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
@@ -37,9 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=0, help="also decode batches of this many rows")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0.2,1.0")
-    parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention", "bf16"], default="host",
+    parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention", "bf16", "fused"],
+                        default="host",
                         help="what to turn off: the host forward, or its compiled kernels (both or one); bf16: "
-                             "bfloat16 run in float32 against bfloat16 throughout")
+                             "bfloat16 run in float32 against bfloat16 throughout; fused: the one-call forward "
+                             "and softmax/draw")
+    parser.add_argument("--dtype", default="float32", help="the pair's dtype (--switch fused)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.switch == "bf16":
@@ -54,11 +62,24 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("bfloat16 does not run in float32 here (no compiled kernels?)")
         run_ab(args, pairs, lambda on: None)
         return
-    pair = load_pair("bundled", dtype="float32")
+    pair = load_pair("bundled", dtype=args.dtype if args.switch == "fused" else "float32")
     views = [lean_model(pair.target), lean_model(pair.draft)]
     host = [view.host_forward for view in views]
     if any(h is None for h in host):
         raise SystemExit("the bundled pair has no host forward here (GBV_HOST_FORWARD=0 set?)")
+    if args.switch == "fused":
+        layer_panels = [h.layer_panels for h in host]
+        if any(p is None for p in layer_panels):
+            raise SystemExit("the compiled kernels do not run here")
+        host_softmax = sampling._host_softmax
+
+        def use_fused(on: bool) -> None:
+            for forward, panels in zip(host, layer_panels):
+                forward.layer_panels = panels if on else None
+            sampling._host_softmax = host_softmax if on else (lambda logits, config: False)
+
+        run_ab(args, {True: pair, False: pair}, use_fused)
+        return
     kernels = {"kernels": ("panels_off", "attention_off"), "panels": ("panels_off",),
                "attention": ("attention_off",)}.get(args.switch, ())
     reasons = [getattr(h, name) for h in host for name in kernels if getattr(h, name)]

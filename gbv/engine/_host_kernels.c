@@ -24,6 +24,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PANEL 16
 #define TILE_ROWS 6
@@ -632,6 +633,352 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Softmax and draw in one call, and a whole forward of one sequence in one call.
+ *
+ * Why: between two forwards that stream tens of MB of weights, Python and torch run from a cold
+ * cache. On the bundled pair (bfloat16 target, 1 thread) a plain target step spent ~250 us outside
+ * its forward (the ids tensor ~60, softmax ~40, the draw ~130, reading the token ~13) and ~165 us
+ * inside it around the layer calls, against ~1.3 ms in the kernels. */
+
+#ifdef GBV_PANELS_X86
+/* out[v] = softmax(logits / temperature)[v] over V values (temperature 1: no division, as
+ * sampling.process_logits): x = logits / t rounded to float32, e = exp(x - max x), sum in float64,
+ * out = e * (1 / sum) in float32 (exp8: the attention's exponential, for x <= 0). */
+__attribute__((target("avx2,fma"))) static void softmax_row(const float *logits, Py_ssize_t V, float temperature,
+                                                           float *out) {
+    const int divide = temperature != 1.0f;
+    const __m256 t = _mm256_set1_ps(temperature);
+    __m256 most = _mm256_set1_ps(-INFINITY);
+    Py_ssize_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+        __m256 x = _mm256_loadu_ps(logits + v);
+        if (divide) x = _mm256_div_ps(x, t);
+        _mm256_storeu_ps(out + v, x);
+        most = _mm256_max_ps(most, x);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, most);
+    float top = -INFINITY;
+    for (int k = 0; k < 8; k++) top = lanes[k] > top ? lanes[k] : top;
+    for (; v < V; v++) {
+        out[v] = divide ? logits[v] / temperature : logits[v];
+        top = out[v] > top ? out[v] : top;
+    }
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256d sum_low = _mm256_setzero_pd(), sum_high = _mm256_setzero_pd();
+    for (v = 0; v + 8 <= V; v += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(out + v), shift));
+        _mm256_storeu_ps(out + v, e);
+        sum_low = _mm256_add_pd(sum_low, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        sum_high = _mm256_add_pd(sum_high, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double parts[4];
+    _mm256_storeu_pd(parts, _mm256_add_pd(sum_low, sum_high));
+    double total = parts[0] + parts[1] + parts[2] + parts[3];
+    for (; v < V; v++) {
+        float tail[8] = {out[v] - top, 0, 0, 0, 0, 0, 0, 0}, e[8];
+        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
+        out[v] = e[0];
+        total += (double)e[0];
+    }
+    const float inverse = (float)(1.0 / total);
+    const __m256 factor = _mm256_set1_ps(inverse);
+    for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_loadu_ps(out + v), factor));
+    for (; v < V; v++) out[v] *= inverse;
+}
+#endif
+
+/* A (rows, V) float32 buffer whose values are contiguous along V (rows may be strided, as the
+ * logits of the first V of a wider vocabulary are): its row stride in floats, or -1 with an error. */
+static Py_ssize_t row_stride(PyObject *object, Py_buffer *view, int writable, Py_ssize_t rows, Py_ssize_t V,
+                             const char *name) {
+    if (PyObject_GetBuffer(object, view, PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0)
+        return -1;
+    Py_ssize_t stride = -1;
+    const int is_float = view->format != NULL && strcmp(view->format, "f") == 0 && view->itemsize == 4;
+    if (is_float && view->ndim == 2 && view->shape[0] == rows && view->shape[1] == V && view->strides[1] == 4 &&
+        view->strides[0] % 4 == 0 && view->strides[0] >= 4 * V)
+        stride = view->strides[0] / 4;
+    else if (is_float && view->ndim == 1 && rows == 1 && view->shape[0] == V && view->strides[0] == 4)
+        stride = V;
+    if (stride < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be (%zd, %zd) float32, contiguous along its last axis", name,
+                     rows, V);
+        PyBuffer_Release(view);
+    }
+    return stride;
+}
+
+static PyObject *softmax_draw(PyObject *self, PyObject *args) {
+    PyObject *logits_object, *probs_object, *u_object, *tokens_object;
+    Py_ssize_t rows, V;
+    double temperature, below_one;
+    if (!PyArg_ParseTuple(args, "OOOOnndd", &logits_object, &probs_object, &u_object, &tokens_object, &rows, &V,
+                          &temperature, &below_one))
+        return NULL;
+    if (!cpu_supported()) {
+        PyErr_SetString(PyExc_ValueError, "softmax_draw needs an x86-64 CPU with AVX2 and FMA");
+        return NULL;
+    }
+    if (rows < 1 || V < 1 || !(temperature > 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "need rows, V >= 1 and temperature > 0");
+        return NULL;
+    }
+    Py_buffer logits, probs, u, tokens;
+    int have_probs = 0, have_u = 0, have_tokens = 0, failed = 0;
+    const Py_ssize_t logits_stride = row_stride(logits_object, &logits, 0, rows, V, "logits");
+    if (logits_stride < 0) return NULL;
+    Py_ssize_t probs_stride = V;
+    if (probs_object != Py_None) {
+        probs_stride = row_stride(probs_object, &probs, 1, rows, V, "probs");
+        failed = probs_stride < 0;
+        have_probs = !failed;
+    }
+    double single_u = 0.0;
+    long long single_token = -1;
+    const int u_is_float = u_object != Py_None && PyFloat_Check(u_object) && rows == 1 && tokens_object == Py_None;
+    if (u_is_float) single_u = PyFloat_AS_DOUBLE(u_object);
+    if (!failed && !u_is_float && (u_object == Py_None) != (tokens_object == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "give u and tokens together (to draw), or neither");
+        failed = 1;
+    }
+    if (!failed && !u_is_float && u_object != Py_None) {
+        failed = get_buffer(u_object, &u, 0, rows * (Py_ssize_t)sizeof(double), "u", &have_u) != 0;
+        if (!failed)
+            failed = get_buffer(tokens_object, &tokens, 1, rows * (Py_ssize_t)sizeof(long long), "tokens",
+                                &have_tokens) != 0;
+    }
+    float *scratch = NULL;
+    if (!failed && !have_probs) {
+        scratch = (float *)PyMem_RawMalloc((size_t)(rows * V) * sizeof(float));
+        if (scratch == NULL) {
+            PyErr_NoMemory();
+            failed = 1;
+        }
+    }
+    if (!failed) {
+#ifdef GBV_PANELS_X86
+        float *out = have_probs ? (float *)probs.buf : scratch;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            float *row = out + r * probs_stride;
+            softmax_row((const float *)logits.buf + r * logits_stride, V, (float)temperature, row);
+            if (have_u) draw(row, (const double *)u.buf + r, (long long *)tokens.buf + r, 1, V, below_one);
+            else if (u_is_float) draw(row, &single_u, &single_token, 1, V, below_one);
+        }
+        Py_END_ALLOW_THREADS
+#endif
+    }
+    PyMem_RawFree(scratch);
+    PyBuffer_Release(&logits);
+    if (have_probs) PyBuffer_Release(&probs);
+    if (have_u) PyBuffer_Release(&u);
+    if (have_tokens) PyBuffer_Release(&tokens);
+    if (failed) return NULL;
+    if (single_token >= 0) return PyLong_FromLongLong(single_token);
+    Py_RETURN_NONE;
+}
+
+/* The whole host forward of one sequence (host_kernels.forward_into says what each argument is):
+ * the embedding rows, every layer as layer_forward, the final norm and the head, in one call. */
+static PyObject *forward(PyObject *self, PyObject *args) {
+    PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
+    PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
+    Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab;
+    int H, heads, kv_heads, D, I, bf16, last_only;
+    double final_eps, temperature, below_one;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
+                          &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
+                          &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
+                          &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
+                          &below_one))
+        return NULL;
+    if (!cpu_supported()) {
+        PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
+        return NULL;
+    }
+    if (!PyTuple_Check(layers) || !PyTuple_Check(keys_list) || !PyTuple_Check(values_list) ||
+        PyTuple_GET_SIZE(keys_list) != PyTuple_GET_SIZE(layers) ||
+        PyTuple_GET_SIZE(values_list) != PyTuple_GET_SIZE(layers)) {
+        PyErr_SetString(PyExc_ValueError, "layers, keys and values must be tuples of one entry per layer");
+        return NULL;
+    }
+    if (n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 || start < 0 ||
+        first_row < 0 || vocab < 1 || start + n > capacity || draw_vocab < 0 || draw_vocab > vocab ||
+        temperature < 0.0) {
+        PyErr_SetString(PyExc_ValueError, "need n, H, I, vocab >= 1, head_dim a multiple of 8, heads a multiple "
+                                          "of kv_heads, start >= 0, start + n <= capacity, 0 <= draw_vocab <= vocab "
+                                          "and temperature >= 0");
+        return NULL;
+    }
+    const Py_ssize_t num_layers = PyTuple_GET_SIZE(layers), f = (Py_ssize_t)sizeof(float);
+    const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D, end = start + n, rows_out = last_only ? 1 : n;
+    const Py_ssize_t sequence = (Py_ssize_t)kv_heads * capacity * D; /* floats of one cache row */
+#define PANELS(K, N) ((((N) + PANEL - 1) / PANEL) * (K) * PANEL * (bf16 ? 2 : 4))
+    const Py_ssize_t sizes[13] = {n * 8, n * 8, -1, -1, n * H * f, n * H * f, n * width * f,
+                                  n * (Py_ssize_t)heads * D * f, n * 2 * I * f, n * I * f, PANELS(H, vocab),
+                                  rows_out * vocab * f, n * end};
+    static const char *names[13] = {"tokens", "positions", "embed", "rotary", "hidden", "normed", "qkv", "attn",
+                                    "gate_up", "act", "head", "logits", "mask"};
+    static const int writable[13] = {0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 0};
+    Py_buffer fixed[13];
+    int fixed_given[13] = {0};
+    /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values, then eps_in eps_post scale */
+    enum { PER_LAYER = 7 };
+    Py_buffer *views = (Py_buffer *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(Py_buffer));
+    int *given = (int *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(int));
+    double *constants = (double *)PyMem_Calloc((size_t)(3 * num_layers) + 1, sizeof(double));
+    float *rotation = (float *)PyMem_RawMalloc((size_t)(n * D) * sizeof(float));
+    float *scores = (float *)PyMem_RawMalloc((size_t)((end + 7) / 8 * 8) * sizeof(float));
+    int failed = 0;
+    if (views == NULL || given == NULL || constants == NULL || rotation == NULL || scores == NULL) {
+        PyErr_NoMemory();
+        failed = 1;
+    }
+    for (int b = 0; b < 13 && !failed; b++) {
+        if (b == 12 && objects[b] == Py_None) break; /* no mask: the causal chain after start */
+        failed = get_buffer(objects[b], &fixed[b], writable[b], sizes[b], names[b], &fixed_given[b]) != 0;
+    }
+    Py_ssize_t vocab_rows = 0, table_rows = 0;
+    if (!failed) {
+        vocab_rows = fixed[2].len / (H * f);
+        table_rows = fixed[3].len / (D * f);
+        if (fixed[2].len != vocab_rows * H * f || fixed[3].len != table_rows * D * f) {
+            PyErr_SetString(PyExc_ValueError, "embed must be (V, H) float32 and rotary (P, head_dim / 2) complex64");
+            failed = 1;
+        }
+    }
+    if (!failed) { /* the embedding rows and each query's rotation row */
+        const long long *tokens = (const long long *)fixed[0].buf, *positions = (const long long *)fixed[1].buf;
+        for (Py_ssize_t i = 0; i < n && !failed; i++) {
+            if (tokens[i] < 0 || tokens[i] >= vocab_rows || positions[i] < 0 || positions[i] >= table_rows) {
+                PyErr_Format(PyExc_ValueError, "token %lld or position %lld out of range", tokens[i], positions[i]);
+                failed = 1;
+                break;
+            }
+            memcpy((float *)fixed[4].buf + i * H, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
+            memcpy(rotation + i * D, (const float *)fixed[3].buf + positions[i] * D, (size_t)D * f);
+        }
+    }
+    for (Py_ssize_t l = 0; l < num_layers && !failed; l++) {
+        PyObject *entry = PyTuple_GET_ITEM(layers, l);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 8) {
+            PyErr_SetString(PyExc_ValueError, "each layer must be (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, "
+                                              "eps_post, scale)");
+            failed = 1;
+            break;
+        }
+        PyObject *parts[PER_LAYER] = {PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1),
+                                      PyTuple_GET_ITEM(entry, 2), PyTuple_GET_ITEM(entry, 3),
+                                      PyTuple_GET_ITEM(entry, 4), PyTuple_GET_ITEM(keys_list, l),
+                                      PyTuple_GET_ITEM(values_list, l)};
+        const Py_ssize_t bias_bytes = PyTuple_GET_ITEM(entry, 1) == Py_None ? -1 : width * f;
+        const Py_ssize_t part_sizes[PER_LAYER] = {PANELS(H, width), bias_bytes, PANELS((Py_ssize_t)heads * D, H),
+                                                  PANELS(H, 2 * (Py_ssize_t)I), PANELS((Py_ssize_t)I, H), -1, -1};
+        static const char *part_names[PER_LAYER] = {"w_qkv", "b_qkv", "w_o", "w_gate_up", "w_down", "keys", "values"};
+        for (int b = 0; b < PER_LAYER && !failed; b++)
+            failed = get_buffer(parts[b], &views[l * PER_LAYER + b], b >= 5, part_sizes[b], part_names[b],
+                                &given[l * PER_LAYER + b]) != 0;
+        if (failed) break;
+        if (views[l * PER_LAYER + 5].len < (first_row + 1) * sequence * f ||
+            views[l * PER_LAYER + 6].len != views[l * PER_LAYER + 5].len) {
+            PyErr_SetString(PyExc_ValueError, "keys and values must be (rows, kv_heads, capacity, head_dim) float32 "
+                                              "with first_row < rows");
+            failed = 1;
+            break;
+        }
+        for (int c = 0; c < 3 && !failed; c++) {
+            constants[3 * l + c] = PyFloat_AsDouble(PyTuple_GET_ITEM(entry, 5 + c));
+            failed = constants[3 * l + c] == -1.0 && PyErr_Occurred() != NULL;
+        }
+    }
+    /* the draw: uniforms, probabilities (or a scratch row) and tokens of the output rows; one output
+     * row may take its uniform as a float and give its token back as the result */
+    Py_buffer u, probs, drawn;
+    int have_u = 0, have_probs = 0, have_drawn = 0, u_is_float = 0;
+    double single_u = 0.0;
+    long long single_token = -1;
+    Py_ssize_t probs_stride = draw_vocab;
+    float *scratch = NULL;
+    if (!failed && draw_vocab > 0) {
+        if (probs_object != Py_None) {
+            probs_stride = row_stride(probs_object, &probs, 1, rows_out, draw_vocab, "probs");
+            failed = probs_stride < 0;
+            have_probs = !failed;
+        } else if ((scratch = (float *)PyMem_RawMalloc((size_t)(rows_out * draw_vocab) * sizeof(float))) == NULL) {
+            PyErr_NoMemory();
+            failed = 1;
+        }
+        if (!failed && drawn_object != Py_None)
+            failed = get_buffer(drawn_object, &drawn, 1, rows_out * (Py_ssize_t)sizeof(long long), "tokens",
+                                &have_drawn) != 0;
+        if (!failed && temperature > 0.0 && u_object != Py_None) {
+            if (PyFloat_Check(u_object) && rows_out == 1) {
+                single_u = PyFloat_AS_DOUBLE(u_object);
+                u_is_float = 1;
+            } else {
+                failed = get_buffer(u_object, &u, 0, rows_out * (Py_ssize_t)sizeof(double), "u", &have_u) != 0;
+            }
+        }
+    }
+    if (!failed) {
+#ifdef GBV_PANELS_X86
+        float *hidden = (float *)fixed[4].buf, *normed = (float *)fixed[5].buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t l = 0; l < num_layers; l++) {
+            const Py_buffer *v = views + l * PER_LAYER;
+            layer_forward(hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
+                          (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL,
+                          v[2].buf, v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[3 * l],
+                          constants[3 * l + 1], rotation, (float *)v[5].buf + first_row * sequence,
+                          (float *)v[6].buf + first_row * sequence, capacity,
+                          fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start,
+                          (float)constants[3 * l + 2], scores);
+        }
+        const float *last = hidden + (n - rows_out) * H;
+        rms_rows(last, normed, rows_out, H, final_eps);
+        panel_product(normed, fixed[10].buf, bf16, (float *)fixed[11].buf, rows_out, H, vocab, 0);
+        for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0; r++) {
+            const float *row = (const float *)fixed[11].buf + r * vocab;
+            float *out = have_probs ? (float *)probs.buf + r * probs_stride : scratch + r * draw_vocab;
+            long long *token = have_drawn ? (long long *)drawn.buf + r : (rows_out == 1 ? &single_token : NULL);
+            if (temperature > 0.0) {
+                softmax_row(row, draw_vocab, (float)temperature, out);
+                if (token != NULL && (have_u || u_is_float))
+                    draw(out, have_u ? (const double *)u.buf + r : &single_u, token, 1, draw_vocab, below_one);
+            } else { /* greedy: a one-hot row at the first largest logit (sampling.process_logits) */
+                Py_ssize_t best = 0;
+                for (Py_ssize_t v = 1; v < draw_vocab; v++) best = row[v] > row[best] ? v : best;
+                memset(out, 0, (size_t)draw_vocab * sizeof(float));
+                out[best] = 1.0f;
+                if (token != NULL) *token = best;
+            }
+        }
+        Py_END_ALLOW_THREADS
+#endif
+    }
+#undef PANELS
+    PyMem_RawFree(scratch);
+    if (have_u) PyBuffer_Release(&u);
+    if (have_probs) PyBuffer_Release(&probs);
+    if (have_drawn) PyBuffer_Release(&drawn);
+    for (int b = 0; b < 13; b++)
+        if (fixed_given[b]) PyBuffer_Release(&fixed[b]);
+    if (views != NULL && given != NULL)
+        for (Py_ssize_t b = 0; b < num_layers * PER_LAYER; b++)
+            if (given[b]) PyBuffer_Release(&views[b]);
+    PyMem_Free(views);
+    PyMem_Free(given);
+    PyMem_Free(constants);
+    PyMem_RawFree(rotation);
+    PyMem_RawFree(scores);
+    if (failed) return NULL;
+    if (single_token >= 0) return PyLong_FromLongLong(single_token);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef METHODS[] = {
     {"supported", supported, METH_NOARGS, "True when this CPU runs the panel kernel (x86-64, AVX2, FMA)."},
     {"matmul", matmul, METH_VARARGS,
@@ -649,6 +996,18 @@ static PyMethodDef METHODS[] = {
     {"draw_rows", draw_rows, METH_VARARGS,
      "draw_rows(probs, u, out, rows, V, below_one): out[r] = the first token whose float64 cumulative "
      "mass exceeds u[r] * (total_r * below_one), else V - 1 (gbv.verify.common.draw_rows' rule)."},
+    {"softmax_draw", softmax_draw, METH_VARARGS,
+     "softmax_draw(logits, probs, u, tokens, rows, V, temperature, below_one): probs (rows, V) = "
+     "softmax(logits / temperature) per row (probs None: a scratch row), and where u and tokens are given, "
+     "tokens[r] drawn from probs row r by draw_rows' rule with u[r]; one row with u a float and no tokens: "
+     "returns its token."},
+    {"forward", forward, METH_VARARGS,
+     "forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask, start, hidden, "
+     "normed, qkv, attn, gate_up, act, head, logits, n, H, heads, kv_heads, head_dim, intermediate, vocab, "
+     "final_eps, bf16, last_only, draw_vocab, temperature, u, probs, tokens, below_one): the host forward of one "
+     "sequence (host_kernels.forward_into), and with draw_vocab > 0 the softmax of its logits' first draw_vocab "
+     "columns at temperature (0: greedy) into probs (or a scratch row) and, where tokens is given, one draw "
+     "per output row with u (one output row with u a float and no tokens: returns its token)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gbv.engine.decoder import AR, set_method
-from gbv.engine.sampling import SamplingConfig, process_logits, sample
+from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample, sample_into
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import build_tree
 from gbv.engine.tree_decoder import lean_model
@@ -160,8 +160,11 @@ class BatchTreeDecoder:
                     continue
                 k = 1 if row.draft_sampling.greedy else row.num_paths
                 tips_k[b] = k
-                q_first = process_logits(first[b], row.draft_sampling)
                 qs[b] = torch.empty(k, block[b], self.vocab, dtype=torch.float32, device=dev)
+                if k == 1:  # (as a single sequence draws it: tree_decoder.TreeDecoder.step)
+                    drafted[b, :1, 0] = sample_into(first[b][None], row.draft_sampling, row.generator, qs[b][:, 0])
+                    continue
+                q_first = process_logits(first[b], row.draft_sampling)
                 qs[b][:, 0] = q_first
                 drafted[b, :k, 0] = sample(q_first.expand(k, -1), row.generator, row.draft_sampling.greedy)
             # Tip k of a row at depth i sits in slot tip_base + (i-1)*width + k; it sees the row's
@@ -187,9 +190,8 @@ class BatchTreeDecoder:
                     if not drafting[b] or block[b] <= i:
                         continue
                     k = tips_k[b]
-                    q_i = process_logits(logits[b, :k, :self.vocab], row.draft_sampling)
-                    qs[b][:, i] = q_i
-                    drafted[b, :k, i] = sample(q_i, row.generator, row.draft_sampling.greedy)
+                    drafted[b, :k, i] = sample_into(logits[b, :k, :self.vocab], row.draft_sampling, row.generator,
+                                                    qs[b][:, i])
         drafted_host = drafted.tolist()  # the one read of the drafts: the tries are built on the host
 
         # 2. target: every row's trie (a lone root for plain steps) in one forward.
@@ -228,8 +230,7 @@ class BatchTreeDecoder:
             stats = row.stats
             stats.target_calls += 1
             if not drafting[b]:
-                probs = process_logits(logits[b, 0, :self.vocab], row.target_sampling)
-                token = int(sample(probs[None], row.generator, row.target_sampling.greedy)[0])
+                token = draw_token(logits[b, 0, :self.vocab], row.target_sampling, row.generator)
                 _extend(t_moves, b, [t_start], [lens[b]])
                 row.tokens.append(token)
                 out[id(row)] = [token]

@@ -15,6 +15,13 @@ bfloat16 model runs in float32 over its bf16 weight values: ``gbv.engine.lean.bf
 - **One inverse-CDF draw per row** (:func:`draw_rows_host`), the rule of
   :func:`gbv.verify.common.draw_rows` on the same uniforms: 73 -> 46 us a draw at V = 4096 (the
   kernel itself takes about 10 us; the rest is the uniform's ``torch.rand`` and the calls around it).
+- **Softmax and draw in one call** (:func:`softmax_into`): ``sampling.process_logits`` for plain
+  settings, and the draws of :func:`gbv.engine.sampling.draw_token` / ``sample_into``.
+- **A whole forward of one sequence in one call** (:func:`forward_into`): embedding, every layer,
+  final norm and head, optionally followed by the softmax and the draw of its output rows. Between
+  forwards that stream tens of MB of weights, Python and torch run from a cold cache: a bundled
+  target step spent ~165 us in the Python around its per-layer calls and ~250 us around the
+  forward (ids, softmax, uniform, draw), ~96 us in all with this and :class:`gbv.engine.sampling.Uniforms`.
 
 The products, the attention and the layer serve the host forward (``lean_host.py``), the draw the
 engine's :func:`gbv.engine.sampling.sample`. Where the extension is missing (no C compiler at
@@ -150,3 +157,51 @@ def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
     tokens = np.empty(probs.shape[:-1], dtype=np.int64)
     _host_kernels.draw_rows(rows, u.numpy(), tokens, tokens.size, vocab, BELOW_ONE)
     return torch.from_numpy(tokens)
+
+
+def softmax_into(logits: np.ndarray, temperature: float, probs: np.ndarray | None = None,
+                 u: np.ndarray | float | None = None, tokens: np.ndarray | None = None) -> int | None:
+    """``probs = softmax(logits / temperature)`` per row, and with ``u`` and ``tokens`` one draw per row
+    from those probabilities by :func:`gbv.verify.common.draw_rows`' rule, in one compiled call.
+
+    logits: (rows, V) float32, contiguous along V (rows may be strided). probs: the same shape,
+    written, or None (a scratch row: only the draw is wanted). u: (rows,) float64 uniforms;
+    tokens: (rows,) int64, written. One row may take ``u`` as a float without ``tokens``: its token is
+    returned. The exponential is the attention kernel's (about 1 ulp), the sum float64: the
+    probabilities differ from torch's softmax by float rounding only.
+    """
+    rows, vocab = logits.shape
+    return _host_kernels.softmax_draw(logits, probs, u, tokens, rows, vocab, temperature, BELOW_ONE)
+
+
+def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, rotary: np.ndarray,
+                 layers: tuple, keys: tuple, values: tuple, first_row: int, capacity: int,
+                 mask: np.ndarray | None, start: int, rows, head: PanelWeight, logits: np.ndarray,
+                 final_eps: float, last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,
+                 u: np.ndarray | None = None, probs: np.ndarray | None = None,
+                 tokens_out: np.ndarray | None = None) -> int | None:
+    """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
+    every layer as :func:`layer_into`, the final rms norm and the head product into ``logits``.
+
+    tokens, positions: (n,) int64. embed: (V, H) float32. rotary: (P, D/2) complex64, the rotation
+    of each position. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale)``
+    per layer, the weights as panel arrays (``PanelWeight.panels``, all float32 or all bfloat16 like
+    ``head``), ``b_qkv`` a float32 array or None. keys, values: per layer the cache's
+    (rows, kv_heads, capacity, D) float32 arrays; this sequence is row ``first_row``. mask: (n, start + n)
+    bool/uint8, or None for the causal chain after ``start``. rows: the work buffers (lean_host._Rows)
+    of n rows. logits: (n, V_head) float32, or (1, V_head) with ``last_only`` (the last query only).
+
+    With ``draw_vocab`` > 0 the same call samples from each output row, as :func:`softmax_into` on its
+    first ``draw_vocab`` logits (``temperature`` 0: greedy, a one-hot row at the first largest logit):
+    the probabilities go to ``probs`` ((rows, draw_vocab), rows may be strided) when given, and with
+    ``tokens_out`` ((rows,) int64) one token per row is drawn with the uniforms ``u`` ((rows,) float64;
+    unused when greedy). One output row may take ``u`` as a float without ``tokens_out``: its token
+    is then returned. Returns that token, else None.
+    """
+    n, hidden = rows.hidden.shape
+    kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
+    return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
+                                 start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
+                                 head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,
+                                 rows.act.shape[1], head.out_features, final_eps, head.bf16, last_only, draw_vocab,
+                                 temperature, u, probs, tokens_out, BELOW_ONE)

@@ -22,11 +22,13 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from gbv.engine.host_kernels import host_kernels_unavailable
+from gbv.engine.sampling import SamplingConfig, Uniforms, host_samples
 from gbv.engine.lean_host import PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_unsupported_reason
 
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
@@ -77,7 +79,7 @@ class KVCache:
         """numpy views (B, kv_heads, capacity, head_dim) of every layer's keys and values (CPU only:
         they share the tensors' memory; made again after :meth:`grow`)."""
         if self._arrays is None:
-            self._arrays = ([t.numpy() for t in self.keys], [t.numpy() for t in self.values])
+            self._arrays = (tuple(t.numpy() for t in self.keys), tuple(t.numpy() for t in self.values))
         return self._arrays
 
     @property
@@ -457,6 +459,48 @@ class LeanCausalLM:
         k = rotated[:, :, self.num_heads:].transpose(1, 2)
         v = qkv[:, :, self.num_heads + self.kv_heads:].transpose(1, 2)
         return q, k, v
+
+    def chain(self, ids: list[int], start: int, cache: KVCache, last_only: bool = True) -> Tensor:
+        """:meth:`forward` of one sequence's chain ``ids`` at slots (= positions) ``start ..``, causal.
+        Where the host forward takes it, its ids and positions go as numpy arrays: two torch tensors
+        made and read back cost ~60 us a plain step here, from a cold cache."""
+        n = len(ids)
+        if self.host_forward is not None and self.host_forward.takes(1, n):
+            return self.host_forward(np.array([ids], dtype=np.int64), np.arange(start, start + n, dtype=np.int64)[None],
+                                     start, cache, None, True, last_only, 0)
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + n, device=self.device)[None]
+        return self.forward(tokens, positions, start, cache, None, causal=True, last_only=last_only)
+
+    def sampled_chain(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
+                      uniforms: Uniforms, probs: Tensor | None = None) -> int | None:
+        """:meth:`chain` and one token drawn from its last position's first ``vocab`` logits under
+        ``config``, by the law and rule of ``sample(process_logits(...))``, in one compiled call, its
+        uniform from ``uniforms`` (of a CPU generator); ``probs`` ((vocab,) or (1, vocab) float32),
+        when given, receives the probabilities. None where that call does not run here (no one-call
+        forward, top-k or top-p): the caller takes :meth:`chain`."""
+        host = self.host_forward
+        if host is None or not host.one_call(len(ids)) or not host_samples(config, vocab):
+            return None
+        return host.sampled(np.array(ids, dtype=np.int64), np.arange(start, start + len(ids), dtype=np.int64), start,
+                            cache, None, True, vocab, config.temperature, None if config.greedy else uniforms.one(),
+                            None if probs is None else probs.view(1, -1).numpy())
+
+    def sampled_tips(self, tokens: Tensor, position: int, start: int, cache: KVCache, mask: Tensor | None, vocab: int,
+                     config: SamplingConfig, uniforms: Uniforms, probs: Tensor) -> Tensor | None:
+        """One drafting depth in one compiled call: the forward of the R path tips ``tokens`` ((R,) long,
+        all at rotary ``position``, slots ``start ..``, ``mask`` (1, 1, R, start + R) bool or None for one
+        tip), their probabilities into ``probs`` ((R, vocab) float32, rows may be strided) and one token
+        drawn from each row as in :meth:`sampled_chain`. Returns the (R,) tokens; None where that call
+        does not run here (the caller takes :meth:`forward`)."""
+        rows = tokens.shape[0]
+        host = self.host_forward
+        if host is None or not host.one_call(rows) or not host_samples(config, vocab):
+            return None
+        drawn = np.empty(rows, dtype=np.int64)
+        host.sampled(tokens.numpy(), np.full(rows, position, dtype=np.int64), start, cache, mask, False, vocab,
+                     config.temperature, None if config.greedy else uniforms.array(rows), probs.numpy(), drawn)
+        return torch.from_numpy(drawn)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, cache: KVCache, mask: Tensor | None,
                 causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gbv.engine.host_kernels import PanelWeight, attention_into, host_kernels_unavailable, layer_into
+from gbv.engine.host_kernels import (PanelWeight, attention_into, forward_into, host_kernels_unavailable,
+                                     layer_into)
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -197,6 +198,14 @@ class HostForward:
         self.intermediate = self.layers[0][3].weight_t.shape[1] // 2 if self.layers else 0
         self.lm_head = _Product(lean.lm_head.weight_t, panels, bf16)
         self.norm_eps = float(lean.norm_eps)
+        # What the one-call forward of a sequence (host_kernels.forward_into) takes per layer; None
+        # where the kernels do not run.
+        self.layer_panels = None
+        if panels and self.attention_off is None:
+            self.layer_panels = tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels,
+                                       w_down.panel.panels, eps_in, eps_post, scaling)
+                                      for w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling
+                                      in self.layers)
         self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
 
@@ -241,10 +250,55 @@ class HostForward:
         with self._lock, torch.no_grad():
             return self._forward(tokens, positions, start, cache, mask, causal, last_only, first_row)
 
+    def one_call(self, n: int) -> bool:
+        """Whether a sequence of ``n`` queries runs as one compiled call (:meth:`sampled`)."""
+        return n <= KERNEL_MAX_ROWS and self.layer_panels is not None and torch.get_num_threads() == 1
+
+    def sampled(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
+                last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,
+                u: np.ndarray | float | None = None, probs: np.ndarray | None = None,
+                tokens_out: np.ndarray | None = None) -> int | None:
+        """The forward of one sequence (cache row 0) of n queries (:meth:`one_call` must hold) as one
+        compiled call, ``host_kernels.forward_into``, causal where ``mask`` is None; with ``draw_vocab``
+        the same call also samples from its output rows (see there). Returns what it returns: the
+        token of a single output row drawn with a float ``u`` (or greedily) without ``tokens_out``.
+
+        Why one call: between forwards that stream tens of MB of weights, Python and torch run from a
+        cold cache. A bundled-target step spent ~165 us in the Python around its layer calls, and
+        ~190 us more in the softmax and the draw on torch."""
+        with self._lock:
+            return self._one_call(tokens, positions, start, cache, mask, last_only, draw_vocab, temperature, u, probs,
+                                  tokens_out)[1]
+
+    def _one_call(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
+                  last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,
+                  u: np.ndarray | float | None = None, probs: np.ndarray | None = None,
+                  tokens_out: np.ndarray | None = None, first_row: int = 0) -> tuple[np.ndarray, int | None]:
+        """(logits, returned token) of ``forward_into`` on cache row ``first_row``."""
+        lean = self.lean
+        n = tokens.shape[-1]
+        end = start + n
+        if end > cache.capacity:
+            cache.grow(end)
+        lean.ensure_rotary(end)
+        logits = np.empty((1 if last_only else n, self.lm_head.panel.out_features), dtype=np.float32)
+        all_keys, all_values = cache.arrays()
+        token = forward_into(np.ascontiguousarray(tokens.reshape(-1)), np.ascontiguousarray(positions.reshape(-1)),
+                             self.embed, lean.rotary_numpy, self.layer_panels, all_keys, all_values, first_row,
+                             cache.capacity, None if mask is None else np.ascontiguousarray(mask.numpy()[0, 0]), start,
+                             self.rows(1, n), self.lm_head.panel, logits, self.norm_eps, last_only, draw_vocab,
+                             temperature, u, probs, tokens_out)
+        return logits, token
+
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
                  causal: bool, last_only: bool, first_row: int) -> Tensor:
         lean = self.lean
         batch, n = tokens.shape
+        if batch == 1 and self.one_call(n):
+            if mask is None and not causal and n > 1:
+                raise ValueError("several queries need a mask or causal=True")
+            logits = self._one_call(tokens, positions, start, cache, mask, last_only, first_row=first_row)[0]
+            return torch.from_numpy(logits).view(1, 1 if last_only else n, -1)
         end = start + n
         if end > cache.capacity:
             cache.grow(end)

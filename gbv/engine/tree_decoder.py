@@ -28,7 +28,7 @@ import torch
 
 from gbv.engine.decoder import DecoderState
 from gbv.engine.lean import LeanCausalLM
-from gbv.engine.sampling import SamplingConfig, process_logits, sample
+from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample, sample_into, uniforms_for
 from gbv.engine.tree import build_tree, prefix_then
 # Room added to the prompt length when a cache is first allocated; it grows (doubling) when needed.
 _INITIAL_ROOM = 512
@@ -57,6 +57,7 @@ class TreeDecoder(DecoderState):
         self.target_cache = None
         self.draft_cache = None
         self.profile = self.device.type == "cpu" if profile is None else profile
+        self.uniforms = uniforms_for(self.generator)  # (the host draws' uniforms: sampling.Uniforms)
 
     # -------------------------------------------------------------------------------- helpers
     def _clock(self) -> float:
@@ -65,17 +66,9 @@ class TreeDecoder(DecoderState):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-
-    def _positions(self, start: int, count: int) -> torch.Tensor:
-        return torch.arange(start, start + count, device=self.device)[None]
-
     def _chain(self, model: LeanCausalLM, cache, ids: Sequence[int], start: int):
         """Feed ``ids`` at slots (= positions) ``start ..``; the last position's logits (V',)."""
-        logits = model.forward(self._ids(ids), self._positions(start, len(ids)), start, cache, None,
-                               causal=True, last_only=True)
-        return logits[0, -1, :self.vocab]
+        return model.chain(list(ids), start, cache)[0, -1, :self.vocab]
 
     # -------------------------------------------------------------------------------- decoding
     def _feed_prompt(self, head: list[int]) -> None:
@@ -115,10 +108,19 @@ class TreeDecoder(DecoderState):
         start = self._clock()
         q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
         drafted = torch.empty(rows, block, dtype=torch.long, device=self.device)
-        q_first = process_logits(self._chain(self.draft, self.draft_cache, self.tokens[self.draft_len:],
-                                             self.draft_len), self.draft_sampling)
-        q[:, 0] = q_first
-        drafted[:, 0] = sample(q_first.expand(rows, -1), self.generator, greedy)
+        lag = self.tokens[self.draft_len:]
+        if rows == 1:  # one compiled call where the kernels run: forward, softmax and draw
+            first = self.draft.sampled_chain(lag, self.draft_len, self.draft_cache, self.vocab, self.draft_sampling,
+                                             self.uniforms, q[0, 0])
+            if first is None:
+                first = sample_into(self._chain(self.draft, self.draft_cache, lag, self.draft_len)[None],
+                                    self.draft_sampling, self.generator, q[:, 0])[0]
+            drafted[0, 0] = first
+        else:
+            q_first = process_logits(self._chain(self.draft, self.draft_cache, lag, self.draft_len),
+                                     self.draft_sampling)
+            q[:, 0] = q_first
+            drafted[:, 0] = sample(q_first.expand(rows, -1), self.generator, greedy)
         if block > 1:
             # Node of path k at depth i (tokens x_1..x_{L-1}) sits in slot base + (i-1)*rows + k. One path
             # needs no mask: its tip attends every slot up to its own (a mask of all True only costs).
@@ -129,12 +131,16 @@ class TreeDecoder(DecoderState):
                 mask = prefix_then(own, base)
             for i in range(1, block):
                 width = base + i * rows
-                logits = self.draft.forward(drafted[:, i - 1][None], torch.full((1, rows), committed + i,
-                                            device=self.device), base + (i - 1) * rows, self.draft_cache,
-                                            None if mask is None else mask[..., :width])
-                q_i = process_logits(logits[0, :, :self.vocab], self.draft_sampling)
-                q[:, i] = q_i
-                drafted[:, i] = sample(q_i, self.generator, greedy)
+                tip_mask = None if mask is None else mask[..., :width]
+                tips = self.draft.sampled_tips(drafted[:, i - 1], committed + i, base + (i - 1) * rows,
+                                               self.draft_cache, tip_mask, self.vocab, self.draft_sampling,
+                                               self.uniforms, q[:, i])
+                if tips is None:
+                    logits = self.draft.forward(drafted[:, i - 1][None], torch.full((1, rows), committed + i,
+                                                device=self.device), base + (i - 1) * rows, self.draft_cache,
+                                                tip_mask)
+                    tips = sample_into(logits[0, :, :self.vocab], self.draft_sampling, self.generator, q[:, i])
+                drafted[:, i] = tips
         stats.draft_steps += block
         t_draft = self._clock()
         stats.time_draft += t_draft - start
@@ -145,9 +151,7 @@ class TreeDecoder(DecoderState):
             # One path is a chain: node i (depth i) in slot committed + i, the causal rule its mask, p its
             # logits as they come (building the trie and its mask cost ~0.2 ms here, for nothing).
             path_nodes = [list(range(block + 1))]
-            logits = self.target.forward(self._ids([self.tokens[-1], *paths[0]]),
-                                         self._positions(committed, block + 1), committed, self.target_cache, None,
-                                         causal=True)
+            logits = self.target.chain([self.tokens[-1], *paths[0]], committed, self.target_cache, last_only=False)
             p = process_logits(logits[0, :, :self.vocab], self.target_sampling)[None]  # (1, L+1, V)
             num_nodes = block + 1
         else:
@@ -186,9 +190,11 @@ class TreeDecoder(DecoderState):
     def _target_step(self) -> list[int]:
         start = self._clock()
         position = len(self.tokens) - 1
-        logits = self._chain(self.target, self.target_cache, self.tokens[-1:], position)
-        probs = process_logits(logits, self.target_sampling)
-        token = int(sample(probs[None], self.generator, self.target_sampling.greedy)[0])
+        token = self.target.sampled_chain(self.tokens[-1:], position, self.target_cache, self.vocab,
+                                          self.target_sampling, self.uniforms)
+        if token is None:
+            logits = self._chain(self.target, self.target_cache, self.tokens[-1:], position)
+            token = draw_token(logits, self.target_sampling, self.generator)
         self.stats.target_calls += 1
         self.stats.time_target += self._clock() - start
         self.tokens.append(token)

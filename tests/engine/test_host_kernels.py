@@ -206,3 +206,148 @@ def test_compiled_draw_equals_draw_rows():
         drawn += len(got)
     assert drawn > 1000
     assert draw_rows_host(torch.ones(2, 3, dtype=torch.float64), first) is None  # not float32: not here
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_compiled_softmax_equals_torch_and_draws_by_the_rule(temperature):
+    """softmax_into: torch's softmax of logits / T to float rounding (rows that sum to 1, strided
+    rows, V not a multiple of 8, -inf logits at 0 and never drawn, a dominant logit); its draws are
+    draw_rows' rule on the probabilities it wrote, row for row, and a single row with a float uniform
+    returns the same token."""
+    from gbv.engine.host_kernels import softmax_into
+
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        vocab = 4096 if trial % 10 == 0 else int(rng.integers(1, 70))
+        rows = int(rng.integers(1, 5))
+        wide = (rng.standard_normal((rows, vocab + 3)) * rng.choice([0.1, 3.0, 30.0])).astype(np.float32)
+        if trial % 4 == 0 and vocab > 1:
+            wide[:, 1] = -np.inf
+        if trial % 6 == 0:
+            wide[:, 0] = 80.0
+        logits = wide[:, :vocab]  # strided rows, as the engine's first V of a wider head
+        probs = np.empty((rows, vocab), np.float32)
+        u = rng.random(rows)
+        tokens = np.empty(rows, np.int64)
+        softmax_into(logits, temperature, probs, u, tokens)
+        expected = torch.softmax(torch.from_numpy(logits.copy()) / temperature, -1)
+        torch.testing.assert_close(torch.from_numpy(probs), expected, rtol=2e-6, atol=1e-9)
+        assert np.allclose(probs.sum(-1), 1.0, atol=1e-5)
+        if trial % 4 == 0 and vocab > 1:
+            assert (probs[:, 1] == 0).all() and (tokens != 1).all()
+        reference = np.empty(rows, np.int64)
+        host_kernels._host_kernels.draw_rows(probs, u, reference, rows, vocab, host_kernels.BELOW_ONE)
+        assert (tokens == reference).all()
+        assert softmax_into(logits[:1], temperature, u=float(u[0])) == tokens[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_call_forward_equals_the_call_per_layer(bf16):
+    """The host forward of one sequence as one compiled call (layer_panels) against one call per layer
+    (layer_panels None): chains, tree masks, several queries, last only, a sequence in the second row of
+    a two-row cache; the logits agree to float32 rounding (the final norm sums in float64 there) and the
+    caches hold the same keys and values."""
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    if bf16:
+        target = target.to(torch.bfloat16)
+    one, per_layer = LeanCausalLM(target).host_forward, LeanCausalLM(target).host_forward
+    assert one.layer_panels is not None
+    per_layer.layer_panels = None
+    gen = torch.Generator().manual_seed(2)
+    caches = [forward.lean.new_cache(2, 64) for forward in (one, per_layer)]
+    with torch.inference_mode():
+        start = 0
+        for n, masked, last_only, row in [(6, False, True, 0), (1, False, False, 0), (5, True, False, 0),
+                                          (3, False, False, 1), (4, True, True, 1)]:
+            tokens = torch.randint(0, 48, (1, n), generator=gen).numpy()
+            positions = (start + np.arange(n))[None]
+            mask = _random_mask(n, start, gen) if masked else None
+            outs = [forward(tokens, positions, start, cache, mask, causal=not masked, last_only=last_only,
+                            first_row=row) for forward, cache in zip((one, per_layer), caches)]
+            torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=1e-6)
+            for layer in range(len(caches[0].keys)):
+                assert torch.equal(caches[0].keys[layer][row, :, :start + n], caches[1].keys[layer][row, :, :start + n])
+                assert torch.equal(caches[0].values[layer][row, :, :start + n],
+                                   caches[1].values[layer][row, :, :start + n])
+            start += n
+
+
+def _random_mask(n: int, prefix: int, gen: torch.Generator) -> torch.Tensor:
+    """(1, 1, n, prefix + n) bool: every query sees the prefix and a random set of the earlier queries."""
+    from gbv.engine.tree import prefix_then
+
+    own = torch.rand(n, n, generator=gen) < 0.5
+    own = (own.tril(-1) | torch.eye(n, dtype=torch.bool))
+    return prefix_then(own, prefix)
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
+    """LeanCausalLM.sampled_chain / sampled_tips (forward, softmax and draw in one call) against the
+    forward, then process_logits and the draw rule on the same uniforms: the same probabilities, the
+    same tokens (greedy: the first argmax, a one-hot row)."""
+    from gbv.engine.sampling import SamplingConfig, Uniforms, process_logits
+    from gbv.engine.tree import prefix_then
+
+    target, _ = hf_pair("llama", vocab=48, seed=7, target_size=(64, 2))
+    lean = LeanCausalLM(target)
+    config = SamplingConfig(temperature)
+    vocab = 40  # the first 40 of the head's 48 logits, as a pair with a smaller draft vocabulary
+    sampled_cache, plain_cache = lean.new_cache(1, 64), lean.new_cache(1, 64)
+    ours, theirs = Uniforms(torch.Generator().manual_seed(4)), Uniforms(torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        for start, ids in [(0, [3, 1, 4, 1, 5]), (5, [9]), (6, [2, 6])]:
+            probs = torch.empty(vocab)
+            token = lean.sampled_chain(ids, start, sampled_cache, vocab, config, ours, probs)
+            logits = lean.chain(ids, start, plain_cache)[0, -1, :vocab]
+            expected = process_logits(logits, config)
+            torch.testing.assert_close(probs, expected, rtol=0, atol=0)
+            if temperature == 0.0:
+                assert token == int(logits.argmax())
+            else:
+                reference = np.empty(1, np.int64)
+                host_kernels._host_kernels.draw_rows(expected[None].numpy(), np.array([theirs.one()]), reference, 1,
+                                                     vocab, host_kernels.BELOW_ONE)
+                assert token == reference[0]
+        rows, start = 3, 8
+        tips = torch.tensor([7, 8, 9])
+        mask = prefix_then(torch.eye(rows, dtype=torch.bool), start)
+        probs = torch.empty(rows, 2, vocab)[:, 1]  # strided rows, as q[:, i]
+        drawn = lean.sampled_tips(tips, start, start, sampled_cache, mask, vocab, config, ours, probs)
+        logits = lean.forward(tips[None], torch.full((1, rows), start), start, plain_cache, mask)[0, :, :vocab]
+        expected = process_logits(logits, config)
+        torch.testing.assert_close(probs, expected, rtol=0, atol=0)
+        if temperature == 0.0:
+            assert torch.equal(drawn, logits.argmax(-1))
+        else:
+            reference = np.empty(rows, np.int64)
+            host_kernels._host_kernels.draw_rows(np.ascontiguousarray(expected.numpy()), theirs.array(rows), reference,
+                                                 rows, vocab, host_kernels.BELOW_ONE)
+            assert drawn.tolist() == reference.tolist()
+
+
+@needs_kernels
+def test_one_call_kernels_refuse_bad_input():
+    from gbv.engine.host_kernels import softmax_into
+
+    with pytest.raises(ValueError, match="logits must be"):
+        host_kernels._host_kernels.softmax_draw(np.ones((2, 5), np.float32), None, None, None, 2, 6, 1.0, 0.9)
+    with pytest.raises(ValueError, match="float32"):
+        softmax_into(np.ones((2, 5)), 1.0)  # float64
+    with pytest.raises(ValueError, match="together"):
+        softmax_into(np.ones((2, 5), np.float32), 1.0, u=np.ones(2))
+    with pytest.raises(ValueError, match="temperature > 0"):
+        softmax_into(np.ones((1, 5), np.float32), 0.0)
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    forward = LeanCausalLM(target).host_forward
+    cache = forward.lean.new_cache(1, 16)
+    with torch.inference_mode(), pytest.raises(ValueError, match="out of range"):
+        forward(np.array([[48]]), np.array([[0]]), 0, cache, None, causal=True)  # no token 48
+    broken = list(forward.layer_panels)
+    broken[0] = broken[0][:7]
+    forward.layer_panels = tuple(broken)
+    with torch.inference_mode(), pytest.raises(ValueError, match="each layer must be"):
+        forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)

@@ -113,3 +113,18 @@ def test_api_fallback_layers():
         nxt = target(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True).logits[0, -1]
         fresh = target(input_ids=torch.tensor([prompt + [7, 9]])).logits[0, -1]
     torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
+
+
+def test_uniforms_hand_out_the_generators_values_in_order():
+    """Uniforms: the values of torch.rand blocks from its generator, in order, each once; one stream per
+    generator (uniforms_for), so every host draw of a sequence takes the next value."""
+    from gbv.engine.sampling import _UNIFORM_BLOCK, Uniforms, uniforms_for
+
+    stream = Uniforms(torch.Generator().manual_seed(9))
+    taken = [stream.one() for _ in range(5)] + stream.array(3 * _UNIFORM_BLOCK).tolist()
+    reference = torch.Generator().manual_seed(9)
+    expected = torch.cat([torch.rand(_UNIFORM_BLOCK, generator=reference, dtype=torch.float64) for _ in range(4)])
+    assert taken == expected[:len(taken)].tolist()
+    generator = torch.Generator().manual_seed(1)
+    assert uniforms_for(generator) is uniforms_for(generator)
+    assert uniforms_for(generator) is not uniforms_for(torch.Generator().manual_seed(1))
