@@ -162,7 +162,7 @@ class BatchTreeDecoder:
                 tips_k[b] = k
                 qs[b] = torch.empty(k, block[b], self.vocab, dtype=torch.float32, device=dev)
                 if k == 1:  # (as a single sequence draws it: tree_decoder.TreeDecoder.step)
-                    drafted[b, :1, 0] = sample_into(first[b][None], row.draft_sampling, row.generator, qs[b][:, 0])
+                    drafted[b, :1, 0] = sample_into(first[b][None], row.draft_sampling, row.rng, qs[b][:, 0])
                     continue
                 q_first = process_logits(first[b], row.draft_sampling)
                 qs[b][:, 0] = q_first
@@ -190,7 +190,7 @@ class BatchTreeDecoder:
                     if not drafting[b] or block[b] <= i:
                         continue
                     k = tips_k[b]
-                    drafted[b, :k, i] = sample_into(logits[b, :k, :self.vocab], row.draft_sampling, row.generator,
+                    drafted[b, :k, i] = sample_into(logits[b, :k, :self.vocab], row.draft_sampling, row.rng,
                                                     qs[b][:, i])
         drafted_host = drafted.tolist()  # the one read of the drafts: the tries are built on the host
 
@@ -230,7 +230,7 @@ class BatchTreeDecoder:
             stats = row.stats
             stats.target_calls += 1
             if not drafting[b]:
-                token = draw_token(logits[b, 0, :self.vocab], row.target_sampling, row.generator)
+                token = draw_token(logits[b, 0, :self.vocab], row.target_sampling, row.rng)
                 _extend(t_moves, b, [t_start], [lens[b]])
                 row.tokens.append(token)
                 out[id(row)] = [token]

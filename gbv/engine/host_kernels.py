@@ -21,7 +21,8 @@ bfloat16 model runs in float32 over its bf16 weight values: ``gbv.engine.lean.bf
   final norm and head, optionally followed by the softmax and the draw of its output rows. Between
   forwards that stream tens of MB of weights, Python and torch run from a cold cache: a bundled
   target step spent ~165 us in the Python around its per-layer calls and ~250 us around the
-  forward (ids, softmax, uniform, draw), ~96 us in all with this and :class:`gbv.engine.sampling.Uniforms`.
+  forward (ids, softmax, uniform, draw), ~96 us in all with this and uniforms
+  drawn 64 at a time (``TorchRandom.uniform``).
 
 The products, the attention and the layer serve the host forward (``lean_host.py``), the draw the
 engine's :func:`gbv.engine.sampling.sample`. Where the extension is missing (no C compiler at

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gbv.engine.host_kernels import host_kernels_unavailable
-from gbv.engine.sampling import SamplingConfig, Uniforms, host_samples
+from gbv.engine.sampling import SamplingConfig, host_samples
+from gbv.verify.common import TorchRandom
 from gbv.engine.lean_host import PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_unsupported_reason
 
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
@@ -473,21 +474,21 @@ class LeanCausalLM:
         return self.forward(tokens, positions, start, cache, None, causal=True, last_only=last_only)
 
     def sampled_chain(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
-                      uniforms: Uniforms, probs: Tensor | None = None) -> int | None:
+                      rng: TorchRandom, probs: Tensor | np.ndarray | None = None) -> int | None:
         """:meth:`chain` and one token drawn from its last position's first ``vocab`` logits under
         ``config``, by the law and rule of ``sample(process_logits(...))``, in one compiled call, its
-        uniform from ``uniforms`` (of a CPU generator); ``probs`` ((vocab,) or (1, vocab) float32),
-        when given, receives the probabilities. None where that call does not run here (no one-call
+        uniform from ``rng.uniform()`` (a CPU generator's); ``probs`` ((vocab,) or (1, vocab) float32, a
+        tensor or a numpy array), when given, receives the probabilities. None where that call does not run here (no one-call
         forward, top-k or top-p): the caller takes :meth:`chain`."""
         host = self.host_forward
         if host is None or not host.one_call(len(ids)) or not host_samples(config, vocab):
             return None
         return host.sampled(np.array(ids, dtype=np.int64), np.arange(start, start + len(ids), dtype=np.int64), start,
-                            cache, None, True, vocab, config.temperature, None if config.greedy else uniforms.one(),
-                            None if probs is None else probs.view(1, -1).numpy())
+                            cache, None, True, vocab, config.temperature, None if config.greedy else rng.uniform(),
+                            probs.numpy() if isinstance(probs, Tensor) else probs)
 
     def sampled_tips(self, tokens: Tensor, position: int, start: int, cache: KVCache, mask: Tensor | None, vocab: int,
-                     config: SamplingConfig, uniforms: Uniforms, probs: Tensor) -> Tensor | None:
+                     config: SamplingConfig, rng: TorchRandom, probs: Tensor) -> Tensor | None:
         """One drafting depth in one compiled call: the forward of the R path tips ``tokens`` ((R,) long,
         all at rotary ``position``, slots ``start ..``, ``mask`` (1, 1, R, start + R) bool or None for one
         tip), their probabilities into ``probs`` ((R, vocab) float32, rows may be strided) and one token
@@ -499,8 +500,25 @@ class LeanCausalLM:
             return None
         drawn = np.empty(rows, dtype=np.int64)
         host.sampled(tokens.numpy(), np.full(rows, position, dtype=np.int64), start, cache, mask, False, vocab,
-                     config.temperature, None if config.greedy else uniforms.array(rows), probs.numpy(), drawn)
+                     config.temperature, None if config.greedy else rng.uniforms(rows), probs.numpy(), drawn)
         return torch.from_numpy(drawn)
+
+    def sampled_probs(self, ids: list[int] | Tensor, positions: Tensor | None, start: int, cache: KVCache,
+                      mask: Tensor | None, vocab: int, config: SamplingConfig) -> Tensor | None:
+        """The target's pass over a block or a tree in one compiled call: the forward of one sequence's
+        queries ``ids`` (a list, or a (N,) long tensor) at ``positions`` ((N,) long; None: the chain
+        ``start ..``, causal), slots ``start ..`` (``mask`` (1, 1, N, start + N) or None for the chain),
+        and ``process_logits`` of each query's first ``vocab`` logits. Returns (N, vocab) float32;
+        None where that call does not run here (the caller takes :meth:`forward`)."""
+        n = len(ids)
+        host = self.host_forward
+        if host is None or not host.one_call(n) or not host_samples(config, vocab):
+            return None
+        tokens = np.array(ids, dtype=np.int64) if isinstance(ids, list) else ids.numpy()
+        where = np.arange(start, start + n, dtype=np.int64) if positions is None else positions.numpy()
+        probs = torch.empty(n, vocab, dtype=torch.float32)
+        host.sampled(tokens, where, start, cache, mask, False, vocab, config.temperature, None, probs.numpy())
+        return probs
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, cache: KVCache, mask: Tensor | None,
                 causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:

@@ -9,7 +9,6 @@ Temperature 0 is greedy: a one-hot vector at the first argmax of the raw logits,
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 from torch import Tensor
 
 from gbv.engine.host_kernels import draw_rows_host, host_kernels_unavailable, softmax_into
-from gbv.verify.common import draw_rows
+from gbv.verify.common import TorchRandom, draw_rows
 
 
 @dataclass(frozen=True)
@@ -77,75 +76,28 @@ def process_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
     return logits.softmax(dim=-1)
 
 
-# Uniforms drawn per torch.rand call for the engine's host draws (Uniforms).
-_UNIFORM_BLOCK = 64
-
-
-class Uniforms:
-    """The float64 uniforms of one CPU generator, drawn ``_UNIFORM_BLOCK`` at a time and handed out in
-    order, for the engine's draws on the host (:func:`draw_token`, :func:`sample_into`, the one-call
-    forwards of ``lean_host``).
-
-    Why: a ``torch.rand`` of one value cost ~70 us after a bundled-target forward here (torch's
-    dispatch runs from a cold cache), 4% of a bfloat16 step. The law is unchanged: the uniforms are
-    i.i.d., and each is used once, for one draw. Every host draw of a sequence (alone or as a batch
-    row) takes them from its generator's :func:`uniforms_for`, so a seed gives the same tokens either
-    way. Where the drawn tokens must not depend on this buffering (``sample``), torch.rand is called."""
-
-    __slots__ = ("generator", "values", "index", "__weakref__")
-
-    def __init__(self, generator: torch.Generator | None) -> None:
-        self.generator = generator
-        self.values: list[float] = []
-        self.index = 0
-
-    def one(self) -> float:
-        if self.index >= len(self.values):
-            self.values = torch.rand(_UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64).tolist()
-            self.index = 0
-        self.index += 1
-        return self.values[self.index - 1]
-
-    def array(self, count: int) -> np.ndarray:
-        return np.array([self.one() for _ in range(count)], dtype=np.float64)
-
-
-_STREAMS: "weakref.WeakKeyDictionary[torch.Generator, Uniforms]" = weakref.WeakKeyDictionary()
-
-
-def uniforms_for(generator: torch.Generator | None) -> Uniforms:
-    """The :class:`Uniforms` of ``generator`` (one per generator; None: the default generator's)."""
-    if generator is None:
-        generator = torch.default_generator
-    stream = _STREAMS.get(generator)
-    if stream is None:
-        stream = _STREAMS[generator] = Uniforms(generator)
-    return stream
-
-
-def draw_token(logits: Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:
+def draw_token(logits: Tensor, config: SamplingConfig, rng: TorchRandom) -> int:
     """One token from (V,) ``logits`` under ``config``: the law of ``sample(process_logits(logits,
-    config)[None], generator, config.greedy)`` (the same probabilities and rule), in one compiled call
-    where :func:`process_logits` would be one, with its uniform from :func:`uniforms_for`. Why: a
+    config)[None], rng.generator, config.greedy)`` (the same probabilities and rule), in one compiled
+    call where :func:`process_logits` would be one, its uniform then from ``rng.uniform()``. Why: a
     plain target step's torch calls around its forward (softmax, uniform, draw, reading the token
     back) cost ~190 us here from a cold cache, 10% of a bfloat16 bundled-target step."""
-    if _host_softmax(logits, config) and (generator is None or generator.device.type == "cpu"):
-        return softmax_into(logits.reshape(1, -1).numpy(), config.temperature, u=uniforms_for(generator).one())
+    if _host_softmax(logits, config) and rng.generator.device.type == "cpu":
+        return softmax_into(logits.reshape(1, -1).numpy(), config.temperature, u=rng.uniform())
     probs = process_logits(logits, config)
-    return int(sample(probs[None], generator, config.greedy)[0])
+    return int(sample(probs[None], rng.generator, config.greedy)[0])
 
 
-def sample_into(logits: Tensor, config: SamplingConfig, generator: torch.Generator | None, probs: Tensor) -> Tensor:
+def sample_into(logits: Tensor, config: SamplingConfig, rng: TorchRandom, probs: Tensor) -> Tensor:
     """``probs[:] = process_logits(logits, config)`` and one draw per row from them, by
     ``sample``'s rule, in one compiled call where :func:`process_logits` would be one (its uniforms
-    then from :func:`uniforms_for`). ``logits``, ``probs``: (R, V); returns (R,) long."""
-    if _host_softmax(logits, config) and (generator is None or generator.device.type == "cpu"):
+    then from ``rng.uniforms``). ``logits``, ``probs``: (R, V); returns (R,) long."""
+    if _host_softmax(logits, config) and rng.generator.device.type == "cpu":
         tokens = np.empty(logits.shape[0], dtype=np.int64)
-        softmax_into(logits.numpy(), config.temperature, probs.numpy(), uniforms_for(generator).array(logits.shape[0]),
-                     tokens)
+        softmax_into(logits.numpy(), config.temperature, probs.numpy(), rng.uniforms(logits.shape[0]), tokens)
         return torch.from_numpy(tokens)
     probs.copy_(process_logits(logits, config))
-    return sample(probs, generator, config.greedy)
+    return sample(probs, rng.generator, config.greedy)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None, greedy: bool = False) -> Tensor:

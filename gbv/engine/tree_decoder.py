@@ -28,7 +28,7 @@ import torch
 
 from gbv.engine.decoder import DecoderState
 from gbv.engine.lean import LeanCausalLM
-from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample, sample_into, uniforms_for
+from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample, sample_into
 from gbv.engine.tree import build_tree, prefix_then
 # Room added to the prompt length when a cache is first allocated; it grows (doubling) when needed.
 _INITIAL_ROOM = 512
@@ -57,7 +57,6 @@ class TreeDecoder(DecoderState):
         self.target_cache = None
         self.draft_cache = None
         self.profile = self.device.type == "cpu" if profile is None else profile
-        self.uniforms = uniforms_for(self.generator)  # (the host draws' uniforms: sampling.Uniforms)
 
     # -------------------------------------------------------------------------------- helpers
     def _clock(self) -> float:
@@ -93,29 +92,32 @@ class TreeDecoder(DecoderState):
         self.draft_len += len(lag)
         self.stats.time_draft += self._clock() - start
 
-    def step(self, block_len: int | None = None) -> list[int]:
-        """One iteration; returns the newly committed tokens (the last one is the new pending token).
-        ``block_len`` (<= the configured one) shortens this iteration's block; 0 = a plain target step."""
-        block, rows = self.iteration_shape(block_len)
-        if block <= 0:
-            return self._target_step()
-        stats = self.stats
-        greedy = self.draft_sampling.greedy
-        committed = len(self.tokens) - 1  # slots of the committed prefix; the pending token goes next
-        base = committed + 1  # first slot of the drafted nodes
+    def _draft_one_path(self, block: int, committed: int, q: torch.Tensor) -> list[int] | None:
+        """One path drafted as ``block`` compiled calls (forward, softmax into ``q`` (1, L, V), draw),
+        its tokens read back as host ints by the calls themselves; None where those calls do not run
+        here (no one-call forward, top-k / top-p, a long lag): :meth:`_draft_paths` then."""
+        if self.draft.host_forward is None:  # (on a GPU: the tensor path)
+            return None
+        q_rows = q.numpy()[0]  # (L, V), written in place
+        token = self.draft.sampled_chain(self.tokens[self.draft_len:], self.draft_len, self.draft_cache, self.vocab,
+                                         self.draft_sampling, self.rng, q_rows[0])
+        if token is None:
+            return None
+        path = [token]
+        for i in range(1, block):  # node i sits in slot committed + i, at that position: a chain of one
+            path.append(self.draft.sampled_chain([path[-1]], committed + i, self.draft_cache, self.vocab,
+                                                 self.draft_sampling, self.rng, q_rows[i]))
+        return path
 
-        # 1. draft: the unseen chain, then one forward per depth over the K path tips.
-        start = self._clock()
-        q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
+    def _draft_paths(self, block: int, rows: int, committed: int, base: int, q: torch.Tensor) -> torch.Tensor:
+        """The K = ``rows`` paths: the unseen chain, then one forward per depth over the path tips, their
+        laws into ``q`` (K, L, V). Returns the (K, L) drafted tokens, on the device."""
+        greedy = self.draft_sampling.greedy
         drafted = torch.empty(rows, block, dtype=torch.long, device=self.device)
         lag = self.tokens[self.draft_len:]
-        if rows == 1:  # one compiled call where the kernels run: forward, softmax and draw
-            first = self.draft.sampled_chain(lag, self.draft_len, self.draft_cache, self.vocab, self.draft_sampling,
-                                             self.uniforms, q[0, 0])
-            if first is None:
-                first = sample_into(self._chain(self.draft, self.draft_cache, lag, self.draft_len)[None],
-                                    self.draft_sampling, self.generator, q[:, 0])[0]
-            drafted[0, 0] = first
+        if rows == 1:
+            drafted[:, 0] = sample_into(self._chain(self.draft, self.draft_cache, lag, self.draft_len)[None],
+                                        self.draft_sampling, self.rng, q[:, 0])
         else:
             q_first = process_logits(self._chain(self.draft, self.draft_cache, lag, self.draft_len),
                                      self.draft_sampling)
@@ -134,32 +136,61 @@ class TreeDecoder(DecoderState):
                 tip_mask = None if mask is None else mask[..., :width]
                 tips = self.draft.sampled_tips(drafted[:, i - 1], committed + i, base + (i - 1) * rows,
                                                self.draft_cache, tip_mask, self.vocab, self.draft_sampling,
-                                               self.uniforms, q[:, i])
+                                               self.rng, q[:, i])
                 if tips is None:
                     logits = self.draft.forward(drafted[:, i - 1][None], torch.full((1, rows), committed + i,
                                                 device=self.device), base + (i - 1) * rows, self.draft_cache,
                                                 tip_mask)
-                    tips = sample_into(logits[0, :, :self.vocab], self.draft_sampling, self.generator, q[:, i])
+                    tips = sample_into(logits[0, :, :self.vocab], self.draft_sampling, self.rng, q[:, i])
                 drafted[:, i] = tips
+        return drafted
+
+    def step(self, block_len: int | None = None) -> list[int]:
+        """One iteration; returns the newly committed tokens (the last one is the new pending token).
+        ``block_len`` (<= the configured one) shortens this iteration's block; 0 = a plain target step."""
+        block, rows = self.iteration_shape(block_len)
+        if block <= 0:
+            return self._target_step()
+        stats = self.stats
+        committed = len(self.tokens) - 1  # slots of the committed prefix; the pending token goes next
+        base = committed + 1  # first slot of the drafted nodes
+
+        # 1. draft: the unseen chain, then one forward per depth over the K path tips.
+        start = self._clock()
+        q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
+        path = self._draft_one_path(block, committed, q) if rows == 1 else None
+        if path is not None:
+            drafted = torch.tensor([path], device=self.device)
+        else:
+            drafted = self._draft_paths(block, rows, committed, base, q)
         stats.draft_steps += block
         t_draft = self._clock()
         stats.time_draft += t_draft - start
 
         # 2. target: the trie of the paths in one forward over the shared prefix.
-        paths = drafted.tolist()  # the one read of the drafts: the trie is built on the host
+        # the one read of the drafts (the trie is built on the host); one path was read as it was drawn
+        paths = [path] if path is not None else drafted.tolist()
         if rows == 1:
             # One path is a chain: node i (depth i) in slot committed + i, the causal rule its mask, p its
             # logits as they come (building the trie and its mask cost ~0.2 ms here, for nothing).
             path_nodes = [list(range(block + 1))]
-            logits = self.target.chain([self.tokens[-1], *paths[0]], committed, self.target_cache, last_only=False)
-            p = process_logits(logits[0, :, :self.vocab], self.target_sampling)[None]  # (1, L+1, V)
+            chain = [self.tokens[-1], *paths[0]]
+            p = self.target.sampled_probs(chain, None, committed, self.target_cache, None, self.vocab,
+                                          self.target_sampling)  # (one compiled call where the kernels run)
+            if p is None:
+                logits = self.target.chain(chain, committed, self.target_cache, last_only=False)
+                p = process_logits(logits[0, :, :self.vocab], self.target_sampling)
+            p = p[None]  # (1, L+1, V)
             num_nodes = block + 1
         else:
             tree = build_tree(self.tokens[-1], paths, self.device)
             path_nodes = tree.path_nodes_list
-            logits = self.target.forward(tree.tokens[None], (committed + tree.depth)[None], committed,
-                                         self.target_cache, prefix_then(tree.ancestors, committed))
-            p_nodes = process_logits(logits[0, :, :self.vocab], self.target_sampling)
+            positions, mask = committed + tree.depth, prefix_then(tree.ancestors, committed)
+            p_nodes = self.target.sampled_probs(tree.tokens, positions, committed, self.target_cache, mask,
+                                                self.vocab, self.target_sampling)
+            if p_nodes is None:
+                logits = self.target.forward(tree.tokens[None], positions[None], committed, self.target_cache, mask)
+                p_nodes = process_logits(logits[0, :, :self.vocab], self.target_sampling)
             p = p_nodes[tree.path_nodes]  # (K, L+1, V)
             num_nodes = tree.num_nodes
         stats.target_calls += 1
@@ -191,10 +222,10 @@ class TreeDecoder(DecoderState):
         start = self._clock()
         position = len(self.tokens) - 1
         token = self.target.sampled_chain(self.tokens[-1:], position, self.target_cache, self.vocab,
-                                          self.target_sampling, self.uniforms)
+                                          self.target_sampling, self.rng)
         if token is None:
             logits = self._chain(self.target, self.target_cache, self.tokens[-1:], position)
-            token = draw_token(logits, self.target_sampling, self.generator)
+            token = draw_token(logits, self.target_sampling, self.rng)
         self.stats.target_calls += 1
         self.stats.time_target += self._clock() - start
         self.tokens.append(token)

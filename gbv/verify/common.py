@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -137,8 +138,25 @@ class TorchRandom:
                                         device=self.generator.device).tolist()
         return self._uniforms.pop()
 
+    def uniform(self) -> float:
+        """The next uniform of the same blocks, for a draw outside the verifier: the engine's draws on
+        the host (``gbv.engine.sampling.draw_token``, the one-call forwards) take theirs here. Why: a
+        ``torch.rand`` of one value cost ~70 us after a forward that streams tens of MB (torch's
+        dispatch runs from a cold cache). Each uniform is used once, so every law is unchanged."""
+        return self._uniform()
+
+    def uniforms(self, count: int) -> np.ndarray:
+        """The next ``count`` uniforms (:meth:`uniform`), as a float64 array."""
+        return np.array([self._uniform() for _ in range(count)], dtype=np.float64)
+
     def sample(self, dist: Tensor) -> int:
         # (torch.multinomial draws one exponential per token; the inverse CDF one uniform.)
+        if dist.device.type == "cpu" and dist.dim() == 1 and self.generator.device.type == "cpu":
+            # draw_rows' rule on the host, with a uniform of the blocks above: its six torch calls and a
+            # torch.rand cost ~0.1 ms after a forward here (a cold cache), two numpy calls a fraction.
+            cdf = np.cumsum(dist.numpy(), dtype=np.float64)
+            point = self._uniform() * (float(cdf[-1]) * BELOW_ONE)
+            return min(int(np.searchsorted(cdf, point, side="right")), cdf.shape[0] - 1)
         return int(draw_rows(dist, self.generator))
 
     def coins(self, probs: Tensor) -> Tensor:

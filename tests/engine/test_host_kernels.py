@@ -286,10 +286,12 @@ def _random_mask(n: int, prefix: int, gen: torch.Generator) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
-    """LeanCausalLM.sampled_chain / sampled_tips (forward, softmax and draw in one call) against the
-    forward, then process_logits and the draw rule on the same uniforms: the same probabilities, the
-    same tokens (greedy: the first argmax, a one-hot row)."""
-    from gbv.engine.sampling import SamplingConfig, Uniforms, process_logits
+    """LeanCausalLM.sampled_chain / sampled_tips (forward, softmax and draw in one call) and
+    sampled_probs (a block's or a tree's pass) against the forward, then process_logits and the draw
+    rule on the same uniforms: the same probabilities, the same tokens (greedy: the first argmax, a
+    one-hot row)."""
+    from gbv.engine.sampling import SamplingConfig, process_logits
+    from gbv.verify.common import TorchRandom
     from gbv.engine.tree import prefix_then
 
     target, _ = hf_pair("llama", vocab=48, seed=7, target_size=(64, 2))
@@ -297,7 +299,7 @@ def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
     config = SamplingConfig(temperature)
     vocab = 40  # the first 40 of the head's 48 logits, as a pair with a smaller draft vocabulary
     sampled_cache, plain_cache = lean.new_cache(1, 64), lean.new_cache(1, 64)
-    ours, theirs = Uniforms(torch.Generator().manual_seed(4)), Uniforms(torch.Generator().manual_seed(4))
+    ours, theirs = TorchRandom(torch.Generator().manual_seed(4)), TorchRandom(torch.Generator().manual_seed(4))
     with torch.inference_mode():
         for start, ids in [(0, [3, 1, 4, 1, 5]), (5, [9]), (6, [2, 6])]:
             probs = torch.empty(vocab)
@@ -309,7 +311,7 @@ def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
                 assert token == int(logits.argmax())
             else:
                 reference = np.empty(1, np.int64)
-                host_kernels._host_kernels.draw_rows(expected[None].numpy(), np.array([theirs.one()]), reference, 1,
+                host_kernels._host_kernels.draw_rows(expected[None].numpy(), np.array([theirs.uniform()]), reference, 1,
                                                      vocab, host_kernels.BELOW_ONE)
                 assert token == reference[0]
         rows, start = 3, 8
@@ -324,9 +326,18 @@ def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
             assert torch.equal(drawn, logits.argmax(-1))
         else:
             reference = np.empty(rows, np.int64)
-            host_kernels._host_kernels.draw_rows(np.ascontiguousarray(expected.numpy()), theirs.array(rows), reference,
+            host_kernels._host_kernels.draw_rows(np.ascontiguousarray(expected.numpy()), theirs.uniforms(rows), reference,
                                                  rows, vocab, host_kernels.BELOW_ONE)
             assert drawn.tolist() == reference.tolist()
+        # the target's passes: a block (a chain) and a tree, probabilities only
+        got = lean.sampled_probs([5, 6, 7], None, 11, sampled_cache, None, vocab, config)
+        logits = lean.chain([5, 6, 7], 11, plain_cache, last_only=False)[0, :, :vocab]
+        torch.testing.assert_close(got, process_logits(logits, config), rtol=0, atol=0)
+        ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        tree, depth, mask = torch.tensor([2, 3, 4]), torch.tensor([14, 15, 15]), prefix_then(ancestors, 14)
+        got = lean.sampled_probs(tree, depth, 14, sampled_cache, mask, vocab, config)
+        logits = lean.forward(tree[None], depth[None], 14, plain_cache, mask)[0, :, :vocab]
+        torch.testing.assert_close(got, process_logits(logits, config), rtol=0, atol=0)
 
 
 @needs_kernels

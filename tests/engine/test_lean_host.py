@@ -236,13 +236,16 @@ def test_the_engine_decodes_through_the_host_forward(monkeypatch):
     host forward, and greedy decoding gives the tokens the torch path gives."""
     target, draft = hf_pair("llama", vocab=48, seed=7)
     counts = {"n": 0}
-    real = lean_host.HostForward._forward
 
-    def counted(self, *args):
-        counts["n"] += 1
-        return real(self, *args)
+    def counting(real):
+        def counted(self, *args, **kwargs):
+            counts["n"] += 1
+            return real(self, *args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(lean_host.HostForward, "_forward", counted)
+    # the host forward's two ways in: a forward, and a one-call forward that samples (HostForward.sampled)
+    for name in ("_forward", "_one_call"):
+        monkeypatch.setattr(lean_host.HostForward, name, counting(getattr(lean_host.HostForward, name)))
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("GBV_HOST_FORWARD", flag)

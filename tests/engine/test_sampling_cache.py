@@ -115,16 +115,15 @@ def test_api_fallback_layers():
     torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
 
 
-def test_uniforms_hand_out_the_generators_values_in_order():
-    """Uniforms: the values of torch.rand blocks from its generator, in order, each once; one stream per
-    generator (uniforms_for), so every host draw of a sequence takes the next value."""
-    from gbv.engine.sampling import _UNIFORM_BLOCK, Uniforms, uniforms_for
+def test_the_engines_host_draws_take_the_verifiers_uniform_blocks():
+    """TorchRandom.uniform / uniforms: the values of torch.rand blocks of ACCEPT_BLOCK from its
+    generator, each once (the engine's host draws and the verifier's coins share them)."""
+    from gbv.verify.common import ACCEPT_BLOCK, TorchRandom
 
-    stream = Uniforms(torch.Generator().manual_seed(9))
-    taken = [stream.one() for _ in range(5)] + stream.array(3 * _UNIFORM_BLOCK).tolist()
+    rng = TorchRandom(torch.Generator().manual_seed(9))
+    taken = [rng.uniform() for _ in range(5)] + rng.uniforms(2 * ACCEPT_BLOCK).tolist() + [rng.accept(0.5)]
     reference = torch.Generator().manual_seed(9)
-    expected = torch.cat([torch.rand(_UNIFORM_BLOCK, generator=reference, dtype=torch.float64) for _ in range(4)])
-    assert taken == expected[:len(taken)].tolist()
-    generator = torch.Generator().manual_seed(1)
-    assert uniforms_for(generator) is uniforms_for(generator)
-    assert uniforms_for(generator) is not uniforms_for(torch.Generator().manual_seed(1))
+    blocks = [torch.rand(ACCEPT_BLOCK, generator=reference, dtype=torch.float64).tolist()[::-1] for _ in range(3)]
+    expected = [value for block in blocks for value in block]
+    assert taken[:-1] == expected[:len(taken) - 1]
+    assert taken[-1] == (expected[len(taken) - 1] < 0.5)
