@@ -42,6 +42,13 @@ _PRIOR_TRIALS = 5.0
 # family, and UCB's bonus was too small to try them again: in replays of measured traces (40 prompts,
 # 12 arms) the worst runs fell to 0.69x the best arm, and to 0.88-0.91x with this prior.
 _PRIOR_DEPTH_TRIALS = 4.0
+# An observed iteration counts at most this many times its arm's mean seconds (once the arm has run
+# _MIN_TRIALS times). Why: iteration times have a heavy right tail (a garbage collection, an interrupt,
+# the other core's process). One 50 ms stall in a 2 ms ar step doubled ar's mean, handed the lead to a
+# block arm at 0.84x ar's real rate, and since an arm's estimate only changes when it runs, ar stayed
+# buried: auto at 0.87x ar over 40 prompts in bfloat16, a third of its iterations on block arms. A real
+# slowdown still comes through, at up to 3x a mean per observation.
+_OUTLIER = 3.0
 # Once choose() picks the leader, the decoder runs it this many iterations before choosing again.
 # Why: between forwards that stream tens of MB of weights, the policy's Python runs from a cold cache:
 # a choice cost ~22 us and its record ~9 us in bfloat16 here, against a 2 ms ar step (1.5%). Holding
@@ -235,7 +242,10 @@ class AutoPolicy:
         return max(explored, key=self._rate) if explored else None
 
     def record(self, index: int, tokens: int, seconds: float) -> None:
-        """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``."""
+        """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``
+        (counted as at most ``_OUTLIER`` times the arm's mean, once it has run ``_MIN_TRIALS`` times)."""
+        if self.runs[index] >= _MIN_TRIALS:
+            seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
         self.tokens[index] = self.tokens[index] * _DECAY + tokens
         self.seconds[index] = self.seconds[index] * _DECAY + max(seconds, 1e-9)
         self.trials[index] = self.trials[index] * _DECAY + 1.0

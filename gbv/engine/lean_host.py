@@ -16,8 +16,9 @@ tests, greedy equality with Hugging Face) runs through this one.
 
 Where the compiled kernels run (``host_kernels.py``: x86-64 with AVX2, one torch thread, up to
 ``KERNEL_MAX_ROWS`` queries), the products and the attention go to them instead of torch, and for one
-sequence each layer is a single compiled call (``layer_into``): the same mathematics, summed in
-another order.
+sequence the whole forward is a single compiled call (``forward_into``: every layer as ``layer_into``
+computes it, the final norm and the head), which can also sample from its output rows
+(:meth:`HostForward.sampled`): the same mathematics, summed in another order.
 
 :meth:`LeanCausalLM.forward` uses it for one sequence (any cache row) and up to
 ``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the model has fused interleaved transposed

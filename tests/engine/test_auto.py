@@ -274,3 +274,33 @@ def test_the_leader_is_held_for_a_few_iterations_and_only_while_its_block_fits()
     assert policy.choices == 4 and base.stats.auto_arms == {"block K=1 L=2": 4 * _HOLD}
     decoder.step(1)  # only ar fits: chosen at once, although the hold had iterations left
     assert policy.choices == 5 and base.stats.auto_arms["ar"] == 1
+
+
+@pytest.mark.parametrize("clipped", [True, False])
+def test_one_stalled_iteration_does_not_bury_the_leader(clipped, monkeypatch):
+    """ar makes 1000 tokens/s, BV L = 2 about 830. One ar iteration stalls 50x (a garbage collection):
+    counted at most 3x ar's mean, ar keeps the lead. The control counts it in full: ar's mean doubles,
+    the block arm leads, and ar, whose estimate only changes when it runs, stays buried."""
+    if not clipped:
+        monkeypatch.setattr(auto, "_OUTLIER", float("inf"))
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 2)]
+    policy = AutoPolicy(arms)
+    turn = [0]
+
+    def run(index: int, stall: float = 1.0) -> None:
+        if index == 0:
+            policy.record(0, 1, 0.001 * stall)
+        else:
+            turn[0] += 1
+            policy.record(1, 2 + turn[0] % 2, 0.003)  # 2.5 tokens in 3 ms
+
+    for _ in range(300):
+        run(policy.choose())
+    run(0, stall=50.0)
+    chosen = []
+    for _ in range(600):
+        index = policy.choose()
+        chosen.append(index)
+        run(index)
+    share = chosen.count(0) / len(chosen)
+    assert share > 0.95 if clipped else share < 0.5
