@@ -478,8 +478,8 @@ class LeanCausalLM:
         """:meth:`chain` and one token drawn from its last position's first ``vocab`` logits under
         ``config``, by the law and rule of ``sample(process_logits(...))``, in one compiled call, its
         uniform from ``rng.uniform()`` (a CPU generator's); ``probs`` ((vocab,) or (1, vocab) float32, a
-        tensor or a numpy array), when given, receives the probabilities. None where that call does not run here (no one-call
-        forward, top-k or top-p): the caller takes :meth:`chain`."""
+        tensor or a numpy array), when given, receives the probabilities. None where that call does
+        not run here (no one-call forward, top-k or top-p): the caller takes :meth:`chain`."""
         host = self.host_forward
         if host is None or not host.one_call(len(ids)) or not host_samples(config, vocab):
             return None

@@ -326,8 +326,8 @@ def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
             assert torch.equal(drawn, logits.argmax(-1))
         else:
             reference = np.empty(rows, np.int64)
-            host_kernels._host_kernels.draw_rows(np.ascontiguousarray(expected.numpy()), theirs.uniforms(rows), reference,
-                                                 rows, vocab, host_kernels.BELOW_ONE)
+            host_kernels._host_kernels.draw_rows(np.ascontiguousarray(expected.numpy()), theirs.uniforms(rows),
+                                                 reference, rows, vocab, host_kernels.BELOW_ONE)
             assert drawn.tolist() == reference.tolist()
         # the target's passes: a block (a chain) and a tree, probabilities only
         got = lean.sampled_probs([5, 6, 7], None, 11, sampled_cache, None, vocab, config)
