@@ -687,6 +687,24 @@ __attribute__((target("avx2,fma"))) static void softmax_row(const float *logits,
     for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_loadu_ps(out + v), factor));
     for (; v < V; v++) out[v] *= inverse;
 }
+
+/* One row of sampling: out = process_logits(row) over V values (temperature 0: greedy, a one-hot row at
+ * the first largest logit), and, where token is given, its draw by draw_rows' rule with *u (greedy: the
+ * argmax; u unused, may be NULL). */
+__attribute__((target("avx2,fma"))) static void sample_row(const float *row, Py_ssize_t V, double temperature,
+                                                          float *out, const double *u, long long *token,
+                                                          double below_one) {
+    if (temperature > 0.0) {
+        softmax_row(row, V, (float)temperature, out);
+        if (token != NULL && u != NULL) draw(out, u, token, 1, V, below_one);
+        return;
+    }
+    Py_ssize_t best = 0;
+    for (Py_ssize_t v = 1; v < V; v++) best = row[v] > row[best] ? v : best;
+    memset(out, 0, (size_t)V * sizeof(float));
+    out[best] = 1.0f;
+    if (token != NULL) *token = best;
+}
 #endif
 
 /* A (rows, V) float32 buffer whose values are contiguous along V (rows may be strided, as the
@@ -762,10 +780,9 @@ static PyObject *softmax_draw(PyObject *self, PyObject *args) {
         float *out = have_probs ? (float *)probs.buf : scratch;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t r = 0; r < rows; r++) {
-            float *row = out + r * probs_stride;
-            softmax_row((const float *)logits.buf + r * logits_stride, V, (float)temperature, row);
-            if (have_u) draw(row, (const double *)u.buf + r, (long long *)tokens.buf + r, 1, V, below_one);
-            else if (u_is_float) draw(row, &single_u, &single_token, 1, V, below_one);
+            sample_row((const float *)logits.buf + r * logits_stride, V, temperature, out + r * probs_stride,
+                       have_u ? (const double *)u.buf + r : (u_is_float ? &single_u : NULL),
+                       have_u ? (long long *)tokens.buf + r : (u_is_float ? &single_token : NULL), below_one);
         }
         Py_END_ALLOW_THREADS
 #endif
@@ -944,17 +961,10 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             const float *row = (const float *)fixed[11].buf + r * vocab;
             float *out = have_probs ? (float *)probs.buf + r * probs_stride : scratch + r * draw_vocab;
             long long *token = have_drawn ? (long long *)drawn.buf + r : (rows_out == 1 ? &single_token : NULL);
-            if (temperature > 0.0) {
-                softmax_row(row, draw_vocab, (float)temperature, out);
-                if (token != NULL && (have_u || u_is_float))
-                    draw(out, have_u ? (const double *)u.buf + r : &single_u, token, 1, draw_vocab, below_one);
-            } else { /* greedy: a one-hot row at the first largest logit (sampling.process_logits) */
-                Py_ssize_t best = 0;
-                for (Py_ssize_t v = 1; v < draw_vocab; v++) best = row[v] > row[best] ? v : best;
-                memset(out, 0, (size_t)draw_vocab * sizeof(float));
-                out[best] = 1.0f;
-                if (token != NULL) *token = best;
-            }
+            const double *uniform = have_u ? (const double *)u.buf + r : (u_is_float ? &single_u : NULL);
+            /* (a token with no uniform is drawn only when greedy, which needs none) */
+            sample_row(row, draw_vocab, temperature, out, uniform, uniform != NULL || temperature == 0.0 ? token : NULL,
+                       below_one);
         }
         Py_END_ALLOW_THREADS
 #endif

@@ -235,10 +235,9 @@ class AutoPolicy:
                 best, best_score = i, score
         return best
 
-    def leader(self, among: list[int] | None = None) -> int | None:
-        """The arm with the best rate among those (of ``among``, default all) that have finished
-        exploring; None before any has."""
-        explored = [i for i in (range(len(self.arms)) if among is None else among) if self.runs[i] >= _MIN_TRIALS]
+    def leader(self) -> int | None:
+        """The arm with the best rate among those that have finished exploring (None before any has)."""
+        explored = [i for i in range(len(self.arms)) if self.runs[i] >= _MIN_TRIALS]
         return max(explored, key=self._rate) if explored else None
 
     def record(self, index: int, tokens: int, seconds: float) -> None:

@@ -473,6 +473,12 @@ class LeanCausalLM:
         positions = torch.arange(start, start + n, device=self.device)[None]
         return self.forward(tokens, positions, start, cache, None, causal=True, last_only=last_only)
 
+    def _sampling_host(self, n: int, config: SamplingConfig, vocab: int) -> HostForward | None:
+        """The host forward where ``n`` queries run as one compiled call that samples under ``config``
+        (:meth:`HostForward.one_call`, ``host_samples``); None elsewhere."""
+        host = self.host_forward
+        return host if host is not None and host.one_call(n) and host_samples(config, vocab) else None
+
     def sampled_chain(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
                       rng: TorchRandom, probs: Tensor | np.ndarray | None = None) -> int | None:
         """:meth:`chain` and one token drawn from its last position's first ``vocab`` logits under
@@ -480,8 +486,8 @@ class LeanCausalLM:
         uniform from ``rng.uniform()`` (a CPU generator's); ``probs`` ((vocab,) or (1, vocab) float32, a
         tensor or a numpy array), when given, receives the probabilities. None where that call does
         not run here (no one-call forward, top-k or top-p): the caller takes :meth:`chain`."""
-        host = self.host_forward
-        if host is None or not host.one_call(len(ids)) or not host_samples(config, vocab):
+        host = self._sampling_host(len(ids), config, vocab)
+        if host is None:
             return None
         return host.sampled(np.array(ids, dtype=np.int64), np.arange(start, start + len(ids), dtype=np.int64), start,
                             cache, None, True, vocab, config.temperature, None if config.greedy else rng.uniform(),
@@ -495,8 +501,8 @@ class LeanCausalLM:
         drawn from each row as in :meth:`sampled_chain`. Returns the (R,) tokens; None where that call
         does not run here (the caller takes :meth:`forward`)."""
         rows = tokens.shape[0]
-        host = self.host_forward
-        if host is None or not host.one_call(rows) or not host_samples(config, vocab):
+        host = self._sampling_host(rows, config, vocab)
+        if host is None:
             return None
         drawn = np.empty(rows, dtype=np.int64)
         host.sampled(tokens.numpy(), np.full(rows, position, dtype=np.int64), start, cache, mask, False, vocab,
@@ -511,8 +517,8 @@ class LeanCausalLM:
         and ``process_logits`` of each query's first ``vocab`` logits. Returns (N, vocab) float32;
         None where that call does not run here (the caller takes :meth:`forward`)."""
         n = len(ids)
-        host = self.host_forward
-        if host is None or not host.one_call(n) or not host_samples(config, vocab):
+        host = self._sampling_host(n, config, vocab)
+        if host is None:
             return None
         tokens = np.array(ids, dtype=np.int64) if isinstance(ids, list) else ids.numpy()
         where = np.arange(start, start + n, dtype=np.int64) if positions is None else positions.numpy()

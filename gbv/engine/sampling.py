@@ -41,8 +41,8 @@ def _host_softmax(logits: Tensor, config: SamplingConfig) -> bool:
     """Whether ``process_logits`` is one compiled softmax here (float32 CPU logits, no top-k or top-p,
     not greedy, the kernels built; :func:`gbv.engine.host_kernels.softmax_into`)."""
     return (logits.dtype == torch.float32 and logits.device.type == "cpu" and not config.greedy
-            and (not config.top_k or config.top_k >= logits.shape[-1]) and config.top_p >= 1.0
-            and not logits.requires_grad and host_kernels_unavailable() is None)
+            and host_samples(config, logits.shape[-1]) and not logits.requires_grad
+            and host_kernels_unavailable() is None)
 
 
 def process_logits(logits: Tensor, config: SamplingConfig) -> Tensor:

@@ -109,7 +109,7 @@ class TorchRandom:
             return True
         if prob <= 0.0:
             return False
-        return self._uniform() < prob
+        return self.uniform() < prob
 
     def accept_within(self, low: float, high: float, exact: Callable[[], float | Refinement]) -> bool:
         # One uniform, as accept: True below low, False from high up, and only in between compared with
@@ -120,7 +120,7 @@ class TorchRandom:
             return True
         if high <= 0.0:
             return False
-        u = self._uniform()
+        u = self.uniform()
         while True:
             if u < low:
                 return True
@@ -131,23 +131,20 @@ class TorchRandom:
                 return u < float(value)
             low, high, exact = value.low, value.high, value.exact
 
-    def _uniform(self) -> float:
-        """The next U[0, 1) of :meth:`accept`, from the current block (a new block when it is used up)."""
+    def uniform(self) -> float:
+        """The next U[0, 1) of :meth:`accept`, from the current block (a new block when it is used up).
+        The engine's draws on the host (``gbv.engine.sampling.draw_token``, the one-call forwards) take
+        theirs here too. Why: a ``torch.rand`` of one value cost ~70 us after a forward that streams
+        tens of MB (torch's dispatch runs from a cold cache). Each uniform is used once, so every law
+        is unchanged."""
         if not self._uniforms:
             self._uniforms = torch.rand(ACCEPT_BLOCK, generator=self.generator, dtype=torch.float64,
                                         device=self.generator.device).tolist()
         return self._uniforms.pop()
 
-    def uniform(self) -> float:
-        """The next uniform of the same blocks, for a draw outside the verifier: the engine's draws on
-        the host (``gbv.engine.sampling.draw_token``, the one-call forwards) take theirs here. Why: a
-        ``torch.rand`` of one value cost ~70 us after a forward that streams tens of MB (torch's
-        dispatch runs from a cold cache). Each uniform is used once, so every law is unchanged."""
-        return self._uniform()
-
     def uniforms(self, count: int) -> np.ndarray:
         """The next ``count`` uniforms (:meth:`uniform`), as a float64 array."""
-        return np.array([self._uniform() for _ in range(count)], dtype=np.float64)
+        return np.array([self.uniform() for _ in range(count)], dtype=np.float64)
 
     def sample(self, dist: Tensor) -> int:
         # (torch.multinomial draws one exponential per token; the inverse CDF one uniform.)
@@ -155,7 +152,7 @@ class TorchRandom:
             # draw_rows' rule on the host, with a uniform of the blocks above: its six torch calls and a
             # torch.rand cost ~0.1 ms after a forward here (a cold cache), two numpy calls a fraction.
             cdf = np.cumsum(dist.numpy(), dtype=np.float64)
-            point = self._uniform() * (float(cdf[-1]) * BELOW_ONE)
+            point = self.uniform() * (float(cdf[-1]) * BELOW_ONE)
             return min(int(np.searchsorted(cdf, point, side="right")), cdf.shape[0] - 1)
         return int(draw_rows(dist, self.generator))
 
