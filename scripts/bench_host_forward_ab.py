@@ -5,6 +5,7 @@
     python scripts/bench_host_forward_ab.py --switch kernels           # its compiled kernels
     python scripts/bench_host_forward_ab.py --switch bf16              # bfloat16: in float32 or as before
     python scripts/bench_host_forward_ab.py --switch fused --dtype bfloat16   # one-call forward and draw
+    python scripts/bench_host_forward_ab.py --switch kernels-before --before f9b8026 --dtype bfloat16
 
 Both variants use the same lean views of the bundled pair. With ``--switch host`` (the default),
 "off" sets their ``host_forward`` to None (the torch forward, what ``GBV_HOST_FORWARD=0`` gives); with
@@ -14,7 +15,10 @@ engine now does (float32 over the bf16 weight values, bf16 panels: ``bf16_weight
 "off" as before (bfloat16 throughout on torch, what ``GBV_HOST_KERNELS=0`` gives). With ``--switch fused``
 (``--dtype`` float32 or bfloat16), "off" runs a sequence's host forward one compiled call per layer
 and its softmax and draws on torch, as before the sixteenth session; "on" makes the forward one
-compiled call and the softmax and draw another. For each prompt (and each
+compiled call and the softmax and draw another. With ``--switch kernels-before --before REV``, "off"
+runs the compiled kernels of ``gbv/engine/_host_kernels.c`` as of commit REV (built here with gcc
+into a module of another name; its functions must take the same arguments), "on" the installed
+ones: a before/after of a change to the C file. For each prompt (and each
 batch of prompts) every row runs once per variant, in alternating order, with the same seed, 1
 thread, EOS off. Prints pooled tokens/s per row and variant and the ratio on/off; the machine is
 shared, so only the ratios within one run mean anything.
@@ -22,18 +26,41 @@ shared, so only the ratios within one run mean anything.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import subprocess
+import sysconfig
+import tempfile
 import time
 
 import torch
 
 from gbv.data import load_prompts
-from gbv.engine import sampling
+from gbv.engine import host_kernels, sampling
 from gbv.engine.generate import generate
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
 
-ROWS = [("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8)]
+ROWS = [("ar", 1, 1), ("block", 1, 2), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8)]
+
+
+def kernels_at(revision: str):
+    """The compiled kernels of ``gbv/engine/_host_kernels.c`` at ``revision``, built with gcc (Python's
+    CFLAGS and -O3, as setup.py builds the extension) as the module ``_host_kernels_before``."""
+    source = subprocess.run(["git", "show", f"{revision}:gbv/engine/_host_kernels.c"], check=True,
+                            capture_output=True, text=True).stdout
+    folder = tempfile.mkdtemp(prefix="gbv-kernels-")
+    path = os.path.join(folder, "_host_kernels_before.c")
+    with open(path, "w") as handle:
+        handle.write(source)
+    library = os.path.join(folder, "_host_kernels_before" + sysconfig.get_config_var("EXT_SUFFIX"))
+    flags = (sysconfig.get_config_var("CFLAGS") or "").split()  # what setup.py's build uses, then -O3
+    subprocess.run(["gcc", *flags, "-O3", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                    "-DPyInit__host_kernels=PyInit__host_kernels_before", path, "-o", library], check=True)
+    spec = importlib.util.spec_from_file_location("_host_kernels_before", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,14 +69,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=0, help="also decode batches of this many rows")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0.2,1.0")
-    parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention", "bf16", "fused"],
+    parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention", "bf16", "fused",
+                                             "kernels-before"],
                         default="host",
                         help="what to turn off: the host forward, or its compiled kernels (both or one); bf16: "
                              "bfloat16 run in float32 against bfloat16 throughout; fused: the one-call forward "
                              "and softmax/draw")
-    parser.add_argument("--dtype", default="float32", help="the pair's dtype (--switch fused)")
+    parser.add_argument("--dtype", default="float32", help="the pair's dtype (--switch fused, kernels-before)")
+    parser.add_argument("--before", help="the commit whose _host_kernels.c is 'off' (--switch kernels-before)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.switch == "kernels-before":
+        if not args.before:
+            raise SystemExit("--switch kernels-before needs --before REV (a commit)")
+        if host_kernels.host_kernels_unavailable():
+            raise SystemExit(f"the compiled kernels do not run here: {host_kernels.host_kernels_unavailable()}")
+        kernels = {True: host_kernels._host_kernels, False: kernels_at(args.before)}
+        pair = load_pair("bundled", dtype=args.dtype)
+
+        def use_kernels(on: bool) -> None:
+            host_kernels._host_kernels = kernels[on]
+
+        run_ab(args, {True: pair, False: pair}, use_kernels)
+        return
     if args.switch == "bf16":
         pairs = {True: load_pair("bundled", dtype="bfloat16"), False: load_pair("bundled", dtype="bfloat16")}
         os.environ["GBV_HOST_KERNELS"] = "0"  # only while the "off" pair's lean views are built
@@ -62,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("bfloat16 does not run in float32 here (no compiled kernels?)")
         run_ab(args, pairs, lambda on: None)
         return
-    pair = load_pair("bundled", dtype=args.dtype if args.switch == "fused" else "float32")
+    pair = load_pair("bundled", dtype=args.dtype if args.switch == "fused" else "float32")  # (the others: fp32)
     views = [lean_model(pair.target), lean_model(pair.draft)]
     host = [view.host_forward for view in views]
     if any(h is None for h in host):

@@ -178,12 +178,17 @@ def draw_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     per row instead of one exponential per token (an exponential race) is 5-14x faster on CPU at
     V = 4k-32k (scripts/bench_verifiers.py and docs/ENGINE.md).
     """
+    device = generator.device if generator is not None else probs.device
+    u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64, device=device)
+    return draw_rows_at(probs, u.to(probs.device) if u.device != probs.device else u)
+
+
+def draw_rows_at(probs: Tensor, u: Tensor) -> Tensor:
+    """:func:`draw_rows` with its uniforms given: ``u`` (..., 1) float64 in [0, 1), on the device of
+    ``probs`` (overwritten). The rule that the other forms of the draw (the compiled ``draw``,
+    ``TorchRandom.sample`` on the host) are tested against."""
     cdf = torch.cumsum(probs, -1, dtype=torch.float64)  # (the same sums as .double().cumsum(), one op)
     total = cdf[..., -1:]
-    device = generator.device if generator is not None else probs.device
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=device)
-    if u.device != probs.device:
-        u = u.to(probs.device)
     # The point must stay below total (else it would land past the last token of mass > 0). For any
     # normal float64 total (every float32 row with mass has one), total * (1 - 2^-52) rounds to at
     # least one ulp below total, and u < 1 keeps the product at or below that. (The top 2^-52 of the

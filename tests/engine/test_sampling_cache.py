@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
@@ -127,3 +128,33 @@ def test_the_engines_host_draws_take_the_verifiers_uniform_blocks():
     expected = [value for block in blocks for value in block]
     assert taken[:-1] == expected[:len(taken) - 1]
     assert taken[-1] == (expected[len(taken) - 1] < 0.5)
+
+
+def test_torchrandom_sample_on_the_host_draws_what_draw_rows_draws():
+    """TorchRandom.sample's host form (two numpy calls) gives draw_rows' token for the same uniform:
+    the next one of its block, fed to draw_rows_at. Normalised and unnormalised rows, zero masses
+    (never drawn), tiny totals, a dominant token, V = 1, and uniforms forced to the ends of [0, 1)."""
+    from gbv.verify.common import TorchRandom, draw_rows_at
+
+    rng = TorchRandom(torch.Generator().manual_seed(4))
+    values = np.random.default_rng(1)
+    for trial in range(800):
+        vocab = 4096 if trial % 9 == 0 else int(values.integers(1, 30))
+        dist = torch.from_numpy(values.random(vocab).astype(np.float32))
+        dist[torch.from_numpy(values.random(vocab) < 0.5)] = 0.0
+        dist[int(values.integers(vocab))] += 1.0 if trial % 4 else 1e6
+        if trial % 3 == 0:
+            dist = dist / dist.sum()
+        if trial % 5 == 0:
+            dist = dist * 1e-30
+        rng.uniform()  # (a block is drawn; the next uniform is its last value)
+        if trial % 7 == 0:  # the ends of [0, 1), with the last token's mass 0 (drawn only past the total)
+            rng._uniforms[-1] = [0.0, 1.0 - 2.0 ** -53][trial % 2]
+            if vocab > 1:
+                dist[-1] = 0.0
+                dist[0] += float(dist.sum() == 0)
+        u = rng._uniforms[-1]
+        expected = int(draw_rows_at(dist[None], torch.tensor([[u]], dtype=torch.float64))[0])
+        got = rng.sample(dist)
+        assert got == expected, (trial, u, got, expected)
+        assert float(dist[got]) > 0.0
