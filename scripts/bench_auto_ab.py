@@ -1,37 +1,56 @@
-"""Before/after in one run (1 thread, bundled pair): ``auto`` without and with the depth prior of its
-acceptance estimates (``gbv.engine.auto._PRIOR_DEPTH_TRIALS``; 1e-9 is the rule before it), each with
-its own policy learning over the same prompts, interleaved per prompt with plain ``ar``.
+"""Before/after in one run (1 thread, bundled pair): ``auto`` with a setting of its policy off and on,
+each variant with its own policy learning over the same prompts, interleaved per prompt with plain
+``ar`` and BV L = 2.
 
-    python scripts/bench_auto_ab.py            # 20 GSM8K + 20 HumanEval prompts, 128 tokens, T = 0.2 and 1
+    python scripts/bench_auto_ab.py                                   # aging of the estimates (auto._AGE)
+    python scripts/bench_auto_ab.py --switch depth-prior              # the depth prior of the acceptance
+    python scripts/bench_auto_ab.py --dtype bfloat16 --prompts 20     # 20 GSM8K + 20 HumanEval (default)
+
+``--switch age``: "before" is ``auto._AGE = 1`` (estimates do not age), "after" the current value.
+``--switch depth-prior``: "before" is ``auto._PRIOR_DEPTH_TRIALS = 1e-9`` (the rule before the prior).
 """
+import argparse
+
 import torch
 
 import gbv
 from gbv.data import load_prompts
 from gbv.engine import auto
 
-VARIANTS = {"before (no depth prior)": 1e-9, "after (depth prior 4)": auto._PRIOR_DEPTH_TRIALS}
+SWITCHES = {"age": ("_AGE", 1.0), "depth-prior": ("_PRIOR_DEPTH_TRIALS", 1e-9)}
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--switch", choices=sorted(SWITCHES), default="age")
+parser.add_argument("--dtype", default="float32")
+parser.add_argument("--prompts", type=int, default=20, help="GSM8K and HumanEval prompts each")
+parser.add_argument("--temperature", default="0.2,1.0")
+args = parser.parse_args()
+name, off = SWITCHES[args.switch]
+variants = {"before": off, "after": getattr(auto, name)}
 
 torch.set_num_threads(1)
-pair = gbv.load_pair("bundled")
-prompts = load_prompts("gsm8k", 20) + load_prompts("humaneval", 20)
+pair = gbv.load_pair("bundled", dtype=args.dtype)
+prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
 gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_tokens=8, eos_token_id=[])
-print("| T | ar tok/s | auto before tok/s | auto after tok/s | before / ar | after / ar | after / before |")
-print("|---|---:|---:|---:|---:|---:|---:|")
-for temperature in (0.2, 1.0):
-    stores = {name: {} for name in VARIANTS}  # each variant's own policies (auto keys them per target)
-    totals = {name: [0, 0.0] for name in ["ar", *VARIANTS]}
+print(f"`auto` with auto.{name} = {variants['before']} (before) and {variants['after']} (after), {args.dtype}\n")
+print("| T | ar tok/s | BV L=2 / ar | auto before / ar | auto after / ar | after / before |")
+print("|---|---:|---:|---:|---:|---:|")
+for temperature in [float(t) for t in args.temperature.split(",")]:
+    stores = {variant: {} for variant in variants}  # each variant's own policies (auto keys them per target)
+    rows = ["ar", "block", *variants]
+    totals = {row: [0, 0.0] for row in rows}
     for seed, prompt in enumerate(prompts):
-        for name in ["ar", *VARIANTS]:
-            if name != "ar":
-                auto._PRIOR_DEPTH_TRIALS = VARIANTS[name]
-                auto._POLICIES[pair.target] = stores[name]
-            out = gbv.generate(pair, prompt=prompt, method="ar" if name == "ar" else "auto", temperature=temperature,
+        for row in (rows if seed % 2 == 0 else rows[::-1]):
+            if row in variants:
+                setattr(auto, name, variants[row])
+                auto._POLICIES[pair.target] = stores[row]
+            method = row if row in ("ar", "block") else "auto"
+            out = gbv.generate(pair, prompt=prompt, method=method, block_len=2, num_paths=1, temperature=temperature,
                                max_new_tokens=128, eos_token_id=[], seed=seed)
-            totals[name][0] += out.stats.new_tokens
-            totals[name][1] += out.stats.time_total
-    rate = {name: t / s for name, (t, s) in totals.items()}
-    before, after = (rate[name] for name in VARIANTS)
-    print(f"| {temperature} | {rate['ar']:.1f} | {before:.1f} | {after:.1f} | {before / rate['ar']:.2f}x | "
-          f"{after / rate['ar']:.2f}x | {after / before:.3f} |")
-auto._PRIOR_DEPTH_TRIALS = VARIANTS["after (depth prior 4)"]
+            totals[row][0] += out.stats.new_tokens
+            totals[row][1] += out.stats.time_total
+    rate = {row: t / s for row, (t, s) in totals.items()}
+    print(f"| {temperature} | {rate['ar']:.1f} | {rate['block'] / rate['ar']:.3f}x | "
+          f"{rate['before'] / rate['ar']:.3f}x | {rate['after'] / rate['ar']:.3f}x | "
+          f"{rate['after'] / rate['before']:.3f} |", flush=True)
+setattr(auto, name, variants["after"])

@@ -1,6 +1,7 @@
 """The compiled host kernels (gbv/engine/host_kernels.py) against what they replace, in one run.
 
-    python scripts/bench_host_kernels.py            # ~1 min, 1 thread, bundled pair
+    python scripts/bench_host_kernels.py                   # ~1 min, 1 thread, bundled pair
+    python scripts/bench_host_kernels.py --before f9b8026  # tables 1 and 5 also with the C file of a commit
 
 Four tables, medians over repeats (the machine is shared: compare within a table only):
 1. the bundled target's matrix products (every layer's fused q/k/v, o, gate/up, down, and the LM head)
@@ -10,7 +11,9 @@ Four tables, medians over repeats (the machine is shared: compare within a table
    against the kernel;
 3. one draw per row at V = 4096: ``draw_rows`` against the compiled draw;
 4. whole forwards of the lean models over a 128-token prefix: the host forward with its kernels
-   against the same forward with torch's products and SDPA (what ``GBV_HOST_KERNELS=0`` gives).
+   against the same forward with torch's products and SDPA (what ``GBV_HOST_KERNELS=0`` gives);
+5. the panel kernel's arithmetic rate by rows, on a (256, 512) weight that stays in the L2 cache
+   (GFLOP/s; compare with the core's rate of fused multiply-adds, ``scripts/fma_peak.c``).
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ import time
 import numpy as np
 import torch
 
+from gbv.engine import host_kernels
 from gbv.engine.host_kernels import PanelWeight, attention_into, draw_rows_host, host_kernels_unavailable
 from gbv.engine.tree import prefix_then
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
 from gbv.verify.common import draw_rows
+from kernels_at import kernels_at
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -40,6 +45,7 @@ def median_ms(fn, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument("--before", help="tables 1 and 5 also with the kernels of _host_kernels.c at this commit")
     args = parser.parse_args(argv)
     reason = host_kernels_unavailable()
     if reason is not None:
@@ -54,17 +60,29 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
 
     bf16_panels = [PanelWeight(p.weight_t.to(torch.bfloat16).float(), bf16=True) for p in products]
+    now = host_kernels._host_kernels
+    before = kernels_at(args.before) if args.before else None
     print(f"1. Target matrix products ({megabytes:.1f} MB of weights in float32), ms\n")
-    print("| rows | torch (MKL) | panel kernel | ratio | bf16 panels | fp32 / bf16 panels |\n"
-          "|---:|---:|---:|---:|---:|---:|")
+    extra = f" panel kernel ({args.before}) | bf16 panels ({args.before}) |" if before else ""
+    print(f"| rows | torch (MKL) | panel kernel | ratio | bf16 panels | fp32 / bf16 panels |{extra}\n"
+          f"|---:|---:|---:|---:|---:|---:|{'---:|---:|' if before else ''}")
     for rows in (1, 2, 3, 5, 9, 13, 17, 25):
         xs = [rng.standard_normal((rows, p.weight_t.shape[0])).astype(np.float32) for p in products]
         ys = [np.zeros((rows, p.weight_t.shape[1]), np.float32) for p in products]
         xt = [torch.from_numpy(x) for x in xs]
         mkl = median_ms(lambda: [x @ p.weight_t for x, p in zip(xt, products)], args.repeats)
-        panel = median_ms(lambda: [p.panel.matmul_into(x, y) for x, y, p in zip(xs, ys, products)], args.repeats)
-        half = median_ms(lambda: [p.matmul_into(x, y) for x, y, p in zip(xs, ys, bf16_panels)], args.repeats)
-        print(f"| {rows} | {mkl:.2f} | {panel:.2f} | {mkl / panel:.2f}x | {half:.2f} | {panel / half:.2f}x |")
+        times = {}
+        for name, module in (("before", before), ("now", now)):
+            if module is None:
+                continue
+            host_kernels._host_kernels = module
+            times[name] = (
+                median_ms(lambda: [p.panel.matmul_into(x, y) for x, y, p in zip(xs, ys, products)], args.repeats),
+                median_ms(lambda: [p.matmul_into(x, y) for x, y, p in zip(xs, ys, bf16_panels)], args.repeats))
+        host_kernels._host_kernels = now
+        panel, half = times["now"]
+        previous = f" {times['before'][0]:.2f} | {times['before'][1]:.2f} |" if before else ""
+        print(f"| {rows} | {mkl:.2f} | {panel:.2f} | {mkl / panel:.2f}x | {half:.2f} | {panel / half:.2f}x |{previous}")
 
     print("\n2. Attention over 150 cached slots + n new (8 heads of 32), us\n")
     print("| queries | mask | SDPA | kernel | ratio |\n|---:|---|---:|---:|---:|")
@@ -119,6 +137,33 @@ def main(argv: list[str] | None = None) -> None:
                 forward.panels_off = forward.attention_off = None
                 off, on = min(times[False]), min(times[True])
                 print(f"| {name} | {n} | {off:.2f} | {on:.2f} | {off / on:.2f}x |")
+
+    print("\n5. The panel kernel in cache: a (256, 512) weight, GFLOP/s\n")
+    variants = {"": now}
+    if before:
+        variants = {f" ({args.before})": before, " (now)": now}
+    names = [f"{kind}{label}" for kind in ("float32 panels", "bf16 panels") for label in variants]
+    print(f"| rows | {' | '.join(names)} |\n|---:|{'---:|' * len(names)}")
+    weight = _bf16_values(rng.standard_normal((256, 512)).astype(np.float32))
+    panels = {False: PanelWeight(weight), True: PanelWeight(weight, bf16=True)}
+    for rows in (1, 2, 3, 4, 5, 6, 12, 24):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        y = np.zeros((rows, 512), np.float32)
+        rates = []
+        for bf16 in (False, True):
+            for module in variants.values():
+                host_kernels._host_kernels = module
+
+                def run(panel=panels[bf16]):
+                    for _ in range(20):
+                        panel.matmul_into(x, y)
+                rates.append(20 * 2 * rows * 256 * 512 / (median_ms(run, args.repeats) * 1e-3) / 1e9)
+        host_kernels._host_kernels = now
+        print(f"| {rows} | {' | '.join(f'{rate:.1f}' for rate in rates)} |")
+
+
+def _bf16_values(array: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
 
 
 if __name__ == "__main__":

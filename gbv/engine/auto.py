@@ -10,7 +10,8 @@ that every arm is tried a few times and then the best one runs almost always.
 
 The estimates live as long as the pair and the sampling settings (one :class:`AutoPolicy` per target,
 draft, temperature, top-k and top-p; see :func:`policy_for`), so a process that serves many prompts
-learns once. It re-learns when the machine changes speed because old observations decay.
+learns once. It re-learns when the machine changes speed: old observations decay, and the estimates of
+arms that do not run age (their UCB bonus grows), so they are tried again (``_AGE``).
 
 Lossless: an iteration is lossless for any (method, K, L), and each choice depends only on the past
 (committed tokens are not even looked at: only counts and clocks), never on the drafts or coins of
@@ -49,6 +50,24 @@ _PRIOR_DEPTH_TRIALS = 4.0
 # buried: auto at 0.87x ar over 40 prompts in bfloat16, a third of its iterations on block arms. A real
 # slowdown still comes through, at up to 3x a mean per observation.
 _OUTLIER = 3.0
+# Every iteration of the policy (of any arm) ages every arm's sums by this factor, lazily: an arm that
+# has not run for n iterations counts its trials as trials * _AGE^n, so its UCB bonus grows and it is
+# tried again, and its old observations weigh less against the new ones (an arm's mean is not changed
+# by aging alone). Why: an arm's estimate changed only when it ran, and the ratio of the arms' speeds
+# drifts on a shared machine (BV L = 2 against ar in bfloat16 here: 0.82x in one hour, 1.03x in the
+# next). In the seventeenth session's bf16 table, auto measured BV L = 2 in its first two prompts, then
+# ran ar for 4,900 iterations at 0.97x ar while BV L = 2 ran at 1.03x. On synthetic arms
+# (scripts/auto_replay.py drift: ar at 1,000 tokens/s, BV L = 2 at 890 that becomes 1,250) the policy
+# moved to BV L = 2 about 150 iterations after the change; without aging, never (test_auto.py). The
+# cost where nothing drifts: the arms near the leader are re-tried more often, 0.4-0.55% of the
+# tokens/s with BV 3-14% behind ar, against 0.1% without aging. Replayed over recorded bf16 traces
+# (auto_replay.py replay, 40 prompt orders), auto's worst run rose from 0.95x to 0.97x the best arm
+# and its median stayed (1.03x / 1.00x at T = 0.2 / 1). Trials never age below _MIN_TRIALS: an arm is
+# re-tried only while the bonus of an arm explored that often (0.15 sqrt(log(total) / 2) of the best
+# rate, about 24%) could make up its gap. Without that floor, every multi-path arm of 0.6x the leader
+# was re-tried every ~1,000 iterations at 10-40 ms a trial: auto lost 4% in float32 at T = 0.2 (one
+# A/B run, scripts/bench_auto_ab.py). An arm left out by its ceiling (see choose) stays out too.
+_AGE = 0.999
 # Once choose() picks the leader, the decoder runs it this many iterations before choosing again.
 # Why: between forwards that stream tens of MB of weights, the policy's Python runs from a cold cache:
 # a choice cost ~22 us and its record ~9 us in bfloat16 here, against a 2 ms ar step (1.5%). Holding
@@ -107,6 +126,8 @@ class AutoPolicy:
         self._ceilings: dict[int, float] = {}  # ceiling(i), kept until an iteration changes what it depends on
         self._fitting: dict[int | None, tuple[int, ...]] = {}  # max_block -> the arms whose blocks fit
         self.last_leader: int | None = None  # the leader when choose() last ran (AutoDecoder holds it)
+        self.clock = 0  # iterations recorded, of every arm
+        self.stamps = [0] * len(arms)  # the clock when each arm's sums were last aged
         for index, arm in enumerate(self.arms):
             if arm.method != "ar":
                 family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
@@ -157,6 +178,11 @@ class AutoPolicy:
                 line = (mean_s - slope * mean_l, slope)
             self._lines[family] = line
         return self._lines[family]
+
+    def aged_trials(self, index: int) -> float:
+        """The arm's trials as its UCB bonus counts them now: aged by ``_AGE`` per iteration since its
+        sums were last aged (when it last ran), but not below ``_MIN_TRIALS`` (see ``_AGE``)."""
+        return _aged(self.trials[index], self.clock - self.stamps[index])
 
     def rate(self, index: int) -> float:
         if self.seconds[index] <= 0:
@@ -211,7 +237,7 @@ class AutoPolicy:
                 if leader is None or rate > floor:
                     leader, floor = i, rate
         self.last_leader = leader
-        candidates, best_rate, total = [], 0.0, 0.0
+        candidates, best_rate = [], 0.0
         ceilings = self._ceilings
         for i in allowed:
             if leader is not None and i != leader:
@@ -225,12 +251,13 @@ class AutoPolicy:
                 rate = self._rate(i)
             candidates.append((i, rate))
             best_rate = rate if rate > best_rate else best_rate
-            total += trials[i]
+        clock, stamps = self.clock, self.stamps
+        aged = [_aged(trials[i], clock - stamps[i]) for i, _ in candidates]
         bonus = _BONUS * (best_rate or 1.0)
-        log_total = math.log(max(total, 2.0))
+        log_total = math.log(max(sum(aged), 2.0))
         best, best_score = candidates[0][0], -math.inf
-        for i, rate in candidates:  # the first of equal scores, as max() would
-            score = rate + bonus * math.sqrt(log_total / max(trials[i], 1e-9))
+        for (i, rate), weight in zip(candidates, aged):  # the first of equal scores, as max() would
+            score = rate + bonus * math.sqrt(log_total / max(weight, 1e-9))
             if score > best_score:
                 best, best_score = i, score
         return best
@@ -245,6 +272,13 @@ class AutoPolicy:
         (counted as at most ``_OUTLIER`` times the arm's mean, once it has run ``_MIN_TRIALS`` times)."""
         if self.runs[index] >= _MIN_TRIALS:
             seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
+        if self.trials[index] > 0:  # the arm's sums, aged to now
+            age = _aged(self.trials[index], self.clock - self.stamps[index]) / self.trials[index]
+            self.tokens[index] *= age
+            self.seconds[index] *= age
+            self.trials[index] *= age
+        self.clock += 1
+        self.stamps[index] = self.clock
         self.tokens[index] = self.tokens[index] * _DECAY + tokens
         self.seconds[index] = self.seconds[index] * _DECAY + max(seconds, 1e-9)
         self.trials[index] = self.trials[index] * _DECAY + 1.0
@@ -306,6 +340,12 @@ class _Acceptance:
             reach *= rate
             expected += reach
         return expected
+
+
+def _aged(trials: float, iterations: int) -> float:
+    """``trials`` aged over ``iterations`` by ``_AGE`` each, but not below ``_MIN_TRIALS`` (nor above
+    ``trials``)."""
+    return max(trials * _AGE ** iterations, min(trials, _MIN_TRIALS))
 
 
 _POLICIES: "weakref.WeakKeyDictionary[object, dict[tuple, AutoPolicy]]" = weakref.WeakKeyDictionary()

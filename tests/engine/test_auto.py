@@ -159,9 +159,9 @@ def _reference_choice(policy: AutoPolicy, max_block: int | None) -> int:
             return i
     rates = {i: policy.rate(i) for i in allowed}
     best_rate = max(rates.values()) or 1.0
-    total = sum(policy.trials[i] for i in allowed)
+    total = sum(policy.aged_trials(i) for i in allowed)
     return max(allowed, key=lambda i: rates[i] + auto._BONUS * best_rate * math.sqrt(
-        math.log(max(total, 2.0)) / max(policy.trials[i], 1e-9)))
+        math.log(max(total, 2.0)) / max(policy.aged_trials(i), 1e-9)))
 
 
 def _replay_choices(policy: AutoPolicy, seed: int) -> list[tuple[int, int]]:
@@ -304,3 +304,33 @@ def test_one_stalled_iteration_does_not_bury_the_leader(clipped, monkeypatch):
         run(index)
     share = chosen.count(0) / len(chosen)
     assert share > 0.95 if clipped else share < 0.5
+
+
+@pytest.mark.parametrize("aging", [True, False])
+def test_an_arm_that_became_faster_is_found_again(aging, monkeypatch):
+    """ar makes 1000 tokens/s, BV L = 2 about 890 (2.5 tokens in 2.8 ms) for 400 iterations; then the
+    machine changes and BV L = 2 makes 1250 (2 ms). With the arms' trials aged (auto._AGE), BV L = 2's
+    stale estimate loses its weight, UCB tries it again and the policy moves to it. The control
+    (no aging) keeps to ar: BV's estimate only changes when it runs, and its bonus has shrunk."""
+    if not aging:
+        monkeypatch.setattr(auto, "_AGE", 1.0)
+    policy = AutoPolicy([Arm("ar", 0, 0), Arm("block", 1, 2)])
+    turn = [0]
+
+    def run(index: int, block_seconds: float) -> None:
+        if index == 0:
+            policy.record(0, 1, 0.001)
+        else:
+            turn[0] += 1
+            policy.record(1, 2 + turn[0] % 2, block_seconds)
+
+    for _ in range(400):
+        run(policy.choose(), 0.0028)
+    assert policy.runs[0] > 300  # ar led
+    chosen = []
+    for _ in range(3000):
+        index = policy.choose()
+        chosen.append(index)
+        run(index, 0.002)
+    share = chosen[-1000:].count(1) / 1000
+    assert share > 0.95 if aging else share < 0.05

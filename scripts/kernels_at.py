@@ -1,0 +1,29 @@
+"""The compiled kernels of ``gbv/engine/_host_kernels.c`` at an earlier commit, for before/after
+measurements in one process (``bench_host_forward_ab.py --switch kernels-before``,
+``bench_host_kernels.py --before``): swap them in with ``gbv.engine.host_kernels._host_kernels = module``."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sysconfig
+import tempfile
+
+
+def kernels_at(revision: str):
+    """The compiled kernels of ``gbv/engine/_host_kernels.c`` at ``revision``, built with gcc (Python's
+    CFLAGS and -O3, as setup.py builds the extension) as the module ``_host_kernels_before``."""
+    source = subprocess.run(["git", "show", f"{revision}:gbv/engine/_host_kernels.c"], check=True,
+                            capture_output=True, text=True).stdout
+    folder = tempfile.mkdtemp(prefix="gbv-kernels-")
+    path = os.path.join(folder, "_host_kernels_before.c")
+    with open(path, "w") as handle:
+        handle.write(source)
+    library = os.path.join(folder, "_host_kernels_before" + sysconfig.get_config_var("EXT_SUFFIX"))
+    flags = (sysconfig.get_config_var("CFLAGS") or "").split()  # what setup.py's build uses, then -O3
+    subprocess.run(["gcc", *flags, "-O3", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                    "-DPyInit__host_kernels=PyInit__host_kernels_before", path, "-o", library], check=True)
+    spec = importlib.util.spec_from_file_location("_host_kernels_before", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
