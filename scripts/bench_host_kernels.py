@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         variants = {f" ({args.before})": before, " (now)": now}
     names = [f"{kind}{label}" for kind in ("float32 panels", "bf16 panels") for label in variants]
     print(f"| rows | {' | '.join(names)} |\n|---:|{'---:|' * len(names)}")
-    weight = _bf16_values(rng.standard_normal((256, 512)).astype(np.float32))
+    weight = torch.from_numpy(rng.standard_normal((256, 512)).astype(np.float32)).to(torch.bfloat16).float()
     panels = {False: PanelWeight(weight), True: PanelWeight(weight, bf16=True)}
     for rows in (1, 2, 3, 4, 5, 6, 12, 24):
         x = rng.standard_normal((rows, 256)).astype(np.float32)
@@ -161,9 +161,6 @@ def main(argv: list[str] | None = None) -> None:
         host_kernels._host_kernels = now
         print(f"| {rows} | {' | '.join(f'{rate:.1f}' for rate in rates)} |")
 
-
-def _bf16_values(array: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
 
 
 if __name__ == "__main__":
