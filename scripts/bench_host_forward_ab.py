@@ -6,6 +6,7 @@
     python scripts/bench_host_forward_ab.py --switch bf16              # bfloat16: in float32 or as before
     python scripts/bench_host_forward_ab.py --switch fused --dtype bfloat16   # one-call forward and draw
     python scripts/bench_host_forward_ab.py --switch kernels-before --before f9b8026 --dtype bfloat16
+    python scripts/bench_host_forward_ab.py --switch max-rows --dtype bfloat16   # kernels up to 24 rows
 
 Both variants use the same lean views of the bundled pair. With ``--switch host`` (the default),
 "off" sets their ``host_forward`` to None (the torch forward, what ``GBV_HOST_FORWARD=0`` gives); with
@@ -18,7 +19,9 @@ and its softmax and draws on torch, as before the sixteenth session; "on" makes 
 compiled call and the softmax and draw another. With ``--switch kernels-before --before REV``, "off"
 runs the compiled kernels of ``gbv/engine/_host_kernels.c`` as of commit REV (built here with gcc
 into a module of another name; its functions must take the same arguments), "on" the installed
-ones: a before/after of a change to the C file. For each prompt (and each
+ones: a before/after of a change to the C file. With ``--switch max-rows``, "off" gives passes of
+more than 24 rows (and prompts of more than 24 tokens) to torch's products and SDPA, as before the
+eighteenth session, "on" to the kernels as now. For each prompt (and each
 batch of prompts) every row runs once per variant, in alternating order, with the same seed, 1
 thread, EOS off. Prints pooled tokens/s per row and variant and the ratio on/off; the machine is
 shared, so only the ratios within one run mean anything.
@@ -32,7 +35,7 @@ import time
 import torch
 
 from gbv.data import load_prompts
-from gbv.engine import host_kernels, sampling
+from gbv.engine import host_kernels, lean_host, sampling
 from gbv.engine.generate import generate
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
@@ -48,12 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0.2,1.0")
     parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention", "bf16", "fused",
-                                             "kernels-before"],
+                                             "kernels-before", "max-rows"],
                         default="host",
                         help="what to turn off: the host forward, or its compiled kernels (both or one); bf16: "
                              "bfloat16 run in float32 against bfloat16 throughout; fused: the one-call forward "
                              "and softmax/draw")
-    parser.add_argument("--dtype", default="float32", help="the pair's dtype (--switch fused, kernels-before)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the pair's dtype (--switch fused, kernels-before, max-rows)")
     parser.add_argument("--before", help="the commit whose _host_kernels.c is 'off' (--switch kernels-before)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -81,6 +85,16 @@ def main(argv: list[str] | None = None) -> None:
         if not all(view.bf16_in_float32 for view in new) or any(view.bf16_in_float32 for view in old):
             raise SystemExit("bfloat16 does not run in float32 here (no compiled kernels?)")
         run_ab(args, pairs, lambda on: None)
+        return
+    if args.switch == "max-rows":
+        pair = load_pair("bundled", dtype=args.dtype)
+        limit, one_call = lean_host.KERNEL_MAX_ROWS, lean_host.HostForward.one_call
+
+        def use_limit(on: bool) -> None:
+            lean_host.KERNEL_MAX_ROWS = limit if on else 24
+            lean_host.HostForward.one_call = one_call if on else (lambda self, n: n <= 24 and one_call(self, n))
+
+        run_ab(args, {True: pair, False: pair}, use_limit)
         return
     pair = load_pair("bundled", dtype=args.dtype if args.switch == "fused" else "float32")  # (the others: fp32)
     views = [lean_model(pair.target), lean_model(pair.draft)]

@@ -10,7 +10,8 @@ Four tables, medians over repeats (the machine is shared: compare within a table
 2. attention of n queries over a 150-slot cache (8 heads of 32, like the bundled models): SDPA
    against the kernel;
 3. one draw per row at V = 4096: ``draw_rows`` against the compiled draw;
-4. whole forwards of the lean models over a 128-token prefix: the host forward with its kernels
+4. whole forwards of the lean models over a 128-token prefix (and prompts of 100 and 200 tokens from
+   slot 0): the host forward with its kernels
    against the same forward with torch's products and SDPA (what ``GBV_HOST_KERNELS=0`` gives);
 5. the panel kernel's arithmetic rate by rows, on a (256, 512) weight that stays in the L2 cache
    (GFLOP/s; compare with the core's rate of fused multiply-adds, ``scripts/fma_peak.c``).
@@ -121,13 +122,20 @@ def main(argv: list[str] | None = None) -> None:
             cache = lean.new_cache(1, 512)
             prefix = 128
             lean.forward(torch.arange(prefix)[None] % 100, torch.arange(prefix)[None], 0, cache, None, causal=True)
-            for n in (1, 2, 5, 9, 13, 25):
-                tokens = torch.full((1, n), 7)
-                positions = prefix + torch.arange(n)[None]
-                mask = prefix_then(torch.tril(torch.ones(n, n, dtype=torch.bool)), prefix)
+            for n in (1, 2, 5, 9, 13, 25, 33, 64, "prompt 100", "prompt 200"):
+                if isinstance(n, str):  # a prompt's causal chain from slot 0 (a prefill)
+                    length = int(n.split()[1])
+                    tokens = torch.arange(length)[None] % 100
 
-                def run():
-                    lean.forward(tokens, positions, prefix, cache, mask if n > 1 else None)
+                    def run():
+                        lean.forward(tokens, torch.arange(length)[None], 0, cache, None, causal=True)
+                else:
+                    tokens = torch.full((1, n), 7)
+                    positions = prefix + torch.arange(n)[None]
+                    mask = prefix_then(torch.tril(torch.ones(n, n, dtype=torch.bool)), prefix)
+
+                    def run():
+                        lean.forward(tokens, positions, prefix, cache, mask if n > 1 else None)
 
                 forward = lean.host_forward
                 times = {}

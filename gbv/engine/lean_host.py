@@ -14,21 +14,22 @@ keys and values; only rounding differs (one row's RMS scale is computed in float
 ``tests/engine/test_lean_host.py`` compares the two forwards; every engine test (the chi-square law
 tests, greedy equality with Hugging Face) runs through this one.
 
-Where the compiled kernels run (``host_kernels.py``: x86-64 with AVX2, one torch thread, up to
-``KERNEL_MAX_ROWS`` queries), the products and the attention go to them instead of torch, and for one
-sequence the whole forward is a single compiled call (``forward_into``: every layer as ``layer_into``
-computes it, the final norm and the head), which can also sample from its output rows
-(:meth:`HostForward.sampled`): the same mathematics, summed in another order.
+Where the compiled kernels run (``host_kernels.py``: x86-64 with AVX2, one torch thread), the products
+and the attention go to them instead of torch, and for one sequence the whole forward is a single
+compiled call (``forward_into``: every layer as ``layer_into`` computes it, the final norm and the
+head), which can also sample from its output rows (:meth:`HostForward.sampled`): the same
+mathematics, summed in another order.
 
-:meth:`LeanCausalLM.forward` uses it for one sequence (any cache row) and up to
-``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the model has fused interleaved transposed
-copies (:func:`host_forward_unsupported_reason`), and for several sequences where the compiled
-kernels run and the rows in all are at most ``KERNEL_MAX_ROWS`` (:meth:`HostForward.takes`; without
-the kernels, batches of 8 measured 0.96-0.99x the torch forward, ``scripts/bench_host_forward_ab.py
---batch 8``). Larger batches, long prompts and CUDA take the torch path: on a GPU no tensor ever
-leaves the device for this. A small bfloat16 model on the CPU runs here too, in float32 over its bf16
-weight values (``LeanCausalLM.bf16_in_float32``; the panels then hold bfloat16, half the bytes); where
-the kernels do not run, bfloat16 takes the torch path.
+:meth:`LeanCausalLM.forward` uses it for one sequence (any cache row): of any length where the
+compiled kernels run, else of up to ``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the
+model has fused interleaved transposed copies (:func:`host_forward_unsupported_reason`); and for
+several sequences where the compiled kernels run and the rows in all are at most ``KERNEL_MAX_ROWS``
+(:meth:`HostForward.takes`; without the kernels, batches of 8 measured 0.96-0.99x the torch forward,
+``scripts/bench_host_forward_ab.py --batch 8``). Larger batches, long prompts without the kernels and
+CUDA take the torch path: on a GPU no tensor ever leaves the device for this. A small bfloat16 model
+on the CPU runs here too, in float32 over its bf16 weight values (``LeanCausalLM.bf16_in_float32``;
+the panels then hold bfloat16, half the bytes); where the kernels do not run, bfloat16 takes the
+torch path.
 """
 
 from __future__ import annotations
@@ -87,14 +88,17 @@ def attention_mask(mask: Tensor | None, causal: bool, start: int, n: int, device
     return (slots[None, :] <= slots[start:, None])[None, None], False
 
 
-# Calls with more queries than this take the torch path: a long prompt's chain, where the matrix
-# products dominate anyway; the buffers stay small.
+# Calls with more queries than this take the torch path where the compiled kernels do not run: a
+# long prompt's chain, where the matrix products dominate anyway; the buffers stay small.
 HOST_MAX_QUERIES = 64
-# Calls of up to this many query rows use the compiled kernels (host_kernels.py), more use torch's GEMM
-# and SDPA. On the bundled target, a whole 1-sequence pass through them (one call a layer) measured
-# 1.5x the torch products and SDPA at 1 row, 2.3x at 5, 1.3x at 13, 1.15x at 17 and 1.0x at 25 rows
-# (products alone: 1.4-2.1x MKL from 1 to 9 rows, 0.9x at 25; attention alone 0.8x SDPA at 25).
-KERNEL_MAX_ROWS = 24
+# Calls of up to this many query rows in all use the compiled kernels (host_kernels.py), for several
+# sequences or one; one sequence of more rows (a long prompt) does too, in one compiled call
+# (:meth:`HostForward.one_call`) on buffers it does not keep. Whole bundled-target passes over a
+# 150-slot prefix, kernels against torch's products and SDPA, measured (eighteenth session,
+# ``scripts/bench_host_kernels.py`` table 4, float32): 1.8x at 1 row, 3.6x at 5, 1.9x at 17, 1.7x at
+# 25-33, 1.3x at 64; a causal prompt chain of 96-400 tokens 1.1-1.3x. (The limit was 24 rows while
+# the products of 25 rows ran at half the core's rate, before the seventeenth session's tiles.)
+KERNEL_MAX_ROWS = 64
 # Panel copies are a further copy of the weights: only for models this small (those that run on one
 # thread by default, gbv/engine/threads.py), whose steps the memory traffic of the products bounds.
 PANEL_MAX_PARAMETERS = 100_000_000
@@ -212,15 +216,21 @@ class HostForward:
 
     def takes(self, batch: int, n: int) -> bool:
         """Whether :meth:`LeanCausalLM.forward` should run ``batch`` sequences of ``n`` queries here: one
-        sequence of up to ``HOST_MAX_QUERIES``, or several where the compiled kernels run and the rows
-        in all are at most ``KERNEL_MAX_ROWS``. (Without the kernels, batches of 8 measured 0.96-0.99x
-        the torch forward: torch's products dominate either way.)"""
+        sequence of up to ``HOST_MAX_QUERIES``, or of any length as one compiled call
+        (:meth:`one_call`), or several where the compiled kernels run and the rows in all are at most
+        ``KERNEL_MAX_ROWS``. (Without the kernels, batches of 8 measured 0.96-0.99x the torch forward:
+        torch's products dominate either way.)"""
         if batch == 1:
-            return n <= HOST_MAX_QUERIES
+            return n <= HOST_MAX_QUERIES or self.one_call(n)
         return (batch * n <= KERNEL_MAX_ROWS and self.panels_off is None and self.attention_off is None
                 and torch.get_num_threads() == 1)
 
     def rows(self, batch: int, n: int) -> _Rows:
+        """The work buffers for ``batch`` sequences of ``n`` queries: kept per shape for the decoding
+        shapes, fresh for more than ``HOST_MAX_QUERIES`` rows (a long prompt's chain, whose arithmetic
+        dwarfs the allocation; kept, every prompt length would hold megabytes)."""
+        if batch * n > HOST_MAX_QUERIES:
+            return _Rows(batch, n, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate)
         buffers = self._rows.get((batch, n))
         if buffers is None:
             if len(self._rows) >= _MAX_SHAPES:
@@ -252,8 +262,11 @@ class HostForward:
             return self._forward(tokens, positions, start, cache, mask, causal, last_only, first_row)
 
     def one_call(self, n: int) -> bool:
-        """Whether a sequence of ``n`` queries runs as one compiled call (:meth:`sampled`)."""
-        return n <= KERNEL_MAX_ROWS and self.layer_panels is not None and torch.get_num_threads() == 1
+        """Whether a sequence of ``n`` queries runs as one compiled call (:meth:`sampled`): wherever the
+        compiled kernels run, whatever ``n`` (``panels_off`` and ``attention_off``, which benchmarks set
+        to switch the kernels off, switch it off too)."""
+        return (self.layer_panels is not None and self.panels_off is None and self.attention_off is None
+                and torch.get_num_threads() == 1)
 
     def sampled(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
                 last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,

@@ -152,9 +152,9 @@ def test_a_broken_host_forward_is_caught(monkeypatch):
 
 def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     """fp32 Llama / Qwen2 on the CPU: yes. bfloat16, Qwen3's q/k norms, or GBV_HOST_FORWARD=0: no.
-    Calls of more than HOST_MAX_QUERIES queries take the torch path; one sequence in any cache row
-    takes the host forward; several sequences only where the compiled kernels run and the rows in all
-    are at most KERNEL_MAX_ROWS."""
+    One sequence in any cache row takes the host forward: of any length where the compiled kernels
+    run (one compiled call), of up to HOST_MAX_QUERIES queries elsewhere; several sequences only where
+    the compiled kernels run and the rows in all are at most KERNEL_MAX_ROWS."""
     target, _ = hf_pair("llama", vocab=48, seed=5)
     lean = LeanCausalLM(target)
     assert lean.host_forward is not None
@@ -172,6 +172,8 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     calls = []
     real = lean.host_forward._forward
     monkeypatch.setattr(lean.host_forward, "_forward", lambda *args: calls.append(args[0].shape) or real(*args))
+    with_kernels = (lean.host_forward.panels_off is None and lean.host_forward.attention_off is None
+                    and torch.get_num_threads() == 1)
     with torch.inference_mode():
         cache = lean.new_cache(2, 160)
         long = lean_host.HOST_MAX_QUERIES + 1
@@ -182,13 +184,16 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
         kernels_off = lean.host_forward.panels_off
         lean.host_forward.panels_off = "off for this test"
         lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
-        assert calls == []
+        assert calls == ([(1, long)] if with_kernels else [])
+        del calls[:]
         lean.host_forward.panels_off = kernels_off
         lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
         lean.forward(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], 0, cache, None, causal=True,
                      first_row=1)
         lean.forward(torch.ones(1, 1, dtype=torch.long), torch.tensor([[4]]), 4, cache, None)
-    with_kernels = kernels_off is None and lean.host_forward.attention_off is None and torch.get_num_threads() == 1
+        layer_panels, lean.host_forward.layer_panels = lean.host_forward.layer_panels, None
+        lean.forward(torch.ones(1, long, dtype=torch.long), torch.arange(long)[None], 0, cache, None, causal=True)
+        lean.host_forward.layer_panels = layer_panels  # (without the one-call forward: the torch path)
     assert calls == ([(2, 3)] if with_kernels else []) + [(1, 4), (1, 1)]
 
 
