@@ -35,7 +35,9 @@
  * passes 0.63 -> 0.52 ms. (_MM_HINT_T0 gained only on the 5-token pass; 8, 16, 32 and 64 rows ahead
  * are within the noise of each other.) bfloat16 panels (32-byte rows) are prefetched as many bytes
  * ahead. */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GBV_PANELS_X86 1
@@ -57,7 +59,10 @@
         lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw_));              \
         hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw_));              \
     } while (0)
-#define PREFETCH(p, k) _mm_prefetch((const char *)((p) + (k) * PANEL) + PREFETCH_BYTES, _MM_HINT_NTA)
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_NTA
+#endif
+#define PREFETCH(p, k) _mm_prefetch((const char *)((p) + (k) * PANEL) + PREFETCH_BYTES, PREFETCH_HINT)
 
 /* The tiles' sums, stored into R rows of y (row stride ys): `width` of the panel's 16 columns. */
 #define STORE_TILE(R)                                                                               \

@@ -43,12 +43,12 @@ from torch import Tensor
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
-from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, host_array, mass_below, mass_below_rows,
-                                mass_below_rows_sorted, power_sum, ranking_key, residual_bounds_ranked,
-                                residual_row)
+from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, host_array, mass_below_array,
+                                mass_below_rows, mass_below_rows_sorted, power_sum, ranking_key,
+                                residual_bounds_ranked, residual_row)
 
 __all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "path_walk_on_device", "ranking_key", "select_path",
-           "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device", "verify_gbv",
+           "select_path_host", "select_path_on_device", "walk_law_host", "skewed_draft_law", "skewed_law_rows_on_device", "verify_gbv",
            "verify_gbv_on_device"]
 
 
@@ -68,22 +68,34 @@ def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
     a shared prefix these rows are the same node's, so this is the node's ranking, and it needs no
     division by zero even when ``p`` and ``q`` are one-hot (temperature 0).
     """
-    num_paths, block_len = draft_tokens.shape
-    if num_paths == 1:
+    if draft_tokens.shape[0] == 1:
         return 0
-    path_ids = torch.arange(num_paths, device=draft_tokens.device).unsqueeze(-1)
-    depth_ids = torch.arange(block_len, device=draft_tokens.device)
-    on_p = p[path_ids, depth_ids, draft_tokens]  # (K, L): each path's own rows at its own tokens
-    on_q = q[path_ids, depth_ids, draft_tokens]
-    # One host transfer for the whole selection: the tokens (exact in float64) and their keys.
-    both = torch.cat([draft_tokens.to(torch.float64), ranking_key(on_p, on_q).to(torch.float64)]).tolist()
-    tokens, keys = [[int(t) for t in row] for row in both[:num_paths]], both[num_paths:]
+    tokens = host_array(draft_tokens)
+    return select_path_host(tokens, _on_path(q, draft_tokens, tokens), _on_path(p, draft_tokens, tokens))
+
+
+def _on_path(rows: Tensor, tokens: Tensor, tokens_h: np.ndarray) -> np.ndarray:
+    """(K, L') rows at (K, L) tokens -> (K, L) host values ``rows[k, d, tokens[k, d]]``: read from a
+    numpy view on the CPU, gathered on the device elsewhere (one host copy of K * L values)."""
+    if rows.device.type == "cpu":
+        num_paths, block_len = tokens_h.shape
+        return host_array(rows)[np.arange(num_paths)[:, None], np.arange(block_len), tokens_h]
+    return host_array(rows[:, :tokens.shape[1]].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+
+
+def select_path_host(tokens: np.ndarray, on_q: np.ndarray, on_p: np.ndarray) -> int:
+    """:func:`select_path` from the host values it needs: (K, L) token ids and each path's own
+    ``q`` and ``p`` at its own tokens (:func:`ranking_key` of numpy arrays: the same IEEE divisions as
+    of tensors)."""
+    num_paths, block_len = tokens.shape
+    token_rows = tokens.tolist()
+    keys = ranking_key(on_p, on_q).astype(np.float64).tolist()
     alive = list(range(num_paths))
     for depth in range(block_len):
         if len(alive) == 1:
             break
-        best = best_token([tokens[k][depth] for k in alive], [keys[k][depth] for k in alive])
-        alive = [k for k in alive if tokens[k][depth] == best]
+        best = best_token([token_rows[k][depth] for k in alive], [keys[k][depth] for k in alive])
+        alive = [k for k in alive if token_rows[k][depth] == best]
     return alive[0]
 
 
@@ -177,6 +189,12 @@ class SkewedLaw:
             return self
         return SkewedLaw(host_array(self.v), host_array(self.u), self.num_paths)
 
+    def on_tensors(self) -> "SkewedLaw":
+        """The same law over CPU tensors (:class:`gbv.verify.ranking.RankLaw`)."""
+        if isinstance(self.v, Tensor):
+            return self
+        return SkewedLaw(torch.from_numpy(self.v), torch.from_numpy(self.u), self.num_paths)
+
     def token_law(self, row: Tensor, below: Tensor, q: Tensor) -> Tensor:
         v, u = self.v[row], self.u[row]
         return q * power_sum(u + v * (below + q), u + v * below, self.num_paths) / self.denom[row]
@@ -213,27 +231,35 @@ def skewed_draft_law(selected_tokens: Tensor, q_path: Tensor, p_path: Tensor, nu
         return q64.clone()  # S = 1: the selected path is the only path, q_G = q exactly
     key = ranking_key(p_path[:block_len], q_path)
     tokens = selected_tokens.reshape(block_len).to(key.device)
-    law = _walk_law(key, q64, tokens, num_paths)[0]
+    law = _walk_law(key, q64, tokens, num_paths)
     rows = torch.arange(block_len, device=key.device).unsqueeze(-1)
     return law.token_law(rows, mass_below_rows(key, q64), q64)
 
 
-def _walk_law(key: Tensor, q64: Tensor, tokens: Tensor, num_paths: int, extra: Tensor | None = None
-              ) -> tuple[SkewedLaw, list[float], list[float]]:
-    """The :class:`SkewedLaw` of the selected path, its on-path values ``q_G(s_{i+1})``, and the values
-    of ``extra`` ((L,) or None), from one masked sum per node and one host transfer."""
-    q_on_t = q64.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    rows = [mass_below(key, q64, tokens), q_on_t.to(torch.float64)]
-    if extra is not None:
-        rows.append(extra.to(torch.float64))
-    below_on, q_on, *rest = torch.stack(rows).tolist()
+def _walk_law(key: Tensor, q64: Tensor, tokens: Tensor, num_paths: int) -> SkewedLaw:
+    """The :class:`SkewedLaw` of the selected path as tensors on the rows' device
+    (:func:`walk_law_host`)."""
+    law = walk_law_host(host_array(key), host_array(q64), host_array(tokens).reshape(-1), num_paths)[0]
+    return SkewedLaw(torch.tensor(law.v, dtype=torch.float64, device=key.device),
+                     torch.tensor(law.u, dtype=torch.float64, device=key.device), num_paths)
+
+
+def walk_law_host(key: np.ndarray, q_path: np.ndarray, tokens: np.ndarray, num_paths: int
+                  ) -> tuple[SkewedLaw, list[float]]:
+    """The :class:`SkewedLaw` of the selected path over numpy arrays, and its on-path values
+    ``q_G(s_{i+1})``: (L, V) keys and q (any float dtype; summed in float64) along the path, (L,)
+    tokens; one masked sum per node (:func:`gbv.verify.ranking.mass_below_array`)."""
+    block_len = tokens.shape[0]
+    q64 = q_path.astype(np.float64, copy=False)
+    token_list = tokens.tolist()
+    below_on = mass_below_array(key, q64, token_list).tolist()
+    q_on = q64[np.arange(block_len), tokens].tolist()
     v, u = path_walk(below_on, q_on)
-    law = SkewedLaw(torch.tensor(v, dtype=torch.float64, device=key.device),
-                    torch.tensor(u, dtype=torch.float64, device=key.device), num_paths)
-    # S_K(1, u) on the host: the same float64 operations as law.denom, without reading it back.
+    law = SkewedLaw(np.array(v, dtype=np.float64), np.array(u, dtype=np.float64), num_paths)
+    # S_K(1, u) in Python floats: the same float64 operations as law.denom.
     on_path = [q_s * power_sum(u_i + v_i * (w + q_s), u_i + v_i * w, num_paths) / power_sum(1.0, u_i, num_paths)
                for q_s, w, v_i, u_i in zip(q_on, below_on, v, u)]
-    return law, on_path, rest[0] if rest else []
+    return law, on_path
 
 
 def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
@@ -250,15 +276,15 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
         return verify_gbv_on_device(draft_tokens, q, p, rng)
     num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
     path = select_path(draft_tokens, q, p)
-    tokens = draft_tokens[path]
     if num_paths == 1:
-        accepted_len, next_token = block_verify_path(tokens, q[path], p[path], rng)
+        accepted_len, next_token = block_verify_path(draft_tokens[path], q[path], p[path], rng)
         return VerifyResult(path, accepted_len, next_token)
-    q_path, p_path = q[path], p[path]
-    key = ranking_key(p_path[:block_len], q_path)
-    # float64 only where the law is summed over rows: the masked sums convert on the fly.
-    law, q_g_on, p_on = _walk_law(key, q_path, tokens, num_paths,
-                                  extra=p_path[:block_len].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+    # The host form: numpy views of the selected path's rows (CPU tensors; a torch call costs 5-10 us
+    # of fixed cost on these rows, a numpy call about a fifth of that).
+    tokens, q_path, p_path = host_array(draft_tokens[path]), host_array(q[path]), host_array(p[path])
+    key = ranking_key(p_path[:block_len], q_path)  # (L, V), float32 for float32 rows
+    law, q_g_on = walk_law_host(key, q_path, tokens, num_paths)
+    p_on = p_path[np.arange(block_len), tokens].astype(np.float64).tolist()
     ratios = [pp / qg if qg > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qg in zip(p_on, q_g_on)]
 
     def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
@@ -268,7 +294,7 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
         return residual_row(key[i], q_path[i], p_path[i], w, law, i)
 
     # The bonus row as given (float32 rows sample faster; its law is p_L either way).
-    accepted_len, next_token = block_verify_core(ratios, residual_bounds, residual_dist, p_path[block_len], rng)
+    accepted_len, next_token = block_verify_core(ratios, residual_bounds, residual_dist, p[path, block_len], rng)
     return VerifyResult(path, accepted_len, next_token)
 
 

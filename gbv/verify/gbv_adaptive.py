@@ -314,6 +314,12 @@ class AdaptiveLaw:
             return self
         return AdaptiveLaw(host_array(self.counts), host_array(self.lams))
 
+    def on_tensors(self) -> "AdaptiveLaw":
+        """The same law over CPU tensors (:class:`gbv.verify.ranking.RankLaw`)."""
+        if isinstance(self.counts, Tensor):
+            return self
+        return AdaptiveLaw(torch.from_numpy(self.counts), torch.from_numpy(self.lams))
+
 
 def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
     """gbv-adaptive: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
@@ -363,11 +369,10 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
         p_on.append(p_s)
         counts = update_counts(counts, lams, q_s, below_s)
     path = alive[0]
-    law = AdaptiveLaw(torch.tensor(counts_rows, dtype=torch.float64, device=q.device),
-                      torch.tensor(lams_rows, dtype=torch.float64, device=q.device))
-    # The selected nodes' rows, (L, V): the lead path's at each depth.
-    node_rows = (torch.tensor(leads, device=q.device), torch.arange(block_len, device=q.device))
-    q_all, p_all, key_all = q[node_rows], p[node_rows], torch.from_numpy(np.stack(keys)).to(q.device)
+    law = AdaptiveLaw(np.array(counts_rows, dtype=np.float64), np.array(lams_rows, dtype=np.float64))
+    # The selected nodes' rows, (L, V): the lead path's at each depth (numpy, as the nodes' rows above).
+    node_rows = (np.array(leads), np.arange(block_len))
+    q_all, p_all, key_all = q_host[node_rows], p_host[node_rows], np.stack(keys)
 
     def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
         return residual_bounds_ranked(key_all, q_all, p_all, rows, weights, law)

@@ -105,9 +105,11 @@ def mass_below_array(key: np.ndarray, q64: np.ndarray, tokens: list[int]) -> np.
     return out
 
 
-def host_array(t: Tensor) -> np.ndarray:
+def host_array(t: Tensor | np.ndarray) -> np.ndarray:
     """A numpy view of a tensor (a host copy if it is not on the CPU; bfloat16, which numpy lacks, as
-    float32: every use here computes in float32 or float64)."""
+    float32: every use here computes in float32 or float64); an array as it is."""
+    if isinstance(t, np.ndarray):
+        return t
     if t.dtype == torch.bfloat16:
         t = t.float()
     return t.detach().cpu().numpy()
@@ -234,6 +236,10 @@ class RankLaw(Protocol):
 
     def on_host(self) -> "RankLaw":
         """The same law over numpy arrays (``self`` if it already is)."""
+        ...
+
+    def on_tensors(self) -> "RankLaw":
+        """The same law over CPU tensors (``self`` if it already is): for tensor code given host rows."""
         ...
 
 
@@ -417,6 +423,11 @@ class RowsOf:
             return self
         return RowsOf(self.law.on_host(), host_array(self.idx))
 
+    def on_tensors(self) -> "RowsOf":
+        if isinstance(self.idx, Tensor):
+            return self
+        return RowsOf(self.law.on_tensors(), torch.from_numpy(self.idx))
+
 
 def residual_masses_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], weights: list[float],
                            law: RankLaw) -> list[float]:
@@ -483,6 +494,8 @@ def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
     exact mass on demand, sorting that node's unsettled buckets only. Below ``BUCKET_MIN_VOCAB``,
     exact masses at once. The buckets run on numpy views of the rows (the host forms' code: CPU)."""
     if key.shape[-1] < BUCKET_MIN_VOCAB:
+        if isinstance(key, np.ndarray):  # host rows (CPU): whole rows are ranked by tensor code
+            key, q, p, law = torch.from_numpy(key), torch.from_numpy(q), torch.from_numpy(p), law.on_tensors()
         return MassBounds.exactly(_ranked_positive_part(*_path_nodes(key, q, p, rows, weights, law)).tolist())
     key_h, q_h, p_h = host_array(key), host_array(q), host_array(p)
     law_h = law.on_host()
@@ -541,10 +554,10 @@ def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row:
     terms = np.maximum(w * p_h[candidates].astype(np.float64) - law_h.token_law(node, below_c + outside, q_c), 0.0)
     total = float(terms.sum())
     if total <= 0.0:  # a branch of probability 0 in exact arithmetic: round-off only (as normalize_or)
-        return p.double()
+        return torch.from_numpy(p_h.astype(np.float64)) if isinstance(p, np.ndarray) else p.double()
     dist = np.zeros(key_h.shape[-1])
     dist[candidates] = terms / total
-    return torch.from_numpy(dist).to(p.device)
+    return torch.from_numpy(dist) if isinstance(p, np.ndarray) else torch.from_numpy(dist).to(p.device)
 
 
 def occupied_bucket_masses(key: np.ndarray, q64: np.ndarray, p64: np.ndarray

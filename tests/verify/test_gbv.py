@@ -274,17 +274,16 @@ def test_temperature_zero_is_longest_argmax_match(dtype, verifier):
 
 # ---------------------------------------------------------------------------------------------- 7
 def _mass_below_ties_reversed(key, q64, tokens):
-    """Broken: same keys, but ties ranked the other way (larger id better) in the law only."""
-    tok = tokens.reshape(-1, 1)
-    k_tok = key.gather(-1, tok)
-    ids = torch.arange(key.shape[-1])
-    return torch.where((key < k_tok) | ((key == k_tok) & (ids < tok)), q64, 0.0).sum(-1, dtype=torch.float64)
+    """Broken: same keys, but ties ranked the other way (larger id better) in the law only. numpy
+    rows and a list of token ids, as the host form calls ``mass_below_array``."""
+    ids = np.arange(key.shape[-1])
+    return np.array([q64[row] @ ((key[row] < key[row, token]) | ((key[row] == key[row, token]) & (ids < token)))
+                     for row, token in enumerate(tokens)])
 
 
 def _mass_below_by_q(key, q64, tokens):
     """Broken: the law ranks by q alone (the selection still by p / q)."""
-    q_key = q64.to(torch.float64)
-    return ranking.mass_below(q_key, q64, tokens)
+    return ranking.mass_below_array(q64.astype(np.float64), q64, tokens)
 
 
 NEGATIVE_CONTROL_INSTANCES = [("equal", 3, 2, 2, 31), ("mixed", 3, 2, 2, 32), ("dirichlet", 2, 2, 3, 33),
@@ -296,7 +295,7 @@ def test_inconsistent_ranking_is_detected(monkeypatch, broken):
     instances = [random_instance(v, l, k, seed=seed, kind=kind) for kind, v, l, k, seed in NEGATIVE_CONTROL_INSTANCES]
     verifier = get_verifier("gbv")
     assert max(exact_analysis(verifier, inst).max_law_error for inst in instances) < LOSSLESS_TOL
-    monkeypatch.setattr(gbv_module, "mass_below", broken)
+    monkeypatch.setattr(gbv_module, "mass_below_array", broken)
     assert max(exact_analysis(verifier, inst).max_law_error for inst in instances) > 1e-6
 
 
