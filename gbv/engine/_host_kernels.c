@@ -342,6 +342,24 @@ static void rms_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H, dou
     }
 }
 
+/* out = silu(gate) * up = gate * sigmoid(gate) * up over I columns, eight at a time. The sigmoid from
+ * e = exp(-|gate|) <= 1 (exp8's range, never an overflow): 1 / (1 + e) for gate >= 0, e / (1 + e)
+ * below. Why: libm's expf one value at a time was 3% of a 5-row bundled-target pass (perf), as much
+ * as a third of the layer's work outside the products and the attention. About 1 ulp from the
+ * scalar form. */
+__attribute__((target("avx2,fma"))) static void silu_times(const float *gate, const float *up, float *out, int I) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    int c = 0;
+    for (; c + 8 <= I; c += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + c);
+        const __m256 e = exp8(_mm256_or_ps(g, sign)); /* exp(-|g|) */
+        const __m256 inverse = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 sigmoid = _mm256_blendv_ps(inverse, _mm256_mul_ps(e, inverse), g); /* sign of g picks */
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + c)));
+    }
+    for (; c < I; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+}
+
 /* One decoder layer for n rows of one sequence, in place on `hidden` (n, H): what the host forward
  * does per layer (lean_host.py), in one call instead of some twenty.
  *
@@ -389,11 +407,8 @@ __attribute__((target("avx2,fma"))) static void layer_forward(
     panel_product(attn, w_o, bf16, hidden, n, (Py_ssize_t)heads * D, H, 1);
     rms_rows(hidden, normed, n, H, eps_post);
     panel_product(normed, w_gate_up, bf16, gate_up, n, H, 2 * (Py_ssize_t)I, 0);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const float *gate = gate_up + i * 2 * I, *up = gate + I;
-        float *out = act + i * I;
-        for (int c = 0; c < I; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        silu_times(gate_up + i * 2 * I, gate_up + i * 2 * I + I, act + i * I, I);
     panel_product(act, w_down, bf16, hidden, n, I, H, 1);
 }
 #endif
