@@ -94,6 +94,8 @@ def _reference_attention(q, keys, values, allowed, heads, scale):
     (7, 8, 2, 32, 20, True),     # a tree mask, grouped-query attention
     (12, 4, 1, 72, 9, True),     # head_dim not a multiple of 32; one kv head
     (3, 2, 2, 8, 5, True),
+    (2, 8, 8, 32, 14, False),    # two queries, 16 slots in all (no tail block)
+    (25, 8, 8, 32, 150, True),   # a 25-node tree: query tiles of 4 and a tile of 1
 ])
 def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, start, masked):
     rng = np.random.default_rng(n * 100 + head_dim + start)
