@@ -1,0 +1,96 @@
+"""Whole lean forwards and attention calls with the compiled kernels of ``gbv/engine/_host_kernels.c`` at
+a commit against the installed ones, in one process, interleaved (1 thread, bundled pair).
+
+    python scripts/bench_kernels_ab.py --before 4028ece                   # bfloat16, ~2 min
+    python scripts/bench_kernels_ab.py --before 4028ece --dtype float32
+
+1. Forwards of the lean target and draft over a 150-token prefix: n new tokens under a causal mask
+   (what a block of n - 1 drafted tokens costs the target, or a depth step of n paths the draft).
+2. Attention alone (``host_kernels.attention_into``): n queries under an all-true mask over 150 cached
+   slots, 8 heads of 32 (the bundled models' shape).
+
+Each measurement alternates the two builds 40 (forwards) or 60 (attention) times and prints the
+medians and their ratio; the machine is shared, so only the ratios mean anything. The old file is
+built with gcc beside the installed one (``scripts/kernels_at.py``); its functions must take the
+same arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from gbv.engine import host_kernels
+from gbv.engine.host_kernels import attention_into, host_kernels_unavailable
+from gbv.engine.tree import prefix_then
+from gbv.engine.tree_decoder import lean_model
+from gbv.models.loading import load_pair
+from kernels_at import kernels_at
+
+
+def alternate(builds: dict, run, repeats: int, inner: int) -> dict[str, float]:
+    """Median seconds of ``run()`` per build (each timed over ``inner`` calls), builds alternating."""
+    times = {name: [] for name in builds}
+    for _ in range(repeats):
+        for name, module in builds.items():
+            host_kernels._host_kernels = module
+            start = time.perf_counter()
+            for _ in range(inner):
+                run()
+            times[name].append((time.perf_counter() - start) / inner)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the commit whose _host_kernels.c is 'before'")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prefix", type=int, default=150)
+    args = parser.parse_args(argv)
+    if host_kernels_unavailable():
+        raise SystemExit(f"the compiled kernels do not run here: {host_kernels_unavailable()}")
+    torch.set_num_threads(1)
+    installed = host_kernels._host_kernels
+    builds = {"before": kernels_at(args.before), "after": installed}
+    pair = load_pair("bundled", dtype=args.dtype)
+    prefix = args.prefix
+    try:
+        print(f"1. Lean forwards over a {prefix}-token prefix, {args.dtype}, ms\n")
+        print(f"| model | new tokens | {args.before} | now | now / before |\n|---|---:|---:|---:|---:|")
+        for name, model in (("target", pair.target), ("draft", pair.draft)):
+            lean = lean_model(model)
+            with torch.inference_mode():
+                cache = lean.new_cache(1, prefix + 64)
+                lean.forward(torch.arange(prefix)[None] % 100, torch.arange(prefix)[None], 0, cache, None,
+                             causal=True)
+                for n in (1, 3, 5, 12, 25):
+                    tokens = torch.full((1, n), 7)
+                    positions = prefix + torch.arange(n)[None]
+                    mask = prefix_then(torch.tril(torch.ones(n, n, dtype=torch.bool)), prefix) if n > 1 else None
+                    ms = alternate(builds, lambda: lean.forward(tokens, positions, prefix, cache, mask), 40, 5)
+                    print(f"| {name} | {n} | {ms['before'] * 1e3:.3f} | {ms['after'] * 1e3:.3f} | "
+                          f"{ms['after'] / ms['before']:.3f} |")
+
+        print(f"\n2. Attention of n queries over {prefix} cached slots (8 heads of 32), us\n")
+        print(f"| queries | {args.before} | now | now / before |\n|---:|---:|---:|---:|")
+        rng = np.random.default_rng(0)
+        heads, head_dim = 8, 32
+        for n in (1, 2, 3, 5, 6, 8, 12, 25):
+            end = prefix + n
+            keys = rng.standard_normal((heads, end + 8, head_dim)).astype(np.float32)
+            values = rng.standard_normal((heads, end + 8, head_dim)).astype(np.float32)
+            qkv = rng.standard_normal((n, 3 * heads * head_dim)).astype(np.float32)
+            out = np.zeros((n, heads * head_dim), np.float32)
+            mask = np.ones((n, end), bool) if n > 1 else None
+            us = alternate(builds, lambda: attention_into(qkv, keys, values, out, mask, heads, prefix, end, 0.2),
+                           60, 20)
+            print(f"| {n} | {us['before'] * 1e6:.1f} | {us['after'] * 1e6:.1f} | {us['after'] / us['before']:.3f} |")
+    finally:
+        host_kernels._host_kernels = installed
+
+
+if __name__ == "__main__":
+    main()
