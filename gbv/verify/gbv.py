@@ -48,8 +48,8 @@ from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, host_arra
                                 residual_bounds_ranked, residual_row)
 
 __all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "path_walk_on_device", "ranking_key", "select_path",
-           "select_path_host", "select_path_on_device", "walk_law_host", "skewed_draft_law", "skewed_law_rows_on_device", "verify_gbv",
-           "verify_gbv_on_device"]
+           "select_path_host", "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device",
+           "verify_gbv", "verify_gbv_on_device", "walk_law_host"]
 
 
 def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
