@@ -393,9 +393,9 @@ __attribute__((target("avx2,fma"))) static void transpose_keys(const float *k, P
  * attend_scratch_floats(end, D) floats.
  *
  * Fewer than TILE_MIN_QUERIES queries: each one's scores eight keys at a time from the cache rows
- * (dot8x8). More: each kv head's keys are transposed once into the scratch, and the scores of up to QUERY_TILE queries are summed
- * together from it, sixteen slots a step (score_tile_R): no sums across lanes, and each key value is
- * loaded once for the tile. (Measured on the bundled target's 8 heads of 32 over ~150 slots: the
+ * (dot8x8). More: each kv head's keys are transposed once into the scratch, and the scores of up to
+ * QUERY_TILE queries are summed together from it, sixteen slots a step (score_tile_R): no sums across
+ * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of 32 over ~150 slots: the
  * per-key lane sums were about a quarter of the attention's time.) */
 __attribute__((target("avx2,fma"))) static void attend(
     const float *q, Py_ssize_t q_stride, const float *keys, const float *values, Py_ssize_t capacity,
