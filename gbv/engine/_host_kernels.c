@@ -35,9 +35,7 @@
  * passes 0.63 -> 0.52 ms. (_MM_HINT_T0 gained only on the 5-token pass; 8, 16, 32 and 64 rows ahead
  * are within the noise of each other.) bfloat16 panels (32-byte rows) are prefetched as many bytes
  * ahead. */
-#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
-#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GBV_PANELS_X86 1
@@ -59,10 +57,7 @@
         lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw_));              \
         hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw_));              \
     } while (0)
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_NTA
-#endif
-#define PREFETCH(p, k) _mm_prefetch((const char *)((p) + (k) * PANEL) + PREFETCH_BYTES, PREFETCH_HINT)
+#define PREFETCH(p, k) _mm_prefetch((const char *)((p) + (k) * PANEL) + PREFETCH_BYTES, _MM_HINT_NTA)
 
 /* The tiles' sums, stored into R rows of y (row stride ys): `width` of the panel's 16 columns. */
 #define STORE_TILE(R)                                                                               \
@@ -395,8 +390,8 @@ __attribute__((target("avx2,fma"))) static void transpose_keys(const float *k, P
  * Fewer than TILE_MIN_QUERIES queries: each one's scores eight keys at a time from the cache rows
  * (dot8x8). More: each kv head's keys are transposed once into the scratch, and the scores of up to
  * QUERY_TILE queries are summed together from it, sixteen slots a step (score_tile_R): no sums across
- * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of 32 over ~150 slots: the
- * per-key lane sums were about a quarter of the attention's time.) */
+ * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of
+ * 32 over ~150 slots: the per-key lane sums were about a quarter of the attention's time.) */
 __attribute__((target("avx2,fma"))) static void attend(
     const float *q, Py_ssize_t q_stride, const float *keys, const float *values, Py_ssize_t capacity,
     float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,

@@ -144,8 +144,13 @@ def on_path_host(tokens: Tensor, q_path: Tensor, p_path: Tensor) -> tuple[np.nda
     drafted = host_array(tokens)
     p_on = p_h[depth, drafted].astype(np.float64).tolist()
     q_on = q_h[depth, drafted].astype(np.float64).tolist()
-    ratios = [pp / qq if qq > 0.0 else (math.inf if pp > 0.0 else 0.0) for pp, qq in zip(p_on, q_on)]
-    return q_h, p_h, ratios
+    return q_h, p_h, path_ratios(p_on, q_on)
+
+
+def path_ratios(p_on: list[float], q_on: list[float]) -> list[float]:
+    """BV's on-path ratios ``p_{i-1}(x_i) / q_{i-1}(x_i)`` from the on-path values of ``p`` and of the
+    draft law (``q``, or the law of a selected path): inf where only the law is 0, 0 for 0 / 0."""
+    return [pp / qq if qq > 0.0 else (math.inf if pp > 0.0 else 0.0) for pp, qq in zip(p_on, q_on)]
 
 
 def normalized_or(dist: np.ndarray, fallback: Tensor) -> Tensor:

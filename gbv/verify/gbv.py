@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
+from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path, path_ratios
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
 from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, host_array, mass_below_array,
@@ -285,7 +285,7 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     key = ranking_key(p_path[:block_len], q_path)  # (L, V), float32 for float32 rows
     law, q_g_on = walk_law_host(key, q_path, tokens, num_paths)
     p_on = p_path[np.arange(block_len), tokens].astype(np.float64).tolist()
-    ratios = [pp / qg if qg > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qg in zip(p_on, q_g_on)]
+    ratios = path_ratios(p_on, q_g_on)
 
     def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
         return residual_bounds_ranked(key, q_path, p_path, rows, weights, law)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path
+from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path, path_ratios
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
 from gbv.verify import ranking
@@ -380,7 +380,7 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     def residual_dist(i: int, w: float) -> Tensor:
         return residual_row(key_all[i], q_all[i], p_all[i], w, law, i)
 
-    ratios = [pp / qa if qa > 0.0 else (float("inf") if pp > 0.0 else 0.0) for pp, qa in zip(p_on, law_on)]
+    ratios = path_ratios(p_on, law_on)
     accepted_len, next_token = block_verify_core(ratios, residual_bounds, residual_dist,
                                                  p[path, block_len], rng)
     return VerifyResult(path, accepted_len, next_token)

@@ -553,11 +553,12 @@ def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row:
     outside = q_h.sum(dtype=np.float64, where=~is_candidate)
     terms = np.maximum(w * p_h[candidates].astype(np.float64) - law_h.token_law(node, below_c + outside, q_c), 0.0)
     total = float(terms.sum())
+    device = p.device if isinstance(p, Tensor) else "cpu"  # (host rows: a CPU tensor)
     if total <= 0.0:  # a branch of probability 0 in exact arithmetic: round-off only (as normalize_or)
-        return torch.from_numpy(p_h.astype(np.float64)) if isinstance(p, np.ndarray) else p.double()
+        return torch.from_numpy(p_h.astype(np.float64)).to(device)
     dist = np.zeros(key_h.shape[-1])
     dist[candidates] = terms / total
-    return torch.from_numpy(dist) if isinstance(p, np.ndarray) else torch.from_numpy(dist).to(p.device)
+    return torch.from_numpy(dist).to(device)
 
 
 def occupied_bucket_masses(key: np.ndarray, q64: np.ndarray, p64: np.ndarray
