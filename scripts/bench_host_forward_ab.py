@@ -7,6 +7,7 @@
     python scripts/bench_host_forward_ab.py --switch fused --dtype bfloat16   # one-call forward and draw
     python scripts/bench_host_forward_ab.py --switch kernels-before --before f9b8026 --dtype bfloat16
     python scripts/bench_host_forward_ab.py --switch max-rows --dtype bfloat16   # kernels up to 24 rows
+    python scripts/bench_host_forward_ab.py --switch kv-cache    # bfloat16 pair: bf16 KV cache or float32
 
 Both variants use the same lean views of the bundled pair. With ``--switch host`` (the default),
 "off" sets their ``host_forward`` to None (the torch forward, what ``GBV_HOST_FORWARD=0`` gives); with
@@ -21,7 +22,9 @@ runs the compiled kernels of ``gbv/engine/_host_kernels.c`` as of commit REV (bu
 into a module of another name; its functions must take the same arguments), "on" the installed
 ones: a before/after of a change to the C file. With ``--switch max-rows``, "off" gives passes of
 more than 24 rows (and prompts of more than 24 tokens) to torch's products and SDPA, as before the
-eighteenth session, "on" to the kernels as now. For each prompt (and each
+eighteenth session, "on" to the kernels as now. With ``--switch kv-cache`` (the pair in bfloat16),
+"off" gives the lean views a float32 KV cache, as before the nineteenth session, "on" the bfloat16
+one they now have (``LeanCausalLM.cache_dtype``). For each prompt (and each
 batch of prompts) every row runs once per variant, in alternating order, with the same seed, 1
 thread, EOS off. Prints pooled tokens/s per row and variant and the ratio on/off; the machine is
 shared, so only the ratios within one run mean anything.
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", default="0.2,1.0")
     parser.add_argument("--switch", choices=["host", "kernels", "panels", "attention", "bf16", "fused",
-                                             "kernels-before", "max-rows"],
+                                             "kernels-before", "max-rows", "kv-cache"],
                         default="host",
                         help="what to turn off: the host forward, or its compiled kernels (both or one); bf16: "
                              "bfloat16 run in float32 against bfloat16 throughout; fused: the one-call forward "
@@ -85,6 +88,18 @@ def main(argv: list[str] | None = None) -> None:
         if not all(view.bf16_in_float32 for view in new) or any(view.bf16_in_float32 for view in old):
             raise SystemExit("bfloat16 does not run in float32 here (no compiled kernels?)")
         run_ab(args, pairs, lambda on: None)
+        return
+    if args.switch == "kv-cache":
+        pair = load_pair("bundled", dtype="bfloat16")
+        views = [lean_model(pair.target), lean_model(pair.draft)]
+        if any(view.cache_dtype != torch.bfloat16 for view in views):
+            raise SystemExit("the bfloat16 pair has no bfloat16 KV cache here (no compiled kernels?)")
+
+        def use_cache(on: bool) -> None:
+            for view in views:
+                view.cache_dtype = torch.bfloat16 if on else torch.float32
+
+        run_ab(args, {True: pair, False: pair}, use_cache)
         return
     if args.switch == "max-rows":
         pair = load_pair("bundled", dtype=args.dtype)

@@ -168,39 +168,60 @@ static void panel_product(const float *x, const void *panels, int bf16, float *y
     }
 }
 
-/* sum_d a[d] * b[d] over D values (D a multiple of 8: eight partial sums, then added). */
-__attribute__((target("avx2,fma"))) static inline float dot8(const float *a, const float *b, int D) {
-    __m256 sum = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 8)
-        sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), sum);
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
+/* The cache's keys and values are float32, or bfloat16 (kv_bf16: the upper half of a float32's bits,
+ * what a bfloat16 model's cache holds, at half the bytes). Why bfloat16: attention of one query reads
+ * every cached key and value once, cold (the weights streamed in between push them out of the cache):
+ * 16 KB a slot for the bundled target in float32, 4 MB a step at 250 slots against its 15.7 MB of
+ * bf16 weights, so a step grew by ~30% from 16 to 256 slots. Widening a bf16 value is exact (a shift
+ * of its bits), so the sums below are those of float32 keys and values of the same values. KV8_*:
+ * eight of them loaded as float32. */
+#define KV8_F32(p) _mm256_loadu_ps(p)
+#define KV8_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+
+/* float32 -> bfloat16 bits, rounded to nearest even (NaN: 0x7FC0), as torch's .to(torch.bfloat16): a
+ * value this kernel writes to the cache is the one torch's forward writes for the same float32. */
+static inline uint16_t bf16_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* The dot products of q with eight consecutive keys (rows of D floats), as one vector. */
-__attribute__((target("avx2,fma"))) static inline __m256 dot8x8(const float *q, const float *k, int D) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + D + d), a1);
-        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * D + d), a3);
-        a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 4 * D + d), a4);
-        a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 5 * D + d), a5);
-        a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 6 * D + d), a6);
-        a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 7 * D + d), a7);
+/* sum_d a[d] * b[d] over D values (D a multiple of 8: eight partial sums, then added), and the dot
+ * products of q with eight consecutive keys (rows of D values), as one vector; keys of type T. */
+#define DEFINE_KEY_DOTS(S, T, KV8)                                                                  \
+    __attribute__((target("avx2,fma"))) static inline float dot8_##S(const float *a, const T *b, int D) { \
+        __m256 sum = _mm256_setzero_ps();                                                           \
+        for (int d = 0; d < D; d += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), KV8(b + d), sum); \
+        __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));       \
+        half = _mm_add_ps(half, _mm_movehl_ps(half, half));                                         \
+        half = _mm_add_ss(half, _mm_movehdup_ps(half));                                             \
+        return _mm_cvtss_f32(half);                                                                 \
+    }                                                                                               \
+    __attribute__((target("avx2,fma"))) static inline __m256 dot8x8_##S(const float *q, const T *k, int D) { \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+        for (int d = 0; d < D; d += 8) {                                                            \
+            const __m256 qd = _mm256_loadu_ps(q + d);                                               \
+            a0 = _mm256_fmadd_ps(qd, KV8(k + d), a0);                                               \
+            a1 = _mm256_fmadd_ps(qd, KV8(k + D + d), a1);                                           \
+            a2 = _mm256_fmadd_ps(qd, KV8(k + 2 * D + d), a2);                                       \
+            a3 = _mm256_fmadd_ps(qd, KV8(k + 3 * D + d), a3);                                       \
+            a4 = _mm256_fmadd_ps(qd, KV8(k + 4 * D + d), a4);                                       \
+            a5 = _mm256_fmadd_ps(qd, KV8(k + 5 * D + d), a5);                                       \
+            a6 = _mm256_fmadd_ps(qd, KV8(k + 6 * D + d), a6);                                       \
+            a7 = _mm256_fmadd_ps(qd, KV8(k + 7 * D + d), a7);                                       \
+        }                                                                                           \
+        /* pairwise sums within 128-bit lanes, then the two lanes of each key added */              \
+        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));           \
+        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));           \
+        /* (two 128-bit halves added and joined: on this CPU a cross-lane permute is 8 micro-ops) */ \
+        const __m128 low = _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1));    \
+        const __m128 high = _mm_add_ps(_mm256_castps256_ps128(t1), _mm256_extractf128_ps(t1, 1));   \
+        return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);                          \
     }
-    /* pairwise sums within 128-bit lanes, then the two lanes of each key added */
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    /* (two 128-bit halves added and joined: on this CPU a cross-lane permute is 8 micro-ops) */
-    const __m128 low = _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1));
-    const __m128 high = _mm_add_ps(_mm256_castps256_ps128(t1), _mm256_extractf128_ps(t1, 1));
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);
-}
+DEFINE_KEY_DOTS(f32, float, KV8_F32)
+DEFINE_KEY_DOTS(bf16, uint16_t, KV8_BF16)
 
 /* exp(x) for x <= 0, eight at a time (Cephes' expf: x = n ln 2 + r, a degree-5 polynomial for e^r,
  * about 1 ulp); exactly 0 below -87, where float32's normal range ends, and for -inf. */
@@ -223,38 +244,53 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
 }
 
 /* out[0 : 8 CH] = sum_{j < limit} weight_j v_j[0 : 8 CH] * inverse, where v_j = v + j * D: 8 CH
- * columns of the values in registers, two slots a step (two sets of sums: each waits on its own fused
- * multiply-adds only). A slot not attended has weight 0 and adds 0 * v = 0 exactly (cached values
- * are finite). CH is a constant in each copy, so that the sums stay in registers (with a run-time
- * count GCC kept them on the stack: a load and a store around every multiply-add). */
-#define DEFINE_WEIGHTED(CH)                                                                         \
-    __attribute__((target("avx2,fma"))) static inline void weighted_##CH(                           \
-        const float *weights, const float *v, int D, Py_ssize_t limit, float inverse, float *out) { \
+ * columns of the values (of type T) in registers, two slots a step (two sets of sums: each waits on its
+ * own fused multiply-adds only). A slot not attended has weight 0 and adds 0 * v = 0 exactly (cached
+ * values are finite). CH is a constant in each copy, so that the sums stay in registers (with a
+ * run-time count GCC kept them on the stack: a load and a store around every multiply-add). */
+#define DEFINE_WEIGHTED(CH, S, T, KV8)                                                              \
+    __attribute__((target("avx2,fma"))) static inline void weighted_##S##_##CH(                     \
+        const float *weights, const T *v, int D, Py_ssize_t limit, float inverse, float *out) {     \
         __m256 even[CH], odd[CH];                                                                   \
         _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) even[k] = odd[k] = _mm256_setzero_ps(); \
         Py_ssize_t j = 0;                                                                           \
         for (; j + 2 <= limit; j += 2) {                                                            \
             const __m256 w_even = _mm256_broadcast_ss(weights + j);                                 \
             const __m256 w_odd = _mm256_broadcast_ss(weights + j + 1);                              \
-            const float *row = v + j * D;                                                           \
+            const T *row = v + j * D;                                                               \
             _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) {                                  \
-                even[k] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(row + 8 * k), even[k]);           \
-                odd[k] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(row + D + 8 * k), odd[k]);          \
+                even[k] = _mm256_fmadd_ps(w_even, KV8(row + 8 * k), even[k]);                       \
+                odd[k] = _mm256_fmadd_ps(w_odd, KV8(row + D + 8 * k), odd[k]);                      \
             }                                                                                       \
         }                                                                                           \
         if (j < limit) {                                                                            \
             const __m256 w_even = _mm256_broadcast_ss(weights + j);                                 \
             _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++)                                    \
-                even[k] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(v + j * D + 8 * k), even[k]);     \
+                even[k] = _mm256_fmadd_ps(w_even, KV8(v + j * D + 8 * k), even[k]);                 \
         }                                                                                           \
         const __m256 factor = _mm256_set1_ps(inverse);                                              \
         _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++)                                        \
             _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(_mm256_add_ps(even[k], odd[k]), factor));   \
     }
-DEFINE_WEIGHTED(1)
-DEFINE_WEIGHTED(2)
-DEFINE_WEIGHTED(3)
-DEFINE_WEIGHTED(4)
+#define DEFINE_WEIGHTED_SUM(S, T, KV8)                                                              \
+    DEFINE_WEIGHTED(1, S, T, KV8)                                                                   \
+    DEFINE_WEIGHTED(2, S, T, KV8)                                                                   \
+    DEFINE_WEIGHTED(3, S, T, KV8)                                                                   \
+    DEFINE_WEIGHTED(4, S, T, KV8)                                                                   \
+    /* out[0 : D] = sum_{j < limit} weight_j v_j * inverse, 32 columns at a time */                 \
+    __attribute__((target("avx2,fma"))) static void weighted_sum_##S(                               \
+        const float *weights, const T *v, int D, Py_ssize_t limit, float inverse, float *out) {     \
+        for (int c = 0; c < D; c += 32) {                                                           \
+            switch ((D - c) >= 32 ? 4 : (D - c) / 8) {                                              \
+            case 4: weighted_##S##_4(weights, v + c, D, limit, inverse, out + c); break;            \
+            case 3: weighted_##S##_3(weights, v + c, D, limit, inverse, out + c); break;            \
+            case 2: weighted_##S##_2(weights, v + c, D, limit, inverse, out + c); break;            \
+            default: weighted_##S##_1(weights, v + c, D, limit, inverse, out + c);                  \
+            }                                                                                       \
+        }                                                                                           \
+    }
+DEFINE_WEIGHTED_SUM(f32, float, KV8_F32)
+DEFINE_WEIGHTED_SUM(bf16, uint16_t, KV8_BF16)
 
 /* Queries whose scores are computed together from the transposed keys (attend()), and the fewest
  * queries of a call that take that path: transposing a kv head's keys costs about as much as scoring
@@ -265,16 +301,18 @@ DEFINE_WEIGHTED(4)
 #define TILE_MIN_QUERIES 6
 
 /* Floats of attend()'s scratch for `end` slots and head_dim D: the keys of one kv head transposed
- * (D rows of the slots rounded up to 16) and the scores of QUERY_TILE queries over as many slots. */
+ * (D rows of the slots rounded up to 16) and the scores of QUERY_TILE queries over as many slots;
+ * then, for a bfloat16 cache, one kv head's keys and values widened to float32. */
 static size_t attend_scratch_floats(Py_ssize_t end, int D) {
-    return (size_t)((end + 15) / 16 * 16) * (size_t)(D + QUERY_TILE);
+    const size_t slots = (size_t)((end + 15) / 16 * 16);
+    return slots * (size_t)(D + QUERY_TILE) + 2 * slots * (size_t)D;
 }
 
 /* Softmax of one query's scores over slots j < limit (those not `allowed`, where given, and those from
- * limit to the next multiple of 8 set to -inf here), in place, then out[0 : D] = the weighted sum of
- * the value rows v + j * D. */
-__attribute__((target("avx2,fma"))) static void softmax_weighted(
-    float *scores, Py_ssize_t limit, const unsigned char *allowed, const float *vh, int D, float *o) {
+ * limit to the next multiple of 8 set to -inf here), in place, unnormalised: the weights
+ * exp(score - max); returns 1 / their total (the weighted sum of the values multiplies by it). */
+__attribute__((target("avx2,fma"))) static float softmax_scores(float *scores, Py_ssize_t limit,
+                                                               const unsigned char *allowed) {
     const Py_ssize_t padded = (limit + 7) / 8 * 8;
     Py_ssize_t j;
     if (allowed)
@@ -297,19 +335,7 @@ __attribute__((target("avx2,fma"))) static void softmax_weighted(
         totals = _mm256_add_ps(totals, weight);
     }
     _mm256_storeu_ps(lanes, totals);
-    const float inverse = 1.0f / (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                                  ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
-    /* out = sum_j weight_j v_j / total, 32 columns at a time in registers, two slots a step (two sets
-     * of sums: each waits on its own fused multiply-adds only). A slot not attended adds 0 * v = 0
-     * exactly (cached values are finite). */
-    for (int c = 0; c < D; c += 32) {
-        switch ((D - c) >= 32 ? 4 : (D - c) / 8) {
-        case 4: weighted_4(scores, vh + c, D, limit, inverse, o + c); break;
-        case 3: weighted_3(scores, vh + c, D, limit, inverse, o + c); break;
-        case 2: weighted_2(scores, vh + c, D, limit, inverse, o + c); break;
-        default: weighted_1(scores, vh + c, D, limit, inverse, o + c);
-        }
-    }
+    return 1.0f / (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
 }
 
 /* Scores of R queries (rows q_r = q + r * q_stride, D values each) over slots [0, slots), slots a
@@ -381,9 +407,9 @@ __attribute__((target("avx2,fma"))) static void transpose_keys(const float *k, P
  * hundred slots (8 heads of 32), about a sixth of a bundled-target step, for some 10 us of arithmetic.
  *
  * q: n rows of q_stride floats, the heads * D query values at the start of each row. keys, values:
- * (kv_heads, capacity, D). out: (n, heads * D). Query i attends slot j < end where mask[i * end + j]
- * is non-zero, or, with no mask, where j <= start + i (a causal chain after `start` cached slots; one
- * query attends every slot). Head h reads kv head h / (heads / kv_heads). Softmax in float32 with the
+ * (kv_heads, capacity, D), float32 or bfloat16 (attend_bf16). out: (n, heads * D). Query i attends
+ * slot j < end where mask[i * end + j] is non-zero, or, with no mask, where j <= start + i (a causal
+ * chain after `start` cached slots; one query attends every slot). Head h reads kv head h / (heads / kv_heads). Softmax in float32 with the
  * maximum subtracted; a slot not attended gets weight exactly 0. `scratch` is room for
  * attend_scratch_floats(end, D) floats.
  *
@@ -392,56 +418,108 @@ __attribute__((target("avx2,fma"))) static void transpose_keys(const float *k, P
  * QUERY_TILE queries are summed together from it, sixteen slots a step (score_tile_R): no sums across
  * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of
  * 32 over ~150 slots: the per-key lane sums were about a quarter of the attention's time.) */
-__attribute__((target("avx2,fma"))) static void attend(
-    const float *q, Py_ssize_t q_stride, const float *keys, const float *values, Py_ssize_t capacity,
-    float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
-    Py_ssize_t end, float scale, float *scratch) {
-    const int group = heads / kv_heads;
-    const Py_ssize_t row_stride = (Py_ssize_t)heads * D;
+__attribute__((target("avx2,fma"))) static void attend_group(
+    const float *q, Py_ssize_t q_stride, const float *kg, const float *vg, float *out, Py_ssize_t out_stride,
+    const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, Py_ssize_t end,
+    float scale, float *scratch) {
     if (n < TILE_MIN_QUERIES) {
         const __m256 scale8 = _mm256_set1_ps(scale);
         /* heads outside, queries inside: a head's keys and values stay in the cache for all its queries */
-        for (int h = 0; h < heads; h++) {
-            const float *kh = keys + (Py_ssize_t)(h / group) * capacity * D;
+        for (int h = first_head; h < first_head + group; h++) {
             for (Py_ssize_t i = 0; i < n; i++) {
                 const Py_ssize_t limit = mask ? end : start + i + 1; /* slots j < limit may be attended */
                 const float *qh = q + i * q_stride + (Py_ssize_t)h * D;
                 Py_ssize_t j = 0;
                 for (; j + 8 <= limit; j += 8)
-                    _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8(qh, kh + j * D, D), scale8));
-                for (; j < limit; j++) scratch[j] = dot8(qh, kh + j * D, D) * scale;
-                softmax_weighted(scratch, limit, mask ? mask + i * end : NULL,
-                                 values + (Py_ssize_t)(h / group) * capacity * D, D,
-                                 out + i * row_stride + (Py_ssize_t)h * D);
+                    _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_f32(qh, kg + j * D, D), scale8));
+                for (; j < limit; j++) scratch[j] = dot8_f32(qh, kg + j * D, D) * scale;
+                const float inverse = softmax_scores(scratch, limit, mask ? mask + i * end : NULL);
+                weighted_sum_f32(scratch, vg, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D);
             }
         }
         return;
     }
     const Py_ssize_t slots = (end + 15) / 16 * 16;
     float *kt = scratch, *tile = scratch + (Py_ssize_t)D * slots;
-    for (int g = 0; g < kv_heads; g++) {
-        transpose_keys(keys + (Py_ssize_t)g * capacity * D, end, D, kt, slots);
-        const float *vg = values + (Py_ssize_t)g * capacity * D;
-        for (int h = g * group; h < (g + 1) * group; h++) {
-            for (Py_ssize_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
-                const int rows = n - i0 < QUERY_TILE ? (int)(n - i0) : QUERY_TILE;
-                /* the slots any query of the tile attends: up to the last one's limit */
-                const Py_ssize_t last = mask ? end : start + i0 + rows;
-                const Py_ssize_t tile_slots = (last + 15) / 16 * 16;
-                const float *qh = q + i0 * q_stride + (Py_ssize_t)h * D;
-                switch (rows) {
-                case 4: score_tile_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                case 3: score_tile_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                case 2: score_tile_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                default: score_tile_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
-                }
-                for (int r = 0; r < rows; r++) {
-                    const Py_ssize_t i = i0 + r;
-                    softmax_weighted(tile + r * slots, mask ? end : start + i + 1, mask ? mask + i * end : NULL,
-                                     vg, D, out + i * row_stride + (Py_ssize_t)h * D);
-                }
+    transpose_keys(kg, end, D, kt, slots);
+    for (int h = first_head; h < first_head + group; h++) {
+        for (Py_ssize_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
+            const int rows = n - i0 < QUERY_TILE ? (int)(n - i0) : QUERY_TILE;
+            /* the slots any query of the tile attends: up to the last one's limit */
+            const Py_ssize_t last = mask ? end : start + i0 + rows;
+            const Py_ssize_t tile_slots = (last + 15) / 16 * 16;
+            const float *qh = q + i0 * q_stride + (Py_ssize_t)h * D;
+            switch (rows) {
+            case 4: score_tile_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+            case 3: score_tile_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+            case 2: score_tile_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+            default: score_tile_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
+            }
+            for (int r = 0; r < rows; r++) {
+                const Py_ssize_t i = i0 + r;
+                const Py_ssize_t limit = mask ? end : start + i + 1;
+                float *weights = tile + r * slots;
+                const float inverse = softmax_scores(weights, limit, mask ? mask + i * end : NULL);
+                weighted_sum_f32(weights, vg, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D);
             }
         }
+    }
+}
+
+/* dst[0 : count] = the float32 values of the bfloat16 src[0 : count] (count a multiple of 8). */
+__attribute__((target("avx2,fma"))) static void widen_bf16(const uint16_t *src, Py_ssize_t count, float *dst) {
+    for (Py_ssize_t c = 0; c < count; c += 8) _mm256_storeu_ps(dst + c, KV8_BF16(src + c));
+}
+
+/* One query over a bfloat16 cache, read as it is: each key and value is read once (per head), so
+ * widening it where it is used costs no more than widening it first. */
+__attribute__((target("avx2,fma"))) static void attend_one_bf16(
+    const float *q, const uint16_t *keys, const uint16_t *values, Py_ssize_t capacity, float *out,
+    const unsigned char *mask, int heads, int kv_heads, int D, Py_ssize_t end, float scale, float *scratch) {
+    const int group = heads / kv_heads;
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (int h = 0; h < heads; h++) {
+        const uint16_t *kh = keys + (Py_ssize_t)(h / group) * capacity * D;
+        const uint16_t *vh = values + (Py_ssize_t)(h / group) * capacity * D;
+        const float *qh = q + (Py_ssize_t)h * D;
+        Py_ssize_t j = 0;
+        for (; j + 8 <= end; j += 8)
+            _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_bf16(qh, kh + j * D, D), scale8));
+        for (; j < end; j++) scratch[j] = dot8_bf16(qh, kh + j * D, D) * scale;
+        const float inverse = softmax_scores(scratch, end, mask);
+        weighted_sum_bf16(scratch, vh, D, end, inverse, out + (Py_ssize_t)h * D);
+    }
+}
+
+/* attend() over a cache of float32 (kv_bf16 = 0) or bfloat16 keys and values. Several queries over a
+ * bfloat16 cache: each kv head's keys and values are widened to float32 once, into the scratch (an
+ * L1/L2-sized copy), and attended from there as float32 ones are; the per-query path re-reads a head's
+ * keys and values for every query, and widening them at each read cost more than the bytes saved
+ * (3 queries over 256 slots: 0.98x the float32 cache, 9 queries 0.95x). */
+__attribute__((target("avx2,fma"))) static void attend(
+    const float *q, Py_ssize_t q_stride, const void *keys, const void *values, int kv_bf16, Py_ssize_t capacity,
+    float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
+    Py_ssize_t end, float scale, float *scratch) {
+    const int group = heads / kv_heads;
+    const Py_ssize_t out_stride = (Py_ssize_t)heads * D, head_values = capacity * D;
+    if (!kv_bf16) {
+        for (int g = 0; g < kv_heads; g++)
+            attend_group(q, q_stride, (const float *)keys + g * head_values, (const float *)values + g * head_values,
+                         out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch);
+        return;
+    }
+    if (n == 1) {
+        attend_one_bf16(q, (const uint16_t *)keys, (const uint16_t *)values, capacity, out, mask, heads, kv_heads, D,
+                        end, scale, scratch);
+        return;
+    }
+    const Py_ssize_t slots = (end + 15) / 16 * 16;
+    float *wide_keys = scratch + slots * (Py_ssize_t)(D + QUERY_TILE), *wide_values = wide_keys + slots * D;
+    for (int g = 0; g < kv_heads; g++) {
+        widen_bf16((const uint16_t *)keys + g * head_values, end * D, wide_keys);
+        widen_bf16((const uint16_t *)values + g * head_values, end * D, wide_values);
+        attend_group(q, q_stride, wide_keys, wide_values, out, out_stride, mask, n, g * group, group, D, start, end,
+                     scale, scratch);
     }
 }
 
@@ -488,12 +566,13 @@ __attribute__((target("avx2,fma"))) static void silu_times(const float *gate, co
  *   hidden += attn @ W_o; normed = rms(hidden); gate_up = normed @ W_gate_up;
  *   act = silu(gate) * up; hidden += act @ W_down.
  * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are panels of float32
- * (bf16 = 0) or of bfloat16 (bf16 = 1); everything else is float32. */
+ * (bf16 = 0) or of bfloat16 (bf16 = 1); the cache's keys and values are float32 (kv_bf16 = 0) or
+ * bfloat16, rounded to nearest even as they are written (bf16_bits); everything else is float32. */
 __attribute__((target("avx2,fma"))) static void layer_forward(
     float *hidden, float *normed, float *qkv, float *attn, float *gate_up, float *act, const void *w_qkv,
     const float *b_qkv, const void *w_o, const void *w_gate_up, const void *w_down, int bf16, Py_ssize_t n, int H,
-    int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, float *keys,
-    float *values, Py_ssize_t capacity, const unsigned char *mask, Py_ssize_t start, float scale,
+    int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, void *keys,
+    void *values, int kv_bf16, Py_ssize_t capacity, const unsigned char *mask, Py_ssize_t start, float scale,
     float *scores) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     rms_rows(hidden, normed, n, H, eps_in);
@@ -512,13 +591,21 @@ __attribute__((target("avx2,fma"))) static void layer_forward(
             }
         }
         for (int g = 0; g < kv_heads; g++) {
-            memcpy(keys + ((Py_ssize_t)g * capacity + start + i) * D, row + (Py_ssize_t)(heads + g) * D,
-                   (size_t)D * sizeof(float));
-            memcpy(values + ((Py_ssize_t)g * capacity + start + i) * D,
-                   row + (Py_ssize_t)(heads + kv_heads + g) * D, (size_t)D * sizeof(float));
+            const Py_ssize_t slot = ((Py_ssize_t)g * capacity + start + i) * D;
+            const float *k = row + (Py_ssize_t)(heads + g) * D, *v = row + (Py_ssize_t)(heads + kv_heads + g) * D;
+            if (kv_bf16) {
+                for (int d = 0; d < D; d++) {
+                    ((uint16_t *)keys)[slot + d] = bf16_bits(k[d]);
+                    ((uint16_t *)values)[slot + d] = bf16_bits(v[d]);
+                }
+            } else {
+                memcpy((float *)keys + slot, k, (size_t)D * sizeof(float));
+                memcpy((float *)values + slot, v, (size_t)D * sizeof(float));
+            }
         }
     }
-    attend(qkv, width, keys, values, capacity, attn, mask, n, heads, kv_heads, D, start, start + n, scale, scores);
+    attend(qkv, width, keys, values, kv_bf16, capacity, attn, mask, n, heads, kv_heads, D, start, start + n, scale,
+           scores);
     panel_product(attn, w_o, bf16, hidden, n, (Py_ssize_t)heads * D, H, 1);
     rms_rows(hidden, normed, n, H, eps_post);
     panel_product(normed, w_gate_up, bf16, gate_up, n, H, 2 * (Py_ssize_t)I, 0);
@@ -581,10 +668,10 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     Py_buffer q, keys, values, out, mask = {0};
     PyObject *mask_object;
     Py_ssize_t q_stride, n, start, end;
-    int heads, kv_heads, D;
+    int heads, kv_heads, D, kv_bf16 = 0;
     double scale;
-    if (!PyArg_ParseTuple(args, "y*ny*y*w*Oniiinnd", &q, &q_stride, &keys, &values, &out, &mask_object, &n,
-                          &heads, &kv_heads, &D, &start, &end, &scale))
+    if (!PyArg_ParseTuple(args, "y*ny*y*w*Oniiinnd|p", &q, &q_stride, &keys, &values, &out, &mask_object, &n,
+                          &heads, &kv_heads, &D, &start, &end, &scale, &kv_bf16))
         return NULL;
     int have_mask = mask_object != Py_None;
     if (have_mask && PyObject_GetBuffer(mask_object, &mask, PyBUF_SIMPLE) != 0) {
@@ -595,14 +682,15 @@ static PyObject *attention(PyObject *self, PyObject *args) {
         return NULL;
     }
     const char *error = NULL;
-    const Py_ssize_t per_kv = (Py_ssize_t)kv_heads * D * (Py_ssize_t)sizeof(float);
+    const Py_ssize_t per_kv = (Py_ssize_t)kv_heads * D * (kv_bf16 ? 2 : 4);
     const Py_ssize_t capacity = per_kv > 0 ? keys.len / per_kv : 0;
     if (!cpu_supported())
         error = "host attention needs an x86-64 CPU with AVX2 and FMA";
     else if (n < 1 || heads < 1 || kv_heads < 1 || D < 8 || D % 8 != 0 || heads % kv_heads != 0)
         error = "need n, heads, kv_heads >= 1, head_dim a multiple of 8 and heads a multiple of kv_heads";
     else if (keys.len != capacity * per_kv || values.len != keys.len)
-        error = "keys and values must both be (kv_heads, capacity, head_dim) float32";
+        error = kv_bf16 ? "keys and values must both be (kv_heads, capacity, head_dim) bfloat16 (uint16)"
+                        : "keys and values must both be (kv_heads, capacity, head_dim) float32";
     else if (end < 1 || end > capacity || (!have_mask && start + n > end) || start < 0)
         error = "slots out of range: need start + n <= end <= capacity";
     else if (q_stride < (Py_ssize_t)heads * D || q.len < ((n - 1) * q_stride + (Py_ssize_t)heads * D) * (Py_ssize_t)sizeof(float))
@@ -619,7 +707,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     if (error == NULL) {
 #ifdef GBV_PANELS_X86
         Py_BEGIN_ALLOW_THREADS
-        attend((const float *)q.buf, q_stride, (const float *)keys.buf, (const float *)values.buf, capacity,
+        attend((const float *)q.buf, q_stride, keys.buf, values.buf, kv_bf16, capacity,
                (float *)out.buf, have_mask ? (const unsigned char *)mask.buf : NULL, n, heads, kv_heads, D,
                start, end, (float)scale, scores);
         Py_END_ALLOW_THREADS
@@ -716,12 +804,12 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 static PyObject *layer(PyObject *self, PyObject *args) {
     PyObject *objects[15];
     Py_ssize_t n, start;
-    int H, heads, kv_heads, D, I, bf16;
+    int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0;
     double eps_in, eps_post, scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddp", &objects[0], &objects[1], &objects[2], &objects[3],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddp|p", &objects[0], &objects[1], &objects[2], &objects[3],
                           &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9], &objects[10],
                           &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads, &kv_heads, &D, &I,
-                          &start, &eps_in, &eps_post, &scale, &bf16))
+                          &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host layer needs an x86-64 CPU with AVX2 and FMA");
@@ -754,9 +842,13 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     }
     Py_ssize_t capacity = 0;
     if (!failed) {
-        capacity = views[12].len / ((Py_ssize_t)kv_heads * D * f);
-        if (views[12].len != capacity * kv_heads * D * f || views[13].len != views[12].len) {
-            PyErr_SetString(PyExc_ValueError, "keys and values must both be (kv_heads, capacity, head_dim) float32");
+        const Py_ssize_t kv = kv_bf16 ? 2 : 4; /* bytes of a cached value */
+        capacity = views[12].len / ((Py_ssize_t)kv_heads * D * kv);
+        if (views[12].len != capacity * kv_heads * D * kv || views[13].len != views[12].len) {
+            PyErr_SetString(PyExc_ValueError, kv_bf16 ? "keys and values must both be (kv_heads, capacity, head_dim) "
+                                                        "bfloat16 (uint16)"
+                                                      : "keys and values must both be (kv_heads, capacity, head_dim) "
+                                                        "float32");
             failed = 1;
         } else if (end > capacity) {
             PyErr_SetString(PyExc_ValueError, "slots out of range: need start + n <= capacity");
@@ -778,7 +870,8 @@ static PyObject *layer(PyObject *self, PyObject *args) {
                       (float *)views[4].buf, (float *)views[5].buf, views[6].buf,
                       given[7] ? (const float *)views[7].buf : NULL, views[8].buf, views[9].buf, views[10].buf,
                       bf16, n, H, heads, kv_heads, D, I, eps_in, eps_post, (const float *)views[11].buf,
-                      (float *)views[12].buf, (float *)views[13].buf, capacity, given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores);
+                      views[12].buf, views[13].buf, kv_bf16, capacity,
+                      given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -959,14 +1052,14 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab;
-    int H, heads, kv_heads, D, I, bf16, last_only;
+    int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0;
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|p", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
-                          &below_one))
+                          &below_one, &kv_bf16))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -988,7 +1081,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
     const Py_ssize_t num_layers = PyTuple_GET_SIZE(layers), f = (Py_ssize_t)sizeof(float);
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D, end = start + n, rows_out = last_only ? 1 : n;
-    const Py_ssize_t sequence = (Py_ssize_t)kv_heads * capacity * D; /* floats of one cache row */
+    const Py_ssize_t sequence = (Py_ssize_t)kv_heads * capacity * D; /* values of one cache row */
+    const Py_ssize_t kv = kv_bf16 ? 2 : 4;                          /* bytes of a cached value */
 #define PANELS(K, N) ((((N) + PANEL - 1) / PANEL) * (K) * PANEL * (bf16 ? 2 : 4))
     const Py_ssize_t sizes[13] = {n * 8, n * 8, -1, -1, n * H * f, n * H * f, n * width * f,
                                   n * (Py_ssize_t)heads * D * f, n * 2 * I * f, n * I * f, PANELS(H, vocab),
@@ -1055,10 +1149,12 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             failed = get_buffer(parts[b], &views[l * PER_LAYER + b], b >= 5, part_sizes[b], part_names[b],
                                 &given[l * PER_LAYER + b]) != 0;
         if (failed) break;
-        if (views[l * PER_LAYER + 5].len < (first_row + 1) * sequence * f ||
+        if (views[l * PER_LAYER + 5].len < (first_row + 1) * sequence * kv ||
             views[l * PER_LAYER + 6].len != views[l * PER_LAYER + 5].len) {
-            PyErr_SetString(PyExc_ValueError, "keys and values must be (rows, kv_heads, capacity, head_dim) float32 "
-                                              "with first_row < rows");
+            PyErr_SetString(PyExc_ValueError, kv_bf16 ? "keys and values must be (rows, kv_heads, capacity, head_dim) "
+                                                        "bfloat16 (uint16) with first_row < rows"
+                                                      : "keys and values must be (rows, kv_heads, capacity, head_dim) "
+                                                        "float32 with first_row < rows");
             failed = 1;
             break;
         }
@@ -1105,8 +1201,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             layer_forward(hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
                           (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL,
                           v[2].buf, v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[3 * l],
-                          constants[3 * l + 1], rotation, (float *)v[5].buf + first_row * sequence,
-                          (float *)v[6].buf + first_row * sequence, capacity,
+                          constants[3 * l + 1], rotation, (char *)v[5].buf + first_row * sequence * kv,
+                          (char *)v[6].buf + first_row * sequence * kv, kv_bf16, capacity,
                           fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start,
                           (float)constants[3 * l + 2], scores);
         }

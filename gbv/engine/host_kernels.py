@@ -1,7 +1,9 @@
 """The host forward's compiled kernels (``_host_kernels.c``; CPU, float32, AVX2 + FMA).
 
 Everything is float32 except the weights of the products, which are float32 or bfloat16 panels (a
-bfloat16 model runs in float32 over its bf16 weight values: ``gbv.engine.lean.bf16_weights_in_float32_reason``).
+bfloat16 model runs in float32 over its bf16 weight values: ``gbv.engine.lean.bf16_weights_in_float32_reason``),
+and the KV cache, float32 or bfloat16 (that model's: ``LeanCausalLM.cache_dtype``). bfloat16 arrays are
+numpy ``uint16`` views of the bits (numpy has no bfloat16): see :func:`kv_bf16`.
 
 - **Products of a few rows** (:class:`PanelWeight`). ``y = x @ W`` for a (K, N) weight and M rows
   costs MKL here about as much per added row as a whole 1-row product (docs/ENGINE.md, "Compiled
@@ -99,6 +101,23 @@ class PanelWeight:
         return out
 
 
+def kv_bf16(keys: np.ndarray) -> bool:
+    """Whether cache arrays hold bfloat16 (their ``uint16`` bits, the view ``KVCache.arrays`` gives of
+    bfloat16 tensors) rather than float32."""
+    if keys.dtype == np.uint16:
+        return True
+    if keys.dtype != np.float32:
+        raise ValueError(f"cache arrays must be float32, or uint16 holding bfloat16, got {keys.dtype}")
+    return False
+
+
+def _kv_flag(keys: np.ndarray) -> tuple:
+    """The kernels' trailing ``kv_bf16`` argument: given only when it is set, so that a module built
+    from an older C file (``scripts/kernels_at.py``, for before/after runs) takes float32 caches as
+    it did."""
+    return (True,) if kv_bf16(keys) else ()
+
+
 def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.ndarray,
                    mask: np.ndarray | None, heads: int, start: int, end: int, scale: float) -> np.ndarray:
     """Attention of one sequence's n queries over slots ``0 .. end-1`` of its cache, into ``out``.
@@ -106,7 +125,8 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
     Args:
         q: (n, width) float32, C-contiguous rows whose first ``heads * D`` values are the query (the
             host forward passes its fused q/k/v rows as they are).
-        keys, values: (kv_heads, capacity, D) float32, C-contiguous (one sequence of the cache).
+        keys, values: (kv_heads, capacity, D) float32, or uint16 bfloat16 bits (:func:`kv_bf16`),
+            C-contiguous (one sequence of the cache).
         out: (n, heads * D) float32, C-contiguous.
         mask: (n, end) bool/uint8, C-contiguous, True where query i may attend slot j; or None, where
             query i attends every slot up to ``start + i`` (one query: every slot).
@@ -114,7 +134,7 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
     """
     kv_heads, _, head_dim = keys.shape
     _host_kernels.attention(q, q.shape[1], keys, values, out, mask, q.shape[0], heads, kv_heads, head_dim,
-                            start, end, scale)
+                            start, end, scale, *_kv_flag(keys))
     return out
 
 
@@ -127,7 +147,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     The layer as :class:`gbv.engine.lean_host.HostForward` computes it (norm weights folded, q/k/v and
     gate/up fused, rotary pairs interleaved): rms norm, q/k/v product (+ bias), the rotation
     ``rotation`` ((n, 1, D/2) complex64, one row per query) on q and k, k and v into slots
-    ``start .. start+n-1`` of ``keys``/``values`` ((kv_heads, capacity, D) of this sequence), attention
+    ``start .. start+n-1`` of ``keys``/``values`` ((kv_heads, capacity, D) of this sequence; bfloat16
+    ones get the float32 values rounded to nearest even, as torch rounds), attention
     as :func:`attention_into` (``mask`` (n, start+n) or None), o product added, rms norm, gate/up
     product, SiLU(gate) * up, down product added.
     """
@@ -139,7 +160,7 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
-                        eps_post, scale, bf16)
+                        eps_post, scale, bf16, *_kv_flag(keys))
 
 
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
@@ -188,7 +209,8 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     of each position. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale)``
     per layer, the weights as panel arrays (``PanelWeight.panels``, all float32 or all bfloat16 like
     ``head``), ``b_qkv`` a float32 array or None. keys, values: per layer the cache's
-    (rows, kv_heads, capacity, D) float32 arrays; this sequence is row ``first_row``. mask: (n, start + n)
+    (rows, kv_heads, capacity, D) arrays, float32 or bfloat16 (:func:`kv_bf16`); this sequence is row
+    ``first_row``. mask: (n, start + n)
     bool/uint8, or None for the causal chain after ``start``. rows: the work buffers (lean_host._Rows)
     of n rows. logits: (n, V_head) float32, or (1, V_head) with ``last_only`` (the last query only).
 
@@ -205,4 +227,4 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,
                                  rows.act.shape[1], head.out_features, final_eps, head.bf16, last_only, draw_vocab,
-                                 temperature, u, probs, tokens_out, BELOW_ONE)
+                                 temperature, u, probs, tokens_out, BELOW_ONE, *_kv_flag(keys[0]))

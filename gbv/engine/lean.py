@@ -78,9 +78,12 @@ class KVCache:
 
     def arrays(self) -> tuple[list, list]:
         """numpy views (B, kv_heads, capacity, head_dim) of every layer's keys and values (CPU only:
-        they share the tensors' memory; made again after :meth:`grow`)."""
+        they share the tensors' memory; made again after :meth:`grow`). A bfloat16 cache gives ``uint16``
+        views of the bits (numpy has no bfloat16; ``host_kernels.kv_bf16``)."""
         if self._arrays is None:
-            self._arrays = (tuple(t.numpy() for t in self.keys), tuple(t.numpy() for t in self.values))
+            def view(t: Tensor):
+                return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+            self._arrays = (tuple(view(t) for t in self.keys), tuple(view(t) for t in self.values))
         return self._arrays
 
     @property
@@ -412,13 +415,24 @@ class LeanCausalLM:
         self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host forward)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
+        # The KV cache's dtype: a bfloat16 model run in float32 by the compiled kernels keeps bfloat16
+        # keys and values, as its Hugging Face forward does. Why: attention of one query reads every
+        # cached key and value once, cold (the weights streamed between two steps push them out of the
+        # CPU's caches): 16 KB a slot for the bundled target in float32, 4 MB a step at 250 slots against
+        # its 15.7 MB of bf16 weights, and a step cost ~30% more at 256 slots than at 16. The kernels
+        # widen bf16 to float32 exactly; the values are rounded once, as written (docs/ENGINE.md,
+        # "A bfloat16 KV cache"). Elsewhere the cache has the forward's dtype.
+        self.cache_dtype = self.dtype
+        if self.bf16_in_float32 and self.host_forward is not None and self.host_forward.attention_off is None:
+            self.cache_dtype = torch.bfloat16
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of a forward, in order (for measuring their share of its time)."""
         return [m for layer in self.layers for m in layer.matrices()] + [self.lm_head]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+        return KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.cache_dtype,
+                       self.device)
 
     def ensure_rotary(self, upto: int) -> None:
         """Grow the rotary tables to cover positions ``0 .. upto-1`` (computed by the model's own rotary
@@ -577,10 +591,13 @@ class LeanCausalLM:
             if first_row or batch != keys.shape[0]:  # (a slice is a call: only when it selects)
                 keys = keys[first_row:first_row + batch]
                 values = values[first_row:first_row + batch]
-            keys[:, :, start:end] = k
+            keys[:, :, start:end] = k  # (rounded to the cache's dtype, if it is another)
             values[:, :, start:end] = v
+            keys, values = keys[:, :, :end], values[:, :, :end]
+            if keys.dtype != q.dtype:  # a bfloat16 cache of a model run in float32 (cache_dtype)
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             attn = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, is_causal=use_causal,
+                q, keys, values, attn_mask=mask, is_causal=use_causal,
                 scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
             hidden = layer.o.add_to(residual, attn.transpose(1, 2).reshape(batch * n, -1))
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)

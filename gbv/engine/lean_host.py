@@ -162,6 +162,21 @@ class _Product:
             torch.mm(x_t, self.weight_t, out=out_t)
 
 
+def _store(cached: np.ndarray, new: np.ndarray) -> None:
+    """``cached[...] = new`` for float32 ``new``; a bfloat16 cache (``uint16`` bits) gets it rounded to
+    nearest even by torch, as the kernels and the torch forward round it."""
+    if cached.dtype == np.uint16:
+        torch.from_numpy(cached).view(torch.bfloat16).copy_(torch.from_numpy(new))
+    else:
+        cached[...] = new
+
+
+def _as_float32(cached: np.ndarray) -> Tensor:
+    """A float32 tensor of cache values (a view of float32 ones, a widened copy of bfloat16 ones)."""
+    tensor = torch.from_numpy(cached)
+    return tensor.view(torch.bfloat16).float() if cached.dtype == np.uint16 else tensor
+
+
 class HostForward:
     """:meth:`LeanCausalLM.forward` for up to ``HOST_MAX_QUERIES`` query rows, with numpy doing the
     work between the matrix products.
@@ -351,8 +366,8 @@ class HostForward:
                 rows.qkv += b_qkv
             rows.qk_complex *= rotation
             keys, values = all_keys[index][sequences], all_values[index][sequences]
-            keys[:, :, start:end] = rows.new_k
-            values[:, :, start:end] = rows.new_v
+            _store(keys[:, :, start:end], rows.new_k)
+            _store(values[:, :, start:end], rows.new_v)
             if attend:
                 for b in range(batch):
                     attention_into(rows.qkv[b * n:(b + 1) * n], keys[b], values[b], rows.attn[b * n:(b + 1) * n],
@@ -360,7 +375,7 @@ class HostForward:
                                    scaling)
             else:
                 attn = torch.nn.functional.scaled_dot_product_attention(
-                    rows.query, torch.from_numpy(keys[:, :, :end]), torch.from_numpy(values[:, :, :end]),
+                    rows.query, _as_float32(keys[:, :, :end]), _as_float32(values[:, :, :end]),
                     attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)  # (B, heads, N, D)
                 np.copyto(rows.attn_heads, attn.numpy().transpose(0, 2, 1, 3))
             w_o.into(rows.attn, rows.attn_t, rows.hidden, rows.hidden_t, True, panels)

@@ -97,7 +97,10 @@ def _reference_attention(q, keys, values, allowed, heads, scale):
     (2, 8, 8, 32, 14, False),    # two queries, 16 slots in all (no tail block)
     (25, 8, 8, 32, 150, True),   # a 25-node tree: query tiles of 4 and a tile of 1
 ])
-def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, start, masked):
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, start, masked, cache):
+    """Against float64 over the same cached values; a bfloat16 cache (uint16 bits) is read as the float32
+    values it stands for (one query straight from the cache, several from widened copies)."""
     rng = np.random.default_rng(n * 100 + head_dim + start)
     end = start + n
     capacity = end + 3  # slots past the end hold values the kernel must not read
@@ -112,9 +115,14 @@ def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, star
         values[:, np.flatnonzero(~allowed.any(axis=0))] = 1e30  # a slot no query attends must weigh exactly 0
     else:
         allowed = np.arange(end)[None, :] <= start + np.arange(n)[:, None]
+    if cache == "bfloat16":
+        keys, values = (torch.from_numpy(a).to(torch.bfloat16) for a in (keys, values))
+        cached = [t.view(torch.uint16).numpy() for t in (keys, values)]
+        keys, values = keys.float().numpy(), values.float().numpy()  # the values the cache stands for
+    else:
+        cached = [keys, values]
     out = np.full((n, heads * head_dim), np.nan, dtype=np.float32)
-    attention_into(qkv, keys, values, out, np.ascontiguousarray(allowed) if masked else None, heads, start, end,
-                   0.3)
+    attention_into(qkv, *cached, out, np.ascontiguousarray(allowed) if masked else None, heads, start, end, 0.3)
     exact = _reference_attention(qkv, keys, values, allowed, heads, 0.3)
     np.testing.assert_allclose(out, exact, rtol=0, atol=2e-5)
 
@@ -141,6 +149,10 @@ def test_kernels_refuse_bad_buffers():
     with pytest.raises(ValueError, match="head_dim a multiple of 8"):
         attention_into(np.zeros((1, 12), np.float32), np.zeros((1, 10, 4), np.float32),
                        np.zeros((1, 10, 4), np.float32), np.zeros((1, 4), np.float32), None, 1, 0, 1, 1.0)
+    with pytest.raises(ValueError, match="float32, or uint16 holding bfloat16"):
+        attention_into(q, keys.astype(np.float64), keys.astype(np.float64), out, None, 2, 8, 9, 1.0)
+    with pytest.raises(ValueError, match="bfloat16"):  # values of half the keys' size
+        attention_into(q, np.zeros((2, 10, 8), np.uint16), np.zeros((2, 10, 4), np.uint16), out, None, 2, 0, 3, 1.0)
 
 
 @needs_kernels
@@ -273,6 +285,35 @@ def test_one_call_forward_equals_the_call_per_layer(bf16):
                 assert torch.equal(caches[0].keys[layer][row, :, :start + n], caches[1].keys[layer][row, :, :start + n])
                 assert torch.equal(caches[0].values[layer][row, :, :start + n],
                                    caches[1].values[layer][row, :, :start + n])
+            start += n
+
+
+@needs_kernels
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_bfloat16_cache_holds_the_new_keys_rounded_as_torch_rounds(one_call):
+    """A bfloat16 model's cache is bfloat16; the kernels write each new key and value rounded to nearest
+    even, bit for bit what torch's ``.to(torch.bfloat16)`` gives for the float32 values the layer
+    computed (the last layer's, left in the work buffer); a cache that truncated would differ."""
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    lean = LeanCausalLM(target.to(torch.bfloat16))
+    forward = lean.host_forward
+    assert lean.cache_dtype == torch.bfloat16
+    if not one_call:
+        forward.layer_panels = None
+    cache = lean.new_cache(1, 32)
+    gen = torch.Generator().manual_seed(4)
+    start = 0
+    with torch.inference_mode():
+        for n, masked in [(9, False), (1, False), (4, True), (1, False)]:
+            tokens = torch.randint(0, 48, (1, n), generator=gen)
+            mask = _random_mask(n, start, gen) if masked else None
+            lean.forward(tokens, torch.arange(start, start + n)[None], start, cache, mask, causal=not masked)
+            rows = forward.rows(1, n)
+            for stored, new in ((cache.keys[-1], rows.new_k), (cache.values[-1], rows.new_v)):
+                rounded = torch.from_numpy(np.ascontiguousarray(new[0])).to(torch.bfloat16)
+                assert torch.equal(stored[0, :, start:start + n].view(torch.uint16), rounded.view(torch.uint16))
+                truncated = (torch.from_numpy(np.ascontiguousarray(new[0])).view(torch.int32) >> 16).to(torch.int16)
+                assert not torch.equal(stored[0, :, start:start + n].view(torch.int16), truncated)
             start += n
 
 
