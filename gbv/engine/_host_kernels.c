@@ -188,40 +188,95 @@ static inline uint16_t bf16_bits(float value) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* sum_d a[d] * b[d] over D values (D a multiple of 8: eight partial sums, then added), and the dot
- * products of q with eight consecutive keys (rows of D values), as one vector; keys of type T. */
-#define DEFINE_KEY_DOTS(S, T, KV8)                                                                  \
-    __attribute__((target("avx2,fma"))) static inline float dot8_##S(const float *a, const T *b, int D) { \
-        __m256 sum = _mm256_setzero_ps();                                                           \
-        for (int d = 0; d < D; d += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), KV8(b + d), sum); \
-        __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));       \
-        half = _mm_add_ps(half, _mm_movehl_ps(half, half));                                         \
-        half = _mm_add_ss(half, _mm_movehdup_ps(half));                                             \
-        return _mm_cvtss_f32(half);                                                                 \
-    }                                                                                               \
-    __attribute__((target("avx2,fma"))) static inline __m256 dot8x8_##S(const float *q, const T *k, int D) { \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-        for (int d = 0; d < D; d += 8) {                                                            \
-            const __m256 qd = _mm256_loadu_ps(q + d);                                               \
-            a0 = _mm256_fmadd_ps(qd, KV8(k + d), a0);                                               \
-            a1 = _mm256_fmadd_ps(qd, KV8(k + D + d), a1);                                           \
-            a2 = _mm256_fmadd_ps(qd, KV8(k + 2 * D + d), a2);                                       \
-            a3 = _mm256_fmadd_ps(qd, KV8(k + 3 * D + d), a3);                                       \
-            a4 = _mm256_fmadd_ps(qd, KV8(k + 4 * D + d), a4);                                       \
-            a5 = _mm256_fmadd_ps(qd, KV8(k + 5 * D + d), a5);                                       \
-            a6 = _mm256_fmadd_ps(qd, KV8(k + 6 * D + d), a6);                                       \
-            a7 = _mm256_fmadd_ps(qd, KV8(k + 7 * D + d), a7);                                       \
-        }                                                                                           \
-        /* pairwise sums within 128-bit lanes, then the two lanes of each key added */              \
-        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));           \
-        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));           \
-        /* (two 128-bit halves added and joined: on this CPU a cross-lane permute is 8 micro-ops) */ \
-        const __m128 low = _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1));    \
-        const __m128 high = _mm_add_ps(_mm256_castps256_ps128(t1), _mm256_extractf128_ps(t1, 1));   \
-        return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);                          \
+/* The sums of eight vectors a0..a7, one per key, as one vector: pairwise sums within 128-bit lanes,
+ * then the two lanes of each key added (two 128-bit halves added and joined: on this CPU a cross-lane
+ * permute is 8 micro-ops). */
+__attribute__((target("avx2,fma"))) static inline __m256 key_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                                                                 __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    const __m128 low = _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1));
+    const __m128 high = _mm_add_ps(_mm256_castps256_ps128(t1), _mm256_extractf128_ps(t1, 1));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);
+}
+
+__attribute__((target("avx2,fma"))) static inline float vector_sum(__m256 sum) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
+/* sum_d a[d] * b[d] over D values (D a multiple of 8: eight partial sums, then added). */
+__attribute__((target("avx2,fma"))) static inline float dot8_f32(const float *a, const float *b, int D) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), sum);
+    return vector_sum(sum);
+}
+
+/* The dot products of q with eight consecutive keys (rows of D floats), as one vector. */
+__attribute__((target("avx2,fma"))) static inline __m256 dot8x8_f32(const float *q, const float *k, int D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 7 * D + d), a7);
     }
-DEFINE_KEY_DOTS(f32, float, KV8_F32)
-DEFINE_KEY_DOTS(bf16, uint16_t, KV8_BF16)
+    return key_sums(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+/* bfloat16 keys read straight from the cache. Sixteen values are widened by one load and two
+ * interleaves with zeros (LOAD_BF16, as the bf16 panels), which give values 0-3 and 8-11 in one vector
+ * and 4-7 and 12-15 in the other: half the instructions of widening eight in order (zero-extension and
+ * a shift), with which one query over a warm cache (the draft's) cost 3% more than over float32. So the
+ * query is taken in that order too (permute_query); the last 8 values of a head_dim that is an odd
+ * multiple of 8 are widened in order. */
+static const int PERM16[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+static inline void permute_query(const float *q, int D, float *qp) {
+    int d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int i = 0; i < 16; i++) qp[d + i] = q[d + PERM16[i]];
+    for (; d < D; d++) qp[d] = q[d];
+}
+
+/* dot8_f32 and dot8x8_f32 of a permuted query qp (permute_query) with bfloat16 keys. */
+__attribute__((target("avx2,fma"))) static inline float dot8_bf16(const float *qp, const uint16_t *k, int D) {
+    __m256 sum = _mm256_setzero_ps(), lo, hi;
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        LOAD_BF16(k + d, 0, lo, hi);
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(qp + d), lo, sum);
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(qp + d + 8), hi, sum);
+    }
+    if (d < D) sum = _mm256_fmadd_ps(_mm256_loadu_ps(qp + d), KV8_BF16(k + d), sum);
+    return vector_sum(sum);
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 dot8x8_bf16(const float *qp, const uint16_t *k, int D) {
+    __m256 a[8];
+    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        const __m256 q_lo = _mm256_loadu_ps(qp + d), q_hi = _mm256_loadu_ps(qp + d + 8);
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) {
+            __m256 lo, hi;
+            LOAD_BF16(k + r * D + d, 0, lo, hi);
+            a[r] = _mm256_fmadd_ps(q_hi, hi, _mm256_fmadd_ps(q_lo, lo, a[r]));
+        }
+    }
+    if (d < D) {
+        const __m256 qd = _mm256_loadu_ps(qp + d);
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qd, KV8_BF16(k + r * D + d), a[r]);
+    }
+    return key_sums(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+}
 
 /* exp(x) for x <= 0, eight at a time (Cephes' expf: x = n ln 2 + r, a degree-5 polynomial for e^r,
  * about 1 ulp); exactly 0 below -87, where float32's normal range ends, and for -inf. */
@@ -272,25 +327,76 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
         _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++)                                        \
             _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(_mm256_add_ps(even[k], odd[k]), factor));   \
     }
-#define DEFINE_WEIGHTED_SUM(S, T, KV8)                                                              \
-    DEFINE_WEIGHTED(1, S, T, KV8)                                                                   \
-    DEFINE_WEIGHTED(2, S, T, KV8)                                                                   \
-    DEFINE_WEIGHTED(3, S, T, KV8)                                                                   \
-    DEFINE_WEIGHTED(4, S, T, KV8)                                                                   \
-    /* out[0 : D] = sum_{j < limit} weight_j v_j * inverse, 32 columns at a time */                 \
-    __attribute__((target("avx2,fma"))) static void weighted_sum_##S(                               \
-        const float *weights, const T *v, int D, Py_ssize_t limit, float inverse, float *out) {     \
-        for (int c = 0; c < D; c += 32) {                                                           \
-            switch ((D - c) >= 32 ? 4 : (D - c) / 8) {                                              \
-            case 4: weighted_##S##_4(weights, v + c, D, limit, inverse, out + c); break;            \
-            case 3: weighted_##S##_3(weights, v + c, D, limit, inverse, out + c); break;            \
-            case 2: weighted_##S##_2(weights, v + c, D, limit, inverse, out + c); break;            \
-            default: weighted_##S##_1(weights, v + c, D, limit, inverse, out + c);                  \
+DEFINE_WEIGHTED(1, f32, float, KV8_F32)
+DEFINE_WEIGHTED(2, f32, float, KV8_F32)
+DEFINE_WEIGHTED(3, f32, float, KV8_F32)
+DEFINE_WEIGHTED(4, f32, float, KV8_F32)
+DEFINE_WEIGHTED(1, bf16, uint16_t, KV8_BF16) /* (the last 8 columns of an odd multiple of 8) */
+
+/* out[0 : D] = sum_{j < limit} weight_j v_j * inverse, 32 columns at a time. */
+__attribute__((target("avx2,fma"))) static void weighted_sum_f32(const float *weights, const float *v, int D,
+                                                                Py_ssize_t limit, float inverse, float *out) {
+    for (int c = 0; c < D; c += 32) {
+        switch ((D - c) >= 32 ? 4 : (D - c) / 8) {
+        case 4: weighted_f32_4(weights, v + c, D, limit, inverse, out + c); break;
+        case 3: weighted_f32_3(weights, v + c, D, limit, inverse, out + c); break;
+        case 2: weighted_f32_2(weights, v + c, D, limit, inverse, out + c); break;
+        default: weighted_f32_1(weights, v + c, D, limit, inverse, out + c);
+        }
+    }
+}
+
+/* weighted_f32_CH over bfloat16 values, 16 C16 columns, each 16 widened as LOAD_BF16 gives them (0-3
+ * and 8-11 in `lo`, 4-7 and 12-15 in `hi`) and put back in order as they are stored. */
+#define DEFINE_WEIGHTED_BF16(C16)                                                                   \
+    __attribute__((target("avx2,fma"))) static inline void weighted16_bf16_##C16(                   \
+        const float *weights, const uint16_t *v, int D, Py_ssize_t limit, float inverse, float *out) { \
+        __m256 lo_even[C16], hi_even[C16], lo_odd[C16], hi_odd[C16], lo, hi;                       \
+        _Pragma("GCC unroll 2") for (int k = 0; k < C16; k++)                                       \
+            lo_even[k] = hi_even[k] = lo_odd[k] = hi_odd[k] = _mm256_setzero_ps();                  \
+        Py_ssize_t j = 0;                                                                           \
+        for (; j + 2 <= limit; j += 2) {                                                            \
+            const __m256 w_even = _mm256_broadcast_ss(weights + j);                                 \
+            const __m256 w_odd = _mm256_broadcast_ss(weights + j + 1);                              \
+            const uint16_t *row = v + j * D;                                                        \
+            _Pragma("GCC unroll 2") for (int k = 0; k < C16; k++) {                                 \
+                LOAD_BF16(row + 16 * k, 0, lo, hi);                                                 \
+                lo_even[k] = _mm256_fmadd_ps(w_even, lo, lo_even[k]);                               \
+                hi_even[k] = _mm256_fmadd_ps(w_even, hi, hi_even[k]);                               \
+                LOAD_BF16(row + D + 16 * k, 0, lo, hi);                                             \
+                lo_odd[k] = _mm256_fmadd_ps(w_odd, lo, lo_odd[k]);                                  \
+                hi_odd[k] = _mm256_fmadd_ps(w_odd, hi, hi_odd[k]);                                  \
             }                                                                                       \
         }                                                                                           \
+        if (j < limit) {                                                                            \
+            const __m256 w_even = _mm256_broadcast_ss(weights + j);                                 \
+            _Pragma("GCC unroll 2") for (int k = 0; k < C16; k++) {                                 \
+                LOAD_BF16(v + j * D + 16 * k, 0, lo, hi);                                           \
+                lo_even[k] = _mm256_fmadd_ps(w_even, lo, lo_even[k]);                               \
+                hi_even[k] = _mm256_fmadd_ps(w_even, hi, hi_even[k]);                               \
+            }                                                                                       \
+        }                                                                                           \
+        const __m256 factor = _mm256_set1_ps(inverse);                                              \
+        _Pragma("GCC unroll 2") for (int k = 0; k < C16; k++) {                                     \
+            lo = _mm256_mul_ps(_mm256_add_ps(lo_even[k], lo_odd[k]), factor); /* 0-3, 8-11 */       \
+            hi = _mm256_mul_ps(_mm256_add_ps(hi_even[k], hi_odd[k]), factor); /* 4-7, 12-15 */      \
+            _mm256_storeu_ps(out + 16 * k, _mm256_permute2f128_ps(lo, hi, 0x20));                   \
+            _mm256_storeu_ps(out + 16 * k + 8, _mm256_permute2f128_ps(lo, hi, 0x31));               \
+        }                                                                                           \
     }
-DEFINE_WEIGHTED_SUM(f32, float, KV8_F32)
-DEFINE_WEIGHTED_SUM(bf16, uint16_t, KV8_BF16)
+DEFINE_WEIGHTED_BF16(1)
+DEFINE_WEIGHTED_BF16(2)
+
+__attribute__((target("avx2,fma"))) static void weighted_sum_bf16(const float *weights, const uint16_t *v, int D,
+                                                                 Py_ssize_t limit, float inverse, float *out) {
+    int c = 0;
+    for (; c + 32 <= D; c += 32) weighted16_bf16_2(weights, v + c, D, limit, inverse, out + c);
+    if (c + 16 <= D) {
+        weighted16_bf16_1(weights, v + c, D, limit, inverse, out + c);
+        c += 16;
+    }
+    if (c < D) weighted_bf16_1(weights, v + c, D, limit, inverse, out + c);
+}
 
 /* Queries whose scores are computed together from the transposed keys (attend()), and the fewest
  * queries of a call that take that path: transposing a kv head's keys costs about as much as scoring
@@ -301,11 +407,10 @@ DEFINE_WEIGHTED_SUM(bf16, uint16_t, KV8_BF16)
 #define TILE_MIN_QUERIES 6
 
 /* Floats of attend()'s scratch for `end` slots and head_dim D: the keys of one kv head transposed
- * (D rows of the slots rounded up to 16) and the scores of QUERY_TILE queries over as many slots;
- * then, for a bfloat16 cache, one kv head's keys and values widened to float32. */
+ * (D rows of the slots rounded up to 16) and the scores of QUERY_TILE queries over as many slots (the
+ * per-query paths use the first slots + D: one query's scores, and its permuted copy for bf16). */
 static size_t attend_scratch_floats(Py_ssize_t end, int D) {
-    const size_t slots = (size_t)((end + 15) / 16 * 16);
-    return slots * (size_t)(D + QUERY_TILE) + 2 * slots * (size_t)D;
+    return (size_t)((end + 15) / 16 * 16) * (size_t)(D + QUERY_TILE);
 }
 
 /* Softmax of one query's scores over slots j < limit (those not `allowed`, where given, and those from
@@ -370,36 +475,51 @@ DEFINE_SCORE_TILE(2)
 DEFINE_SCORE_TILE(3)
 DEFINE_SCORE_TILE(4)
 
-/* kt[d * slots + j] = k[j * D + d] for slots j < end, 0 for end <= j < slots (D a multiple of 8):
- * eight slots by eight columns at a time, each 8 x 8 block as two 4 x 4 transposes per 128-bit lane
- * (halves of rows j and j + 4 loaded into the two lanes: no cross-lane permutes, 8 micro-ops each on
- * this CPU). */
-__attribute__((target("avx2,fma"))) static void transpose_keys(const float *k, Py_ssize_t end, int D, float *kt,
-                                                               Py_ssize_t slots) {
-    Py_ssize_t j = 0;
-    for (; j + 8 <= end; j += 8) {
-        const float *r = k + j * D;
-        for (int d = 0; d < D; d += 8) {
-            for (int half = 0; half < 8; half += 4) { /* columns d + half .. d + half + 3 */
-                const __m256 a0 = _mm256_loadu2_m128(r + 4 * D + d + half, r + d + half);
-                const __m256 a1 = _mm256_loadu2_m128(r + 5 * D + d + half, r + D + d + half);
-                const __m256 a2 = _mm256_loadu2_m128(r + 6 * D + d + half, r + 2 * D + d + half);
-                const __m256 a3 = _mm256_loadu2_m128(r + 7 * D + d + half, r + 3 * D + d + half);
-                const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
-                const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
-                float *o = kt + (Py_ssize_t)(d + half) * slots + j;
-                _mm256_storeu_ps(o, _mm256_shuffle_ps(t0, t2, 0x44));
-                _mm256_storeu_ps(o + slots, _mm256_shuffle_ps(t0, t2, 0xEE));
-                _mm256_storeu_ps(o + 2 * slots, _mm256_shuffle_ps(t1, t3, 0x44));
-                _mm256_storeu_ps(o + 3 * slots, _mm256_shuffle_ps(t1, t3, 0xEE));
-            }
-        }
+/* kt[d * slots + j] = k[j * D + d] (widened to float32) for slots j < end, 0 for end <= j < slots (D a
+ * multiple of 8): eight slots by eight columns at a time, each 8 x 8 block as two 4 x 4 transposes per
+ * 128-bit lane (halves of rows j and j + 4 loaded into the two lanes: no cross-lane permutes, 8
+ * micro-ops each on this CPU). Keys of type T, four loaded by LOAD4 and one by LOAD1. */
+#define DEFINE_TRANSPOSE_KEYS(S, T, LOAD4, LOAD1)                                                   \
+    __attribute__((target("avx2,fma"))) static void transpose_keys_##S(const T *k, Py_ssize_t end, int D, \
+                                                                       float *kt, Py_ssize_t slots) { \
+        Py_ssize_t j = 0;                                                                           \
+        for (; j + 8 <= end; j += 8) {                                                              \
+            const T *r = k + j * D;                                                                 \
+            for (int d = 0; d < D; d += 8) {                                                        \
+                for (int half = 0; half < 8; half += 4) { /* columns d + half .. d + half + 3 */    \
+                    const T *c = r + d + half;                                                      \
+                    const __m256 a0 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c)), LOAD4(c + 4 * D), 1); \
+                    const __m256 a1 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c + D)), LOAD4(c + 5 * D), 1); \
+                    const __m256 a2 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c + 2 * D)), LOAD4(c + 6 * D), 1); \
+                    const __m256 a3 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c + 3 * D)), LOAD4(c + 7 * D), 1); \
+                    const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);  \
+                    const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);  \
+                    float *o = kt + (Py_ssize_t)(d + half) * slots + j;                             \
+                    _mm256_storeu_ps(o, _mm256_shuffle_ps(t0, t2, 0x44));                           \
+                    _mm256_storeu_ps(o + slots, _mm256_shuffle_ps(t0, t2, 0xEE));                   \
+                    _mm256_storeu_ps(o + 2 * slots, _mm256_shuffle_ps(t1, t3, 0x44));               \
+                    _mm256_storeu_ps(o + 3 * slots, _mm256_shuffle_ps(t1, t3, 0xEE));               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int d = 0; d < D; d++) {                                                               \
+            for (Py_ssize_t t = j; t < end; t++) kt[d * slots + t] = LOAD1(k + t * D + d);          \
+            for (Py_ssize_t t = end; t < slots; t++) kt[d * slots + t] = 0.0f;                      \
+        }                                                                                           \
     }
-    for (int d = 0; d < D; d++) {
-        for (Py_ssize_t t = j; t < end; t++) kt[d * slots + t] = k[t * D + d];
-        for (Py_ssize_t t = end; t < slots; t++) kt[d * slots + t] = 0.0f;
-    }
+#define LOAD4_F32(p) _mm_loadu_ps(p)
+#define LOAD1_F32(p) (*(p))
+/* four bfloat16 values in order: one interleave with zeros (one micro-op in 128 bits on this CPU) */
+#define LOAD4_BF16(p) _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)(p))))
+#define LOAD1_BF16(p) bf16_value(*(p))
+static inline float bf16_value(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
 }
+DEFINE_TRANSPOSE_KEYS(f32, float, LOAD4_F32, LOAD1_F32)
+DEFINE_TRANSPOSE_KEYS(bf16, uint16_t, LOAD4_BF16, LOAD1_BF16)
 
 /* Attention of n queries of one sequence over its cached keys and values (head_dim D a multiple of 8).
  *
@@ -418,6 +538,39 @@ __attribute__((target("avx2,fma"))) static void transpose_keys(const float *k, P
  * QUERY_TILE queries are summed together from it, sixteen slots a step (score_tile_R): no sums across
  * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of
  * 32 over ~150 slots: the per-key lane sums were about a quarter of the attention's time.) */
+__attribute__((target("avx2,fma"))) static void attend_tiles(
+    const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t slots, const void *vg, int v_bf16, float *out,
+    Py_ssize_t out_stride, const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start,
+    Py_ssize_t end, float scale, float *tile) {
+    for (int h = first_head; h < first_head + group; h++) {
+        for (Py_ssize_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
+            const int rows = n - i0 < QUERY_TILE ? (int)(n - i0) : QUERY_TILE;
+            /* the slots any query of the tile attends: up to the last one's limit */
+            const Py_ssize_t last = mask ? end : start + i0 + rows;
+            const Py_ssize_t tile_slots = (last + 15) / 16 * 16;
+            const float *qh = q + i0 * q_stride + (Py_ssize_t)h * D;
+            switch (rows) {
+            case 4: score_tile_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+            case 3: score_tile_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+            case 2: score_tile_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+            default: score_tile_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
+            }
+            for (int r = 0; r < rows; r++) {
+                const Py_ssize_t i = i0 + r;
+                const Py_ssize_t limit = mask ? end : start + i + 1;
+                float *weights = tile + r * slots, *o = out + i * out_stride + (Py_ssize_t)h * D;
+                const float inverse = softmax_scores(weights, limit, mask ? mask + i * end : NULL);
+                if (v_bf16)
+                    weighted_sum_bf16(weights, (const uint16_t *)vg, D, limit, inverse, o);
+                else
+                    weighted_sum_f32(weights, (const float *)vg, D, limit, inverse, o);
+            }
+        }
+    }
+}
+
+/* The heads first_head .. first_head + group - 1, which read one kv head's keys kg and values vg
+ * (float32, rows of D), by the per-query path or in tiles (attend()). */
 __attribute__((target("avx2,fma"))) static void attend_group(
     const float *q, Py_ssize_t q_stride, const float *kg, const float *vg, float *out, Py_ssize_t out_stride,
     const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, Py_ssize_t end,
@@ -440,62 +593,44 @@ __attribute__((target("avx2,fma"))) static void attend_group(
         return;
     }
     const Py_ssize_t slots = (end + 15) / 16 * 16;
-    float *kt = scratch, *tile = scratch + (Py_ssize_t)D * slots;
-    transpose_keys(kg, end, D, kt, slots);
-    for (int h = first_head; h < first_head + group; h++) {
-        for (Py_ssize_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
-            const int rows = n - i0 < QUERY_TILE ? (int)(n - i0) : QUERY_TILE;
-            /* the slots any query of the tile attends: up to the last one's limit */
-            const Py_ssize_t last = mask ? end : start + i0 + rows;
-            const Py_ssize_t tile_slots = (last + 15) / 16 * 16;
-            const float *qh = q + i0 * q_stride + (Py_ssize_t)h * D;
-            switch (rows) {
-            case 4: score_tile_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-            case 3: score_tile_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-            case 2: score_tile_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-            default: score_tile_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
-            }
-            for (int r = 0; r < rows; r++) {
-                const Py_ssize_t i = i0 + r;
-                const Py_ssize_t limit = mask ? end : start + i + 1;
-                float *weights = tile + r * slots;
-                const float inverse = softmax_scores(weights, limit, mask ? mask + i * end : NULL);
-                weighted_sum_f32(weights, vg, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D);
-            }
+    transpose_keys_f32(kg, end, D, scratch, slots);
+    attend_tiles(q, q_stride, scratch, slots, vg, 0, out, out_stride, mask, n, first_head, group, D, start, end, scale,
+                 scratch + (Py_ssize_t)D * slots);
+}
+
+/* Fewer than TILE_MIN_QUERIES queries over a bfloat16 cache, read as it is (dot8x8_bf16,
+ * weighted_sum_bf16): as attend_group's per-query path, each query taken in the order the keys are
+ * widened in (permute_query, into the scratch after the scores). */
+__attribute__((target("avx2,fma"))) static void attend_few_bf16(
+    const float *q, Py_ssize_t q_stride, const uint16_t *keys, const uint16_t *values, Py_ssize_t capacity,
+    float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
+    Py_ssize_t end, float scale, float *scratch) {
+    const int group = heads / kv_heads;
+    const Py_ssize_t out_stride = (Py_ssize_t)heads * D;
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    float *qp = scratch + (end + 15) / 16 * 16;
+    for (int h = 0; h < heads; h++) {
+        const uint16_t *kh = keys + (Py_ssize_t)(h / group) * capacity * D;
+        const uint16_t *vh = values + (Py_ssize_t)(h / group) * capacity * D;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t limit = mask ? end : start + i + 1; /* slots j < limit may be attended */
+            permute_query(q + i * q_stride + (Py_ssize_t)h * D, D, qp);
+            Py_ssize_t j = 0;
+            for (; j + 8 <= limit; j += 8)
+                _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_bf16(qp, kh + j * D, D), scale8));
+            for (; j < limit; j++) scratch[j] = dot8_bf16(qp, kh + j * D, D) * scale;
+            const float inverse = softmax_scores(scratch, limit, mask ? mask + i * end : NULL);
+            weighted_sum_bf16(scratch, vh, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D);
         }
     }
 }
 
-/* dst[0 : count] = the float32 values of the bfloat16 src[0 : count] (count a multiple of 8). */
-__attribute__((target("avx2,fma"))) static void widen_bf16(const uint16_t *src, Py_ssize_t count, float *dst) {
-    for (Py_ssize_t c = 0; c < count; c += 8) _mm256_storeu_ps(dst + c, KV8_BF16(src + c));
-}
-
-/* One query over a bfloat16 cache, read as it is: each key and value is read once (per head), so
- * widening it where it is used costs no more than widening it first. */
-__attribute__((target("avx2,fma"))) static void attend_one_bf16(
-    const float *q, const uint16_t *keys, const uint16_t *values, Py_ssize_t capacity, float *out,
-    const unsigned char *mask, int heads, int kv_heads, int D, Py_ssize_t end, float scale, float *scratch) {
-    const int group = heads / kv_heads;
-    const __m256 scale8 = _mm256_set1_ps(scale);
-    for (int h = 0; h < heads; h++) {
-        const uint16_t *kh = keys + (Py_ssize_t)(h / group) * capacity * D;
-        const uint16_t *vh = values + (Py_ssize_t)(h / group) * capacity * D;
-        const float *qh = q + (Py_ssize_t)h * D;
-        Py_ssize_t j = 0;
-        for (; j + 8 <= end; j += 8)
-            _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_bf16(qh, kh + j * D, D), scale8));
-        for (; j < end; j++) scratch[j] = dot8_bf16(qh, kh + j * D, D) * scale;
-        const float inverse = softmax_scores(scratch, end, mask);
-        weighted_sum_bf16(scratch, vh, D, end, inverse, out + (Py_ssize_t)h * D);
-    }
-}
-
-/* attend() over a cache of float32 (kv_bf16 = 0) or bfloat16 keys and values. Several queries over a
- * bfloat16 cache: each kv head's keys and values are widened to float32 once, into the scratch (an
- * L1/L2-sized copy), and attended from there as float32 ones are; the per-query path re-reads a head's
- * keys and values for every query, and widening them at each read cost more than the bytes saved
- * (3 queries over 256 slots: 0.98x the float32 cache, 9 queries 0.95x). */
+/* Attention over a cache of float32 (kv_bf16 = 0) or bfloat16 keys and values (see attend_group for
+ * float32). A bfloat16 cache is read as it is: fewer than TILE_MIN_QUERIES queries by attend_few_bf16,
+ * more in tiles over the keys widened as they are transposed, and the values widened where the
+ * weighted sums read them. (Widening a kv head's keys and values into a float32 copy first, and then
+ * attending as over float32, cost more than it saved: 9 queries over 300 slots 0.96-0.99x the float32
+ * cache's forward.) */
 __attribute__((target("avx2,fma"))) static void attend(
     const float *q, Py_ssize_t q_stride, const void *keys, const void *values, int kv_bf16, Py_ssize_t capacity,
     float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
@@ -508,18 +643,16 @@ __attribute__((target("avx2,fma"))) static void attend(
                          out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch);
         return;
     }
-    if (n == 1) {
-        attend_one_bf16(q, (const uint16_t *)keys, (const uint16_t *)values, capacity, out, mask, heads, kv_heads, D,
-                        end, scale, scratch);
+    if (n < TILE_MIN_QUERIES) {
+        attend_few_bf16(q, q_stride, (const uint16_t *)keys, (const uint16_t *)values, capacity, out, mask, n, heads,
+                        kv_heads, D, start, end, scale, scratch);
         return;
     }
     const Py_ssize_t slots = (end + 15) / 16 * 16;
-    float *wide_keys = scratch + slots * (Py_ssize_t)(D + QUERY_TILE), *wide_values = wide_keys + slots * D;
     for (int g = 0; g < kv_heads; g++) {
-        widen_bf16((const uint16_t *)keys + g * head_values, end * D, wide_keys);
-        widen_bf16((const uint16_t *)values + g * head_values, end * D, wide_values);
-        attend_group(q, q_stride, wide_keys, wide_values, out, out_stride, mask, n, g * group, group, D, start, end,
-                     scale, scratch);
+        transpose_keys_bf16((const uint16_t *)keys + g * head_values, end, D, scratch, slots);
+        attend_tiles(q, q_stride, scratch, slots, (const uint16_t *)values + g * head_values, 1, out, out_stride, mask,
+                     n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots);
     }
 }
 

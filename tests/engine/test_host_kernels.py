@@ -96,6 +96,9 @@ def _reference_attention(q, keys, values, allowed, heads, scale):
     (3, 2, 2, 8, 5, True),
     (2, 8, 8, 32, 14, False),    # two queries, 16 slots in all (no tail block)
     (25, 8, 8, 32, 150, True),   # a 25-node tree: query tiles of 4 and a tile of 1
+    (3, 2, 1, 72, 20, False),    # per query, head_dim 72: bf16 columns 32 + 32 + 8
+    (2, 2, 2, 48, 30, True),     # per query, head_dim 48: bf16 columns 32 + 16
+    (1, 4, 2, 24, 33, False),    # one query, head_dim 24: bf16 columns 16 + 8
 ])
 @pytest.mark.parametrize("cache", ["float32", "bfloat16"])
 def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, start, masked, cache):
