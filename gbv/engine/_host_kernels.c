@@ -334,7 +334,7 @@ DEFINE_WEIGHTED(4, f32, float, KV8_F32)
 DEFINE_WEIGHTED(1, bf16, uint16_t, KV8_BF16) /* (the last 8 columns of an odd multiple of 8) */
 
 /* out[0 : D] = sum_{j < limit} weight_j v_j * inverse, 32 columns at a time. */
-__attribute__((target("avx2,fma"))) static void weighted_sum_f32(const float *weights, const float *v, int D,
+__attribute__((target("avx2,fma"))) static inline void weighted_sum_f32(const float *weights, const float *v, int D,
                                                                 Py_ssize_t limit, float inverse, float *out) {
     for (int c = 0; c < D; c += 32) {
         switch ((D - c) >= 32 ? 4 : (D - c) / 8) {
@@ -538,7 +538,7 @@ DEFINE_TRANSPOSE_KEYS(bf16, uint16_t, LOAD4_BF16, LOAD1_BF16)
  * QUERY_TILE queries are summed together from it, sixteen slots a step (score_tile_R): no sums across
  * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of
  * 32 over ~150 slots: the per-key lane sums were about a quarter of the attention's time.) */
-__attribute__((target("avx2,fma"))) static void attend_tiles(
+__attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t slots, const void *vg, int v_bf16, float *out,
     Py_ssize_t out_stride, const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start,
     Py_ssize_t end, float scale, float *tile) {
@@ -570,8 +570,10 @@ __attribute__((target("avx2,fma"))) static void attend_tiles(
 }
 
 /* The heads first_head .. first_head + group - 1, which read one kv head's keys kg and values vg
- * (float32, rows of D), by the per-query path or in tiles (attend()). */
-__attribute__((target("avx2,fma"))) static void attend_group(
+ * (float32, rows of D), by the per-query path or in tiles (attend()). (noinline, as attend_tiles and
+ * attend_few_bf16: inlined all into attend(), the per-query path over a float32 cache ran 11-15%
+ * slower, 1-5 queries over 150 slots, against the C file before the bf16 cache.) */
+__attribute__((target("avx2,fma"), noinline)) static void attend_group(
     const float *q, Py_ssize_t q_stride, const float *kg, const float *vg, float *out, Py_ssize_t out_stride,
     const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, Py_ssize_t end,
     float scale, float *scratch) {
@@ -601,7 +603,7 @@ __attribute__((target("avx2,fma"))) static void attend_group(
 /* Fewer than TILE_MIN_QUERIES queries over a bfloat16 cache, read as it is (dot8x8_bf16,
  * weighted_sum_bf16): as attend_group's per-query path, each query taken in the order the keys are
  * widened in (permute_query, into the scratch after the scores). */
-__attribute__((target("avx2,fma"))) static void attend_few_bf16(
+__attribute__((target("avx2,fma"), noinline)) static void attend_few_bf16(
     const float *q, Py_ssize_t q_stride, const uint16_t *keys, const uint16_t *values, Py_ssize_t capacity,
     float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
     Py_ssize_t end, float scale, float *scratch) {
