@@ -68,6 +68,18 @@ _OUTLIER = 3.0
 # was re-tried every ~1,000 iterations at 10-40 ms a trial: auto lost 4% in float32 at T = 0.2 (one
 # A/B run, scripts/bench_auto_ab.py). An arm left out by its ceiling (see choose) stays out too.
 _AGE = 0.999
+# An iteration that follows another arm (or a prefill) costs more than one that follows its own arm:
+# on the bundled pair in bfloat16 an ar step took 1.54 ms (median) after another arm against 1.34 ms
+# after an ar step, BV L = 2 3.6 against 3.5 ms, and more with the draft's catch-up after ar
+# (scripts/auto_switch_cost.py, before this rule). Counted in full, an arm that only runs as a UCB retry -- ar while a
+# BV arm leads -- looked ~15% slower than it runs, and BV arms up to 15% slower than ar kept the lead:
+# auto at 0.89x ar in the nineteenth session's first bf16 table at T = 0.2, running BV L = 8 at 0.84x
+# ar for the last 15 prompts. So each arm's seconds are its cost in a run of its own iterations: a
+# switch-in iteration is counted less the arm's switching cost, estimated from pairs of a switch-in
+# iteration and the next one of the same arm (measured at the same machine speed, so a drift of the
+# machine's speed does not leak into it), and that cost, spread over a hold (_HOLD), is added to the
+# seconds of every arm but the one that just ran when choosing: the policy switches only for a gain.
+_SWITCH_PAIRS = 4.0  # weight, in pairs, of the prior "no switching cost" of an arm's switching cost
 # Once choose() picks the leader, the decoder runs it this many iterations before choosing again.
 # Why: between forwards that stream tens of MB of weights, the policy's Python runs from a cold cache:
 # a choice cost ~22 us and its record ~9 us in bfloat16 here, against a 2 ms ar step (1.5%). Holding
@@ -128,6 +140,15 @@ class AutoPolicy:
         self.last_leader: int | None = None  # the leader when choose() last ran (AutoDecoder holds it)
         self.clock = 0  # iterations recorded, of every arm
         self.stamps = [0] * len(arms)  # the clock when each arm's sums were last aged
+        # Switching costs (see _SWITCH_PAIRS): decayed sums of (switch-in seconds - next seconds) over
+        # pairs, per arm; the arm that ran last (None after a prefill: the next iteration is a switch-in);
+        # the switch-in iteration waiting for its pair; each arm's rate factor when it is not the last
+        # one, 1 / (1 + cost / (_HOLD * seconds)).
+        self.switch_sums = [0.0] * len(arms)
+        self.switch_pairs = [0.0] * len(arms)
+        self.previous: int | None = None
+        self._switch_in: tuple[int, float] | None = None
+        self._switch_factor = [1.0] * len(arms)
         for index, arm in enumerate(self.arms):
             if arm.method != "ar":
                 family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
@@ -213,9 +234,22 @@ class AutoPolicy:
             ceiling = self._ceilings[index] = (arm.block_len + 1) / least if least > 0 else math.inf
         return ceiling
 
+    def switch_cost(self, index: int) -> float:
+        """Seconds an iteration of arm ``index`` costs more after another arm than after its own (at
+        least 0), shrunk towards 0 by ``_SWITCH_PAIRS`` pairs."""
+        return max(self.switch_sums[index] / (self.switch_pairs[index] + _SWITCH_PAIRS), 0.0)
+
+    def switch_factor(self, index: int) -> float:
+        """What choose() multiplies arm ``index``'s rate by when another arm ran last: its seconds plus
+        its switching cost over ``_HOLD`` iterations, as a factor (1 before it has run)."""
+        if self.seconds[index] <= 0.0:
+            return 1.0
+        return 1.0 / (1.0 + self.switch_cost(index) * self.trials[index] / (_HOLD * self.seconds[index]))
+
     def choose(self, max_block: int | None = None) -> int:
         """Index of the next arm. ``max_block`` excludes arms with longer blocks (near the end of a
-        generation only a short block fits; ``ar`` always fits).
+        generation only a short block fits; ``ar`` always fits). An arm other than the one that ran
+        last is rated with its switching cost spread over a hold (``_SWITCH_PAIRS``).
 
         An arm whose :meth:`ceiling` is below the rate of the best arm that has finished exploring cannot
         win, so it is not tried (again) while that holds. Why: on a CPU a multi-path trial costs 10-40 ms
@@ -228,12 +262,15 @@ class AutoPolicy:
             allowed = self._fitting[max_block] = tuple(
                 i for i, arm in enumerate(self.arms) if max_block is None or arm.block_len <= max_block)
         rates, runs, trials = self._rates, self.runs, self.trials
+        factor, previous = self._switch_factor, self.previous
         leader, floor = None, 0.0
         for i in allowed:  # the leader: the first best rate among the explored arms, as leader() finds it
             if runs[i] >= _MIN_TRIALS:
                 rate = rates.get(i)
                 if rate is None:
                     rate = self._rate(i)
+                if i != previous:
+                    rate *= factor[i]
                 if leader is None or rate > floor:
                     leader, floor = i, rate
         self.last_leader = leader
@@ -249,6 +286,8 @@ class AutoPolicy:
             rate = rates.get(i)
             if rate is None:
                 rate = self._rate(i)
+            if i != previous:
+                rate *= factor[i]
             candidates.append((i, rate))
             best_rate = rate if rate > best_rate else best_rate
         clock, stamps = self.clock, self.stamps
@@ -269,9 +308,18 @@ class AutoPolicy:
 
     def record(self, index: int, tokens: int, seconds: float) -> None:
         """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``
-        (counted as at most ``_OUTLIER`` times the arm's mean, once it has run ``_MIN_TRIALS`` times)."""
+        (counted as at most ``_OUTLIER`` times the arm's mean, once it has run ``_MIN_TRIALS`` times;
+        an iteration after another arm or a prefill less the arm's switching cost, _SWITCH_PAIRS)."""
         if self.runs[index] >= _MIN_TRIALS:
             seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
+        if self._switch_in is not None and self._switch_in[0] == index:  # a switch-in and the next iteration
+            self.switch_sums[index] = self.switch_sums[index] * _DECAY + (self._switch_in[1] - seconds)
+            self.switch_pairs[index] = self.switch_pairs[index] * _DECAY + 1.0
+        self._switch_in = None
+        if index != self.previous:
+            self._switch_in = (index, seconds)
+            seconds = max(seconds - self.switch_cost(index), 0.5 * seconds)
+        self.previous = index
         if self.trials[index] > 0:  # the arm's sums, aged to now
             age = _aged(self.trials[index], self.clock - self.stamps[index]) / self.trials[index]
             self.tokens[index] *= age
@@ -283,6 +331,7 @@ class AutoPolicy:
         self.seconds[index] = self.seconds[index] * _DECAY + max(seconds, 1e-9)
         self.trials[index] = self.trials[index] * _DECAY + 1.0
         self.runs[index] += 1
+        self._switch_factor[index] = self.switch_factor(index)
         arm = self.arms[index]
         if arm.method == "ar":
             self._rates.pop(index, None)
@@ -381,6 +430,7 @@ class AutoDecoder:
         return self.base.tokens
 
     def prefill(self, prompt_ids) -> None:
+        self.policy.previous = None  # the first iteration after a prefill is a switch-in (_SWITCH_PAIRS)
         # Where ar leads (a CPU in bfloat16, a draft far from the target), the draft is fed the prompt
         # only if a speculative arm runs at all (the tree engine: catch_up_draft); else at once, as before.
         leader = self.policy.leader()

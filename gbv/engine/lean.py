@@ -218,9 +218,10 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     Why: on these CPUs torch has no fast bfloat16 kernels (a 1-token step of the bundled target costs
     about 3x the float32 one), while the panel kernel streams bfloat16 weights at half float32's bytes
     and widens them to float32 exactly in registers. So a small bfloat16 model on the CPU, where the
-    compiled kernels run, is run as the float32 model with the same weight values: activations, the
-    KV cache and the logits are float32 (more precise than bfloat16's, so its logits differ from
-    Hugging Face's bf16 forward by about as much as another kernel's rounding would). The norms' weights
+    compiled kernels run, is run as the float32 model with the same weight values: activations and the
+    logits are float32, more precise than bfloat16's (the KV cache stays bfloat16: ``cache_dtype``), so
+    its logits differ from Hugging Face's bf16 forward by about as much as another kernel's rounding
+    would. The norms' weights
     folded into the matrices after them are rounded to bfloat16 once, at load, so that both the torch
     path and the panels hold one and the same bfloat16 matrix. ``GBV_HOST_KERNELS=0`` keeps the model in
     bfloat16 throughout, as before.
