@@ -479,6 +479,7 @@ DEFINE_SCORE_TILE(4)
  * multiple of 8): eight slots by eight columns at a time, each 8 x 8 block as two 4 x 4 transposes per
  * 128-bit lane (halves of rows j and j + 4 loaded into the two lanes: no cross-lane permutes, 8
  * micro-ops each on this CPU). Keys of type T, four loaded by LOAD4 and one by LOAD1. */
+#define TWO_LANES(low, high) _mm256_insertf128_ps(_mm256_castps128_ps256(low), (high), 1)
 #define DEFINE_TRANSPOSE_KEYS(S, T, LOAD4, LOAD1)                                                   \
     __attribute__((target("avx2,fma"))) static void transpose_keys_##S(const T *k, Py_ssize_t end, int D, \
                                                                        float *kt, Py_ssize_t slots) { \
@@ -488,10 +489,10 @@ DEFINE_SCORE_TILE(4)
             for (int d = 0; d < D; d += 8) {                                                        \
                 for (int half = 0; half < 8; half += 4) { /* columns d + half .. d + half + 3 */    \
                     const T *c = r + d + half;                                                      \
-                    const __m256 a0 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c)), LOAD4(c + 4 * D), 1); \
-                    const __m256 a1 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c + D)), LOAD4(c + 5 * D), 1); \
-                    const __m256 a2 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c + 2 * D)), LOAD4(c + 6 * D), 1); \
-                    const __m256 a3 = _mm256_insertf128_ps(_mm256_castps128_ps256(LOAD4(c + 3 * D)), LOAD4(c + 7 * D), 1); \
+                    const __m256 a0 = TWO_LANES(LOAD4(c), LOAD4(c + 4 * D));                        \
+                    const __m256 a1 = TWO_LANES(LOAD4(c + D), LOAD4(c + 5 * D));                    \
+                    const __m256 a2 = TWO_LANES(LOAD4(c + 2 * D), LOAD4(c + 6 * D));                \
+                    const __m256 a3 = TWO_LANES(LOAD4(c + 3 * D), LOAD4(c + 7 * D));                \
                     const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);  \
                     const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);  \
                     float *o = kt + (Py_ssize_t)(d + half) * slots + j;                             \
@@ -521,23 +522,10 @@ static inline float bf16_value(uint16_t bits) {
 DEFINE_TRANSPOSE_KEYS(f32, float, LOAD4_F32, LOAD1_F32)
 DEFINE_TRANSPOSE_KEYS(bf16, uint16_t, LOAD4_BF16, LOAD1_BF16)
 
-/* Attention of n queries of one sequence over its cached keys and values (head_dim D a multiple of 8).
- *
- * Why: torch's scaled_dot_product_attention costs 50-80 us a call here for one query over a few
- * hundred slots (8 heads of 32), about a sixth of a bundled-target step, for some 10 us of arithmetic.
- *
- * q: n rows of q_stride floats, the heads * D query values at the start of each row. keys, values:
- * (kv_heads, capacity, D), float32 or bfloat16 (attend_bf16). out: (n, heads * D). Query i attends
- * slot j < end where mask[i * end + j] is non-zero, or, with no mask, where j <= start + i (a causal
- * chain after `start` cached slots; one query attends every slot). Head h reads kv head h / (heads / kv_heads). Softmax in float32 with the
- * maximum subtracted; a slot not attended gets weight exactly 0. `scratch` is room for
- * attend_scratch_floats(end, D) floats.
- *
- * Fewer than TILE_MIN_QUERIES queries: each one's scores eight keys at a time from the cache rows
- * (dot8x8). More: each kv head's keys are transposed once into the scratch, and the scores of up to
- * QUERY_TILE queries are summed together from it, sixteen slots a step (score_tile_R): no sums across
- * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of
- * 32 over ~150 slots: the per-key lane sums were about a quarter of the attention's time.) */
+/* The scores of n queries (n >= TILE_MIN_QUERIES) of heads first_head .. first_head + group - 1 from
+ * one kv head's keys transposed into kt (transpose_keys_*), up to QUERY_TILE queries at a time
+ * (score_tile_R), then each query's softmax and weighted sum of the values vg (float32, or bfloat16
+ * where v_bf16), into `tile` (QUERY_TILE rows of `slots` scores). */
 __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t slots, const void *vg, int v_bf16, float *out,
     Py_ssize_t out_stride, const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start,
@@ -627,8 +615,25 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_few_bf16(
     }
 }
 
-/* Attention over a cache of float32 (kv_bf16 = 0) or bfloat16 keys and values (see attend_group for
- * float32). A bfloat16 cache is read as it is: fewer than TILE_MIN_QUERIES queries by attend_few_bf16,
+/* Attention of n queries of one sequence over its cached keys and values (head_dim D a multiple of 8).
+ *
+ * Why: torch's scaled_dot_product_attention costs 50-80 us a call here for one query over a few
+ * hundred slots (8 heads of 32), about a sixth of a bundled-target step, for some 10 us of arithmetic.
+ *
+ * q: n rows of q_stride floats, the heads * D query values at the start of each row. keys, values:
+ * (kv_heads, capacity, D), float32 (kv_bf16 = 0) or bfloat16. out: (n, heads * D). Query i attends
+ * slot j < end where mask[i * end + j] is non-zero, or, with no mask, where j <= start + i (a causal
+ * chain after `start` cached slots; one query attends every slot). Head h reads kv head
+ * h / (heads / kv_heads). Softmax in float32 with the maximum subtracted; a slot not attended gets
+ * weight exactly 0. `scratch` is room for attend_scratch_floats(end, D) floats.
+ *
+ * Fewer than TILE_MIN_QUERIES queries: each one's scores eight keys at a time from the cache rows
+ * (dot8x8). More: each kv head's keys are transposed once into the scratch, and the scores of up to
+ * QUERY_TILE queries are summed together from it, sixteen slots a step (score_tile_R): no sums across
+ * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of
+ * 32 over ~150 slots: the per-key lane sums were about a quarter of the attention's time.)
+ *
+ * A bfloat16 cache is read as it is: fewer than TILE_MIN_QUERIES queries by attend_few_bf16,
  * more in tiles over the keys widened as they are transposed, and the values widened where the
  * weighted sums read them. (Widening a kv head's keys and values into a float32 copy first, and then
  * attending as over float32, cost more than it saved: 9 queries over 300 slots 0.96-0.99x the float32

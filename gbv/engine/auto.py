@@ -6,7 +6,9 @@ were read back, so it covers the device work too), and its verifier family (meth
 the drafts were accepted. An arm's estimated tokens per second is its expected tokens per iteration,
 from the family's pooled per-depth acceptance, over its own mean seconds per iteration. The next arm
 is the one with the best estimate, plus an optimism bonus that shrinks as an arm is tried (UCB), so
-that every arm is tried a few times and then the best one runs almost always.
+that every arm is tried a few times and then the best one runs almost always. An iteration right
+after another arm counts less that arm's switching cost, which the arms other than the last one pay
+when choosing (``_SWITCH_PAIRS``).
 
 The estimates live as long as the pair and the sampling settings (one :class:`AutoPolicy` per target,
 draft, temperature, top-k and top-p; see :func:`policy_for`), so a process that serves many prompts
@@ -71,14 +73,16 @@ _AGE = 0.999
 # An iteration that follows another arm (or a prefill) costs more than one that follows its own arm:
 # on the bundled pair in bfloat16 an ar step took 1.54 ms (median) after another arm against 1.34 ms
 # after an ar step, BV L = 2 3.6 against 3.5 ms, and more with the draft's catch-up after ar
-# (scripts/auto_switch_cost.py, before this rule). Counted in full, an arm that only runs as a UCB retry -- ar while a
-# BV arm leads -- looked ~15% slower than it runs, and BV arms up to 15% slower than ar kept the lead:
-# auto at 0.89x ar in the nineteenth session's first bf16 table at T = 0.2, running BV L = 8 at 0.84x
-# ar for the last 15 prompts. So each arm's seconds are its cost in a run of its own iterations: a
-# switch-in iteration is counted less the arm's switching cost, estimated from pairs of a switch-in
-# iteration and the next one of the same arm (measured at the same machine speed, so a drift of the
-# machine's speed does not leak into it), and that cost, spread over a hold (_HOLD), is added to the
-# seconds of every arm but the one that just ran when choosing: the policy switches only for a gain.
+# (scripts/auto_switch_cost.py, before this rule). Counted in full, an arm that runs only now and
+# then looked slower than it runs: while a BV arm leads, ar runs only where a block no longer fits
+# (the end of a prompt, right after BV; its ceiling keeps UCB from retrying it), so it looked ~15%
+# slower, and BV arms up to 15% slower than ar kept the lead: auto at 0.89x ar in the nineteenth
+# session's first bf16 table at T = 0.2, running BV L = 8 at 0.84x ar for the last 15 prompts. So each
+# arm's seconds are its cost in a run of its own iterations: a switch-in iteration is counted less the
+# arm's switching cost, estimated from pairs of a switch-in iteration and the next one of the same arm
+# (measured at the same machine speed, so a drift of the machine's speed does not leak into it), and
+# that cost, spread over a hold (_HOLD), is added to the seconds of every arm but the one that just
+# ran when choosing: the policy switches only for a gain that pays for the switch.
 _SWITCH_PAIRS = 4.0  # weight, in pairs, of the prior "no switching cost" of an arm's switching cost
 # Once choose() picks the leader, the decoder runs it this many iterations before choosing again.
 # Why: between forwards that stream tens of MB of weights, the policy's Python runs from a cold cache:
