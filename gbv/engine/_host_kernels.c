@@ -557,63 +557,39 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     }
 }
 
-/* The heads first_head .. first_head + group - 1, which read one kv head's keys kg and values vg
- * (float32, rows of D), by the per-query path or in tiles (attend()). (noinline, as attend_tiles and
- * attend_few_bf16: inlined all into attend(), the per-query path over a float32 cache ran 11-15%
- * slower, 1-5 queries over 150 slots, against the C file before the bf16 cache.) */
-__attribute__((target("avx2,fma"), noinline)) static void attend_group(
-    const float *q, Py_ssize_t q_stride, const float *kg, const float *vg, float *out, Py_ssize_t out_stride,
-    const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, Py_ssize_t end,
-    float scale, float *scratch) {
-    if (n < TILE_MIN_QUERIES) {
-        const __m256 scale8 = _mm256_set1_ps(scale);
-        /* heads outside, queries inside: a head's keys and values stay in the cache for all its queries */
-        for (int h = first_head; h < first_head + group; h++) {
-            for (Py_ssize_t i = 0; i < n; i++) {
-                const Py_ssize_t limit = mask ? end : start + i + 1; /* slots j < limit may be attended */
-                const float *qh = q + i * q_stride + (Py_ssize_t)h * D;
-                Py_ssize_t j = 0;
-                for (; j + 8 <= limit; j += 8)
-                    _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_f32(qh, kg + j * D, D), scale8));
-                for (; j < limit; j++) scratch[j] = dot8_f32(qh, kg + j * D, D) * scale;
-                const float inverse = softmax_scores(scratch, limit, mask ? mask + i * end : NULL);
-                weighted_sum_f32(scratch, vg, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D);
-            }
-        }
-        return;
+/* The per-query path (fewer than TILE_MIN_QUERIES queries) of heads first_head .. first_head + group - 1,
+ * which read one kv head's keys kg and values vg (rows of D, of type T): for each head and query, the
+ * scores eight keys at a time from the cache rows (dot8x8_S), the softmax and the weighted sum of the
+ * values (weighted_sum_S). Heads outside, queries inside: a head's keys and values stay in the cache
+ * for all its queries. QUERY(qh, D, qp) gives the query as the key dots take it: as it is for float32
+ * keys, permuted into qp (the scratch after the scores) for bfloat16 ones (permute_query).
+ * (noinline, as attend_tiles: inlined into attend(), the per-query path over a float32 cache ran
+ * 11-15% slower, 1-5 queries over 150 slots, against the C file before the bf16 cache.) */
+#define QUERY_AS_IS(qh, D, qp) (qh)
+#define QUERY_PERMUTED(qh, D, qp) (permute_query((qh), (D), (qp)), (const float *)(qp))
+#define DEFINE_PER_QUERY(S, T, QUERY)                                                               \
+    __attribute__((target("avx2,fma"), noinline)) static void per_query_##S(                        \
+        const float *q, Py_ssize_t q_stride, const T *kg, const T *vg, float *out, Py_ssize_t out_stride, \
+        const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, \
+        Py_ssize_t end, float scale, float *scratch) {                                              \
+        const __m256 scale8 = _mm256_set1_ps(scale);                                                \
+        float *qp = scratch + (end + 15) / 16 * 16;                                                 \
+        (void)qp;                                                                                   \
+        for (int h = first_head; h < first_head + group; h++) {                                     \
+            for (Py_ssize_t i = 0; i < n; i++) {                                                    \
+                const Py_ssize_t limit = mask ? end : start + i + 1; /* slots j < limit may be attended */ \
+                const float *qh = QUERY(q + i * q_stride + (Py_ssize_t)h * D, D, qp);               \
+                Py_ssize_t j = 0;                                                                   \
+                for (; j + 8 <= limit; j += 8)                                                      \
+                    _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_##S(qh, kg + j * D, D), scale8)); \
+                for (; j < limit; j++) scratch[j] = dot8_##S(qh, kg + j * D, D) * scale;            \
+                const float inverse = softmax_scores(scratch, limit, mask ? mask + i * end : NULL); \
+                weighted_sum_##S(scratch, vg, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D); \
+            }                                                                                       \
+        }                                                                                           \
     }
-    const Py_ssize_t slots = (end + 15) / 16 * 16;
-    transpose_keys_f32(kg, end, D, scratch, slots);
-    attend_tiles(q, q_stride, scratch, slots, vg, 0, out, out_stride, mask, n, first_head, group, D, start, end, scale,
-                 scratch + (Py_ssize_t)D * slots);
-}
-
-/* Fewer than TILE_MIN_QUERIES queries over a bfloat16 cache, read as it is (dot8x8_bf16,
- * weighted_sum_bf16): as attend_group's per-query path, each query taken in the order the keys are
- * widened in (permute_query, into the scratch after the scores). */
-__attribute__((target("avx2,fma"), noinline)) static void attend_few_bf16(
-    const float *q, Py_ssize_t q_stride, const uint16_t *keys, const uint16_t *values, Py_ssize_t capacity,
-    float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
-    Py_ssize_t end, float scale, float *scratch) {
-    const int group = heads / kv_heads;
-    const Py_ssize_t out_stride = (Py_ssize_t)heads * D;
-    const __m256 scale8 = _mm256_set1_ps(scale);
-    float *qp = scratch + (end + 15) / 16 * 16;
-    for (int h = 0; h < heads; h++) {
-        const uint16_t *kh = keys + (Py_ssize_t)(h / group) * capacity * D;
-        const uint16_t *vh = values + (Py_ssize_t)(h / group) * capacity * D;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const Py_ssize_t limit = mask ? end : start + i + 1; /* slots j < limit may be attended */
-            permute_query(q + i * q_stride + (Py_ssize_t)h * D, D, qp);
-            Py_ssize_t j = 0;
-            for (; j + 8 <= limit; j += 8)
-                _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_bf16(qp, kh + j * D, D), scale8));
-            for (; j < limit; j++) scratch[j] = dot8_bf16(qp, kh + j * D, D) * scale;
-            const float inverse = softmax_scores(scratch, limit, mask ? mask + i * end : NULL);
-            weighted_sum_bf16(scratch, vh, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D);
-        }
-    }
-}
+DEFINE_PER_QUERY(f32, float, QUERY_AS_IS)
+DEFINE_PER_QUERY(bf16, uint16_t, QUERY_PERMUTED)
 
 /* Attention of n queries of one sequence over its cached keys and values (head_dim D a multiple of 8).
  *
@@ -633,9 +609,9 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_few_bf16(
  * lanes, and each key value is loaded once for the tile. (Measured on the bundled target's 8 heads of
  * 32 over ~150 slots: the per-key lane sums were about a quarter of the attention's time.)
  *
- * A bfloat16 cache is read as it is: fewer than TILE_MIN_QUERIES queries by attend_few_bf16,
- * more in tiles over the keys widened as they are transposed, and the values widened where the
- * weighted sums read them. (Widening a kv head's keys and values into a float32 copy first, and then
+ * A bfloat16 cache is read as it is: fewer than TILE_MIN_QUERIES queries by per_query_bf16, more in
+ * tiles over the keys widened as they are transposed, and the values widened where the weighted sums
+ * read them. (Widening a kv head's keys and values into a float32 copy first, and then
  * attending as over float32, cost more than it saved: 9 queries over 300 slots 0.96-0.99x the float32
  * cache's forward.) */
 __attribute__((target("avx2,fma"))) static void attend(
@@ -644,22 +620,25 @@ __attribute__((target("avx2,fma"))) static void attend(
     Py_ssize_t end, float scale, float *scratch) {
     const int group = heads / kv_heads;
     const Py_ssize_t out_stride = (Py_ssize_t)heads * D, head_values = capacity * D;
-    if (!kv_bf16) {
-        for (int g = 0; g < kv_heads; g++)
-            attend_group(q, q_stride, (const float *)keys + g * head_values, (const float *)values + g * head_values,
-                         out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch);
-        return;
-    }
-    if (n < TILE_MIN_QUERIES) {
-        attend_few_bf16(q, q_stride, (const uint16_t *)keys, (const uint16_t *)values, capacity, out, mask, n, heads,
-                        kv_heads, D, start, end, scale, scratch);
-        return;
-    }
     const Py_ssize_t slots = (end + 15) / 16 * 16;
     for (int g = 0; g < kv_heads; g++) {
-        transpose_keys_bf16((const uint16_t *)keys + g * head_values, end, D, scratch, slots);
-        attend_tiles(q, q_stride, scratch, slots, (const uint16_t *)values + g * head_values, 1, out, out_stride, mask,
-                     n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots);
+        const float *kf = (const float *)keys + g * head_values, *vf = (const float *)values + g * head_values;
+        const uint16_t *kb = (const uint16_t *)keys + g * head_values, *vb = (const uint16_t *)values + g * head_values;
+        if (n < TILE_MIN_QUERIES) {
+            if (kv_bf16)
+                per_query_bf16(q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale,
+                               scratch);
+            else
+                per_query_f32(q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale,
+                              scratch);
+            continue;
+        }
+        if (kv_bf16)
+            transpose_keys_bf16(kb, end, D, scratch, slots);
+        else
+            transpose_keys_f32(kf, end, D, scratch, slots);
+        attend_tiles(q, q_stride, scratch, slots, kv_bf16 ? (const void *)vb : (const void *)vf, kv_bf16, out,
+                     out_stride, mask, n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots);
     }
 }
 

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from gbv.engine.host_kernels import (PanelWeight, attention_into, forward_into, host_kernels_unavailable,
-                                     layer_into)
+                                     kv_bf16, layer_into)
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -165,7 +165,7 @@ class _Product:
 def _store(cached: np.ndarray, new: np.ndarray) -> None:
     """``cached[...] = new`` for float32 ``new``; a bfloat16 cache (``uint16`` bits) gets it rounded to
     nearest even by torch, as the kernels and the torch forward round it."""
-    if cached.dtype == np.uint16:
+    if kv_bf16(cached):
         torch.from_numpy(cached).view(torch.bfloat16).copy_(torch.from_numpy(new))
     else:
         cached[...] = new
@@ -174,7 +174,7 @@ def _store(cached: np.ndarray, new: np.ndarray) -> None:
 def _as_float32(cached: np.ndarray) -> Tensor:
     """A float32 tensor of cache values (a view of float32 ones, a widened copy of bfloat16 ones)."""
     tensor = torch.from_numpy(cached)
-    return tensor.view(torch.bfloat16).float() if cached.dtype == np.uint16 else tensor
+    return tensor.view(torch.bfloat16).float() if kv_bf16(cached) else tensor
 
 
 class HostForward:

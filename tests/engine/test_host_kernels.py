@@ -103,7 +103,7 @@ def _reference_attention(q, keys, values, allowed, heads, scale):
 @pytest.mark.parametrize("cache", ["float32", "bfloat16"])
 def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, start, masked, cache):
     """Against float64 over the same cached values; a bfloat16 cache (uint16 bits) is read as the float32
-    values it stands for (one query straight from the cache, several from widened copies)."""
+    values it stands for (the per-query path and the tiles read it as it is)."""
     rng = np.random.default_rng(n * 100 + head_dim + start)
     end = start + n
     capacity = end + 3  # slots past the end hold values the kernel must not read
