@@ -1,7 +1,8 @@
-"""The one compiled part of gbv: the host forward's kernels (gbv/engine/_host_kernels.c). Everything
-else is in pyproject.toml. The extension is optional: where it does not build (no C compiler), gbv
-installs without it and the host forward uses torch's products and attention
-(gbv/engine/host_kernels.py says which is in use)."""
+"""The compiled parts of gbv: the host forward's kernels (gbv/engine/_host_kernels.c) and
+gbv-adaptive's node-weight search (gbv/verify/_verify_kernels.c). Everything else is in
+pyproject.toml. Both extensions are optional: where they do not build (no C compiler), gbv installs
+without them, the host forward uses torch's products and attention (gbv/engine/host_kernels.py says
+which is in use) and gbv-adaptive its numpy search."""
 
 from setuptools import Extension, setup
 
@@ -12,6 +13,12 @@ setup(
             sources=["gbv/engine/_host_kernels.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "gbv.verify._verify_kernels",
+            sources=["gbv/verify/_verify_kernels.c"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
+            optional=True,
+        ),
     ]
 )

@@ -81,13 +81,19 @@ def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tens
     equal bins of (0, 1) (:func:`_first_crossings_binned`); shorter ones sort their breakpoints
     (:func:`_first_crossings_sorted`, fewer calls). The same weight either way, all ``n`` at once.
 
-    The host form's weight (the CPU), so it runs on numpy arrays (tensors are viewed as arrays): about
-    25 passes over (K - 1, V) rows, where torch's fixed cost per call was most of the time.
-    :func:`host_node_weights` decides which rows it gets.
+    The host form's weight (the CPU), so it runs on numpy arrays (tensors are viewed as arrays).
+    :func:`host_node_weights` decides which rows it gets. Where the compiled search is installed
+    (``gbv/verify/_verify_kernels.c``) it runs that: one pass per ``n`` and a selection of the crossing
+    breakpoint, the same weights up to rounding of the sums, 10-30x faster than numpy's ~25 calls
+    over (K - 1, V) rows (fixed costs, at the few hundred tokens a node is cut to).
     """
     if num_paths == 1:
         return [0.0, 0.0]
     p64, q64, below = (host_array(row) if isinstance(row, Tensor) else row for row in (p64, q64, below))
+    kernels = ranking.compiled_kernels  # (looked up at call time: the tests switch it off)
+    if kernels is not None:
+        return kernels.node_weights(*(np.ascontiguousarray(row, dtype=np.float64)
+                                              for row in (p64, q64, below)), num_paths)
     rows_k, vocab = num_paths - 1, q64.shape[-1]
     # d_n = q (S_n(W + q, W) - 1) for n = 2..K: S_n by the recurrence of power_sum, one row per n.
     d = np.empty((rows_k, vocab))

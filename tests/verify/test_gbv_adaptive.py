@@ -167,8 +167,18 @@ def _node_rows(vocab: int, seed: int):
     return p64, q64, below
 
 
-# Both searches of the crossing breakpoint on every row: sorted (short rows) and binned (long rows).
-SEARCHES = {"sorted": 10**9, "binned": 0}
+# Every search of the crossing breakpoint on every row: numpy's sorted (short rows) and binned (long
+# rows), and the compiled one (gbv/verify/_verify_kernels.c, what an install with a C compiler runs).
+SEARCHES = {"sorted": 10**9, "binned": 0, "compiled": None}
+
+
+def _use_search(monkeypatch, search: str) -> None:
+    if search == "compiled":
+        if ranking.compiled_kernels is None:
+            pytest.skip("gbv.verify._verify_kernels is not built (no C compiler at install)")
+        return
+    monkeypatch.setattr(ranking, "compiled_kernels", None)
+    monkeypatch.setattr(gbv_adaptive, "_SORT_MAX_VOCAB", SEARCHES[search])
 
 
 @pytest.mark.parametrize("search", sorted(SEARCHES))
@@ -176,7 +186,7 @@ SEARCHES = {"sorted": 10**9, "binned": 0}
 def test_node_weight_is_the_smallest_maximiser(monkeypatch, vocab, seed, search):
     """Either breakpoint search finds what a brute force over every breakpoint finds: the largest
     F (to rounding) and, among the maximisers, the smallest weight."""
-    monkeypatch.setattr(gbv_adaptive, "_SORT_MAX_VOCAB", SEARCHES[search])
+    _use_search(monkeypatch, search)
     p64, q64, below = _node_rows(vocab, seed)
     lams = gbv_adaptive.node_weights(p64, q64, below, 4)
     assert lams[:2] == [0.0, 0.0]
@@ -197,7 +207,7 @@ def test_node_weight_is_the_smallest_maximiser(monkeypatch, vocab, seed, search)
 def test_node_weight_matches_a_full_sort_of_the_breakpoints(monkeypatch, vocab, seed, search):
     """At real vocabulary sizes (too many breakpoints for the brute force): the first breakpoint where
     the slope of F stops being positive, from a full sort of all breakpoints and a running sum."""
-    monkeypatch.setattr(gbv_adaptive, "_SORT_MAX_VOCAB", SEARCHES[search])
+    _use_search(monkeypatch, search)
     p64, q64, below = _node_rows(vocab, seed)
     lams = gbv_adaptive.node_weights(p64, q64, below, 4)
     diff = p64 - q64
