@@ -35,10 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=10, help="prompts per data set (GSM8K, HumanEval)")
     parser.add_argument("--temperature", type=float, default=0.2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", help="the bundled pair's dtype (float32 or bfloat16)")
     parser.add_argument("--log-policy", action="store_true", help="per-arm iterations of auto's timed run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    pair = load_pair("bundled", dtype="float32")
+    pair = load_pair("bundled", dtype=args.dtype)
     prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
                + load_prompts("humaneval", args.prompts)]
     settings = dict(temperature=args.temperature, eos_token_id=[])
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         auto.AutoPolicy.record = record
     rate = {row: tokens[row] / seconds[row] for row in ROWS}
     best = max((r for r in ROWS if r[0] == "block"), key=rate.get)
-    print(f"T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, 1 thread")
+    print(f"{args.dtype}, T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, 1 thread")
     print("| row | tokens/s | vs ar | vs best fixed |\n|---|---:|---:|---:|")
     for row in ROWS:
         mark = " (best fixed)" if row == best else ""

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Before/after in one run (1 thread, bundled pair): the ranked verifiers' host form with the compiled
-helpers of gbv/verify/_verify_kernels.c (gbv-adaptive's node-weight search, bucket masses, the exact
-ranks among a few tokens) against the numpy code, switched per prompt, interleaved.
+"""Before/after in one run (1 thread, bundled pair): the verifiers' host forms with the compiled helpers
+of gbv/verify/_verify_kernels.c (gbv-adaptive's node-weight search, bucket masses, the exact ranks among
+a few tokens, TorchRandom.sample's draw) against the numpy code, switched per prompt, interleaved.
 
     python scripts/bench_verify_kernels_ab.py                     # bf16, 10 GSM8K + 10 HumanEval prompts
     python scripts/bench_verify_kernels_ab.py --dtype float32 --prompts 5
@@ -20,9 +20,9 @@ import torch
 
 import gbv
 from gbv.data import load_prompts
-from gbv.verify import ranking
+from gbv.verify import common, ranking
 
-ROWS = [("gbv-adaptive", 3, 4), ("gbv-adaptive", 3, 8), ("gbv", 3, 8)]
+ROWS = [("block", 1, 4), ("gbv-adaptive", 3, 4), ("gbv-adaptive", 3, 8), ("gbv", 3, 8)]
 
 
 def main() -> int:
@@ -51,7 +51,7 @@ def main() -> int:
                 method, num_paths, block_len = row
                 tokens = {}
                 for on in ((False, True) if index % 2 == 0 else (True, False)):
-                    ranking.compiled_kernels = kernels if on else None
+                    ranking.compiled_kernels = common._verify_kernels = kernels if on else None
                     out = gbv.generate(pair, prompt=prompt, method=method, num_paths=num_paths, block_len=block_len,
                                        temperature=temperature, max_new_tokens=args.max_new_tokens,
                                        eos_token_id=[], seed=index)
@@ -63,7 +63,7 @@ def main() -> int:
                     total[3] += s.time_draft + s.time_target  # (the prefill's forwards are in these)
                     tokens[on] = list(out.token_ids)
                 same[row] += tokens[False] == tokens[True]
-        ranking.compiled_kernels = kernels
+        ranking.compiled_kernels = common._verify_kernels = kernels
         for row in ROWS:
             off, on = sums[(row, False)], sums[(row, True)]
             rate_off, rate_on = off[0] / off[1], on[0] / on[1]

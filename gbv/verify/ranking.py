@@ -31,17 +31,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gbv.verify.common import _verify_kernels
+
 
 # Key of tokens with p(x) = q(x) = 0: below every real ratio (ratios are >= 0). Such tokens carry no
 # q-mass, so where they sit changes neither the laws nor any drafted path's rank; the value only makes
 # the order total and deterministic (and avoids computing 0/0).
 ZERO_ZERO_KEY = -1.0
 
-try:  # gbv-adaptive's node-weight search and occupied_bucket_masses, compiled (gbv/verify/_verify_kernels.c,
-    # setup.py); optional: an install without a C compiler runs the numpy code
-    from gbv.verify import _verify_kernels as compiled_kernels
-except ImportError:  # pragma: no cover
-    compiled_kernels = None
+# gbv-adaptive's node-weight search, occupied_bucket_masses and mass_below_among compiled
+# (gbv/verify/_verify_kernels.c, setup.py); None where it is not built: the numpy code runs.
+compiled_kernels = _verify_kernels
 
 # On CPU, vocabularies larger than this are sorted with numpy (several times faster than torch's
 # stable sort for V ~ 1e5); both give the same order.
@@ -100,8 +100,16 @@ def mass_below(key: Tensor, q64: Tensor, tokens: Tensor) -> Tensor:
 
 
 def mass_below_array(key: np.ndarray, q64: np.ndarray, tokens: list[int]) -> np.ndarray:
-    """:func:`mass_below` on arrays: (N, V) keys, (N, V) float64 q, N token ids -> (N,) float64."""
+    """:func:`mass_below` on arrays: (N, V) keys, (N, V) float64 q, N token ids -> (N,) float64. The
+    compiled form (float32 keys; q float32 or float64) sums in index order in one pass per row, where
+    numpy's dot product sums in its own order: the same value up to the last bits."""
     out = np.empty(len(tokens), dtype=np.float64)
+    if (compiled_kernels is not None and key.dtype == np.float32 and q64.dtype in (np.float32, np.float64)
+            and key.flags.c_contiguous and q64.flags.c_contiguous):
+        rows, vocab = key.shape
+        compiled_kernels.mass_below_at(key, q64, q64.dtype == np.float64, np.asarray(tokens, dtype=np.int64), out,
+                                       rows, vocab)
+        return out
     for row, token in enumerate(tokens):
         # Ranked below y: a smaller key, or an equal key and a larger id ("<" left of y, "<=" right).
         k_tok = key[row, token]

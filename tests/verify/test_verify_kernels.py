@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gbv.verify import gbv_adaptive, ranking
+from gbv.verify import common, gbv_adaptive, ranking
 
 KERNELS = ranking.compiled_kernels
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="gbv.verify._verify_kernels is not built")
@@ -84,3 +84,50 @@ def test_node_weights_of_an_equal_draft_and_bad_rows():
         KERNELS.node_weights(q, q[:2], below, 3)
     with pytest.raises(ValueError, match="float32"):
         KERNELS.mass_below_among(q, q, np.empty(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_draw_is_torch_randoms_numpy_rule(monkeypatch, dtype):
+    """TorchRandom.sample through draw_row gives the index of its numpy rule (a float64 cumsum and a
+    search of u * total * BELOW_ONE) for the same uniforms: rows of one token, with zeros (a zero run
+    at the end: the last index is the fallback), sharp and flat rows."""
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.ones(1), torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])]
+    for vocab in (2, 17, 4096):
+        rows.append(torch.rand(vocab, generator=gen) ** 8)
+        sparse = torch.rand(vocab, generator=gen)
+        sparse[torch.rand(vocab, generator=gen) < 0.8] = 0.0
+        sparse[0] = 1.0
+        rows.append(sparse)
+    for row in rows:
+        row = (row / row.sum()).to(dtype)
+        compiled, reference = (common.TorchRandom(torch.Generator().manual_seed(3)) for _ in range(2))
+        ours = [compiled.sample(row) for _ in range(200)]
+        with monkeypatch.context() as patch:
+            patch.setattr(common, "_verify_kernels", None)
+            theirs = [reference.sample(row) for _ in range(200)]
+        assert ours == theirs
+    with pytest.raises(ValueError, match="non-empty"):
+        KERNELS.draw_row(np.empty(0), True, 0.5, 1.0)
+
+
+def test_mass_below_at_is_the_numpy_masked_sum(monkeypatch):
+    """mass_below_array's compiled form (float32 keys, q float64 or float32) against its numpy form,
+    to rounding (four interleaved running sums against numpy's dot product), on rows with tied keys
+    (the tie order by index decides what is below) and on every position of a token in the row."""
+    gen = np.random.default_rng(7)
+    for vocab in (1, 2, 9, 700, 4096):
+        rows = 6
+        key = (gen.random((rows, vocab)) * 3).astype(np.float32)
+        key[::2] = np.round(key[::2], 1)  # ties
+        q = gen.random((rows, vocab))
+        q /= q.sum(-1, keepdims=True)
+        tokens = [0, vocab - 1, vocab // 2, int(gen.integers(vocab)), int(gen.integers(vocab)), vocab // 3]
+        for q_rows in (q, q.astype(np.float32)):
+            ours = ranking.mass_below_array(key, q_rows, tokens)
+            with monkeypatch.context() as patch:
+                patch.setattr(ranking, "compiled_kernels", None)
+                theirs = ranking.mass_below_array(key, q_rows.astype(np.float64), tokens)
+            assert np.allclose(ours, theirs, rtol=1e-12, atol=1e-15), (vocab, q_rows.dtype)
+    with pytest.raises(IndexError, match="outside the row"):
+        KERNELS.mass_below_at(key, q, True, np.array([0, 0, 0, 0, 0, vocab], dtype=np.int64), np.empty(6), 6, vocab)
