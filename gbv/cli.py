@@ -83,20 +83,24 @@ def _interrupt_exits() -> Iterator[None]:
 
 
 class _Version(argparse.Action):
-    """``--version``: the version, then whether the engine's compiled CPU kernels run here (a user whose
-    install had no C compiler gets a slower engine, and this says so). Imports torch only when asked."""
+    """``--version``: the version, then whether the engine's compiled CPU kernels and the verifiers'
+    compiled helpers run here (a user whose install had no C compiler gets a slower engine, and this
+    says so). Imports torch only when asked."""
 
     def __init__(self, option_strings, version: str, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                 help="show the version and whether the compiled CPU kernels run, then exit"):
+                 help="show the version and whether the compiled kernels run, then exit"):
         super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
         self.version = version
 
     def __call__(self, parser, namespace, values, option_string=None):
         from gbv.engine.host_kernels import host_kernels_unavailable
 
+        from gbv.verify.common import _verify_kernels
+
         reason = host_kernels_unavailable()
         kernels = "on" if reason is None else f"off: {reason}"
-        sys.stdout.write(f"{self.version}\nCPU kernels: {kernels}\n")
+        helpers = "on" if _verify_kernels is not None else "off: not built (no C compiler at install); numpy runs"
+        sys.stdout.write(f"{self.version}\nCPU kernels: {kernels}\nverifier helpers: {helpers}\n")
         parser.exit()
 
 

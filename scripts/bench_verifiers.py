@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instances", type=int, default=10,
                         help="random instances per configuration, cycled through by the timed calls")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--numpy-only", action="store_true",
+                        help="run the host forms without gbv/verify/_verify_kernels.c (its numpy code)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: process CPU time (steadier on a busy machine)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.instances < 1:
         parser.error("--instances must be at least 1")
     torch.set_num_threads(args.threads)
+    if args.numpy_only:
+        from gbv.verify import common, ranking
+        ranking.compiled_kernels = common._verify_kernels = None
 
     verifiers, notes = {}, []
     for name in args.methods:
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     where = "CPU" if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device))
     header = (f"{where}, torch {torch.__version__}, {args.threads} thread(s), float32 inputs, {args.clock} clock, "
               f"{args.instances} random instance(s) per configuration, {args.repeats} timed calls cycling "
-              f"through them after {args.warmup} warm-up calls per row; x softmax(p) = ratio of the means.")
+              f"through them after {args.warmup} warm-up calls per row; x softmax(p) = ratio of the means"
+              + ("; host forms on numpy only (--numpy-only)." if args.numpy_only else "."))
     table = "\n".join([header, "", *rows] + (["", *notes] if notes else [])) + "\n"
     print(table)
     if args.out:

@@ -30,11 +30,13 @@ def test_version(capsys):
         main(["--version"])
     except SystemExit as exc:
         assert exc.code == 0
-    version, kernels = capsys.readouterr().out.strip().split("\n")
+    version, kernels, helpers = capsys.readouterr().out.strip().split("\n")
     assert version == f"gbv {gbv.__version__}"
     from gbv.engine.host_kernels import host_kernels_unavailable
+    from gbv.verify.common import _verify_kernels
     reason = host_kernels_unavailable()
     assert kernels == ("CPU kernels: on" if reason is None else f"CPU kernels: off: {reason}")
+    assert helpers.startswith("verifier helpers: on" if _verify_kernels is not None else "verifier helpers: off")
 
 
 def test_caps_fail_fast_with_the_allowed_range():
