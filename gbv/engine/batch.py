@@ -255,8 +255,7 @@ class BatchTreeDecoder:
         for cache, moves in ((self.target_cache, t_moves), (self.draft_cache, d_moves)):
             rows_idx, src, dst = moves
             if cache is not None and any(s != d for s, d in zip(src, dst)):
-                cache.move(torch.tensor(src, device=dev), torch.tensor(dst, device=dev),
-                           torch.tensor(rows_idx, device=dev))
+                cache.move(src, dst, rows_idx)
         return out
 
     def truncate(self, row: BatchRow, length: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -102,10 +103,25 @@ class KVCache:
                 store[layer] = new
         self._arrays = None
 
-    def move(self, src: Tensor, dst: Tensor, row: int | Tensor = 0) -> None:
-        """Copy slots ``src`` to slots ``dst`` (1D long tensors of equal length) in batch row ``row``
-        (an int, or a 1D tensor giving each pair's row), in every layer. The source is read whole
-        before the destination is written."""
+    def move(self, src: Sequence[int] | Tensor, dst: Sequence[int] | Tensor, row: int | Sequence[int] | Tensor = 0
+             ) -> None:
+        """Copy slots ``src`` to slots ``dst`` (slot indices, lists or 1D long tensors of equal length) in
+        batch row ``row`` (an int, or one row per pair), in every layer. The source is read whole before
+        the destination is written. Where the host forward has made numpy views of this cache
+        (:meth:`arrays`: the CPU), through them, from the callers' lists: 16 torch index ops cost ~200
+        us after a forward here, numpy's ~60-100 us. Elsewhere lists become tensors on the device (a
+        copy there, no host read)."""
+        if self._arrays is not None:
+            src_h, dst_h, row_h = (np.asarray(index.numpy() if isinstance(index, Tensor) else index)
+                                   for index in (src, dst, row))
+            for store in self.arrays():
+                for array in store:
+                    array[row_h, :, dst_h] = array[row_h, :, src_h]  # (the right side is a copy)
+            return
+        device = self.keys[0].device
+        src, dst = (torch.as_tensor(index, dtype=torch.long, device=device) for index in (src, dst))
+        if not isinstance(row, int):
+            row = torch.as_tensor(row, dtype=torch.long, device=device)
         for store in (self.keys, self.values):
             for tensor in store:
                 tensor[row, :, dst] = tensor[row, :, src]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,7 +38,9 @@ class TokenTree:
 
 
 def build_tree(root_token: int, paths: list[list[int]], device: torch.device | str = "cpu") -> TokenTree:
-    """Merge ``paths`` (K lists of L tokens, already on the host) under ``root_token``."""
+    """Merge ``paths`` (K lists of L tokens, already on the host) under ``root_token``. Built on the
+    host with numpy and handed over as tensors (one copy each off the CPU): the same trie as torch
+    code, which took ~240 us for K = 3, L = 8 here (a dozen small indexing ops)."""
     node_tokens = [root_token]
     parents = [0]
     depths = [0]
@@ -57,18 +60,20 @@ def build_tree(root_token: int, paths: list[list[int]], device: torch.device | s
             row.append(node)
         path_nodes.append(row)
     n = len(node_tokens)
-    parent = torch.tensor(parents, dtype=torch.long, device=device)
-    # ancestors by pointer jumping: after d hops every node has marked its ancestors up to depth d.
-    ancestors = torch.eye(n, dtype=torch.bool, device=device)
-    rows = torch.arange(n, device=device)
-    hop = rows
-    for _ in range(max(depths)):
-        hop = parent[hop]
-        ancestors[rows, hop] = True
-    return TokenTree(tokens=torch.tensor(node_tokens, dtype=torch.long, device=device),
-                     depth=torch.tensor(depths, dtype=torch.long, device=device),
-                     path_nodes=torch.tensor(path_nodes, dtype=torch.long, device=device),
-                     path_nodes_list=path_nodes, ancestors=ancestors)
+    # A parent comes before its children, so each node's ancestors are its parent's plus itself.
+    ancestors = np.eye(n, dtype=bool)
+    for node in range(1, n):
+        ancestors[node] |= ancestors[parents[node]]
+    return TokenTree(tokens=_tensor(np.array(node_tokens, dtype=np.int64), device),
+                     depth=_tensor(np.array(depths, dtype=np.int64), device),
+                     path_nodes=_tensor(np.array(path_nodes, dtype=np.int64), device),
+                     path_nodes_list=path_nodes, ancestors=_tensor(ancestors, device))
+
+
+def _tensor(array: np.ndarray, device: torch.device | str) -> Tensor:
+    """A host array as a tensor on ``device`` (no copy on the CPU)."""
+    tensor = torch.from_numpy(array)
+    return tensor if torch.device(device).type == "cpu" else tensor.to(device)
 
 
 def prefix_then(tree_mask: Tensor, prefix_len: int) -> Tensor:

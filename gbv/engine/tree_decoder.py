@@ -208,13 +208,10 @@ class TreeDecoder(DecoderState):
         self.tokens.extend(new)
         nodes = path_nodes[path][1:tau + 1]
         if any(node != depth for depth, node in enumerate(nodes, start=1)):
-            self.target_cache.move(torch.tensor(nodes, device=self.device) + committed,
-                                   torch.arange(base, base + tau, device=self.device))
+            self.target_cache.move([committed + node for node in nodes], list(range(base, base + tau)))
         kept = min(tau, block - 1)  # the draft never ran on x_L
         if rows > 1 and kept > 0 and (path > 0 or kept > 1):
-            src = base + torch.arange(kept, device=self.device) * rows + path
-            dst = torch.arange(base, base + kept, device=self.device)
-            self.draft_cache.move(src, dst)
+            self.draft_cache.move([base + i * rows + path for i in range(kept)], list(range(base, base + kept)))
         self.draft_len = base + kept
         return new
 

@@ -40,6 +40,32 @@ def test_build_tree_merges_shared_prefixes():
     assert mask.shape == (1, 1, 8, 11) and bool(mask[..., :3].all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype):
+    """KVCache.move through the host forward's numpy views (the CPU) moves what torch indexing moves:
+    one row (a commit whose accepted nodes sit apart), several rows (a batch), overlapping source and
+    destination slots (the source read whole first), lists or tensors as indices."""
+    gen = torch.Generator().manual_seed(4)
+    cache = lean_module.KVCache(2, 2, 3, 8, 16, dtype, "cpu")  # layers, rows, kv heads, head dim, slots
+    for store in (cache.keys, cache.values):
+        for tensor in store:
+            tensor.copy_(torch.randn(tensor.shape, generator=gen).to(dtype))
+    expected = [t.clone() for t in cache.keys + cache.values]
+    cache.arrays()  # what the host forward does before any commit
+
+    def torch_move(src, dst, row):
+        index = lambda ids: torch.as_tensor(ids, dtype=torch.long)  # noqa: E731
+        for tensor in expected:
+            row_index = row if isinstance(row, int) else index(row)
+            tensor[row_index, :, index(dst)] = tensor[row_index, :, index(src)]
+
+    for src, dst, row in [([5, 7, 9], [4, 5, 6], 0), ([3, 4], [4, 3], 1), ([10, 12], [2, 3], [0, 1]),
+                          (torch.tensor([8, 6]), torch.tensor([6, 7]), torch.tensor([1, 1]))]:
+        cache.move(src, dst, row)
+        torch_move(src, dst, row)
+        assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, expected)), (src, dst, row)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tree_pass_logits_equal_plain_sequences(arch):
     """Every node of a tree scored over a cached prefix has the logits of prefix + its own path."""
