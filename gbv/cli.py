@@ -95,11 +95,11 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         from gbv.engine.host_kernels import host_kernels_unavailable
 
-        from gbv.verify.common import _verify_kernels
+        from gbv.verify.common import compiled_kernels
 
         reason = host_kernels_unavailable()
         kernels = "on" if reason is None else f"off: {reason}"
-        helpers = "on" if _verify_kernels is not None else "off: not built (no C compiler at install); numpy runs"
+        helpers = "on" if compiled_kernels is not None else "off: not built (no C compiler at install); numpy runs"
         sys.stdout.write(f"{self.version}\nCPU kernels: {kernels}\nverifier helpers: {helpers}\n")
         parser.exit()
 

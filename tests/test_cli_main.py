@@ -33,10 +33,10 @@ def test_version(capsys):
     version, kernels, helpers = capsys.readouterr().out.strip().split("\n")
     assert version == f"gbv {gbv.__version__}"
     from gbv.engine.host_kernels import host_kernels_unavailable
-    from gbv.verify.common import _verify_kernels
+    from gbv.verify.common import compiled_kernels
     reason = host_kernels_unavailable()
     assert kernels == ("CPU kernels: on" if reason is None else f"CPU kernels: off: {reason}")
-    assert helpers.startswith("verifier helpers: on" if _verify_kernels is not None else "verifier helpers: off")
+    assert helpers.startswith("verifier helpers: on" if compiled_kernels is not None else "verifier helpers: off")
 
 
 def test_caps_fail_fast_with_the_allowed_range():

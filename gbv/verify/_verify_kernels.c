@@ -1,16 +1,20 @@
-/* gbv-adaptive's per-node weight search, compiled (gbv/verify/gbv_adaptive.py, host form).
+/* The verifiers' host-form helpers, compiled (plain C, no intrinsics: it builds on any CPU; optional,
+ * see setup.py). Each replaces a piece of numpy code that is mostly fixed cost per call, and gives its
+ * results: the same bits, or the same values up to rounding where the sums run in another order
+ * (tests/verify/test_verify_kernels.py). gbv.verify.common.compiled_kernels switches them all.
  *
- * Why: at each node of the selected path the host form finds the weight lam_n that maximises the
- * one-step acceptance F(lam) = sum_x min(p_x, q_x + lam d_x), d = g_n - q, over a row cut to the
- * tokens that matter (a sharp row's ~150 tokens, or a flat row's few hundred occupied key buckets).
- * In numpy that is ~25 calls over (K - 1, M) rows per node, almost all fixed cost: 0.1-0.2 ms a
- * node, 8 nodes an iteration, a fifth of gbv-adaptive's wall time on the bundled pair. Here it is one
- * pass per n over the row and a selection of the crossing breakpoint (no sort of the row).
+ * - node_weights: gbv-adaptive's weight search at one node (gbv_adaptive.node_weights). It finds the
+ *   weight lam_n that maximises the one-step acceptance F(lam) = sum_x min(p_x, q_x + lam d_x),
+ *   d = g_n - q, over a row cut to the tokens that matter (a sharp row's ~150 tokens, or a flat row's
+ *   few hundred occupied key buckets). In numpy that was ~25 calls per node, 0.1-0.2 ms, 8 nodes an
+ *   iteration, a fifth of gbv-adaptive's wall time on the bundled pair; here one pass per n and a
+ *   selection of the crossing breakpoint (no sort of the row). Any weight keeps gbv-adaptive lossless
+ *   (it is a function of the node's rows only).
+ * - bucket_masses, mass_below_among, mass_below_at: gbv.verify.ranking's key-bucket masses, exact
+ *   ranks among a few tokens, and masked sums of the q-mass ranked below a token.
+ * - draw_row: gbv.verify.common.TorchRandom.sample's inverse-CDF draw on one row.
  *
- * Any weight keeps gbv-adaptive lossless (it is a function of the node's rows only); these give the
- * weights of gbv_adaptive.node_weights up to rounding of the sums (tests/verify/test_gbv_adaptive.py
- * checks both against a brute force). Plain C, no intrinsics: it builds on any CPU. Compiled with
- * -ffp-contract=off so that d_n is the numpy code's arithmetic, operation for operation.
+ * Compiled with -ffp-contract=off so that the arithmetic is the numpy code's, operation for operation.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -19,10 +19,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-try:  # the compiled draw of TorchRandom.sample (gbv/verify/_verify_kernels.c; optional)
-    from gbv.verify import _verify_kernels
-except ImportError:  # pragma: no cover - an install without a C compiler
-    _verify_kernels = None
+try:  # the host forms' compiled helpers (gbv/verify/_verify_kernels.c, setup.py): gbv-adaptive's
+    # weight search, ranking's bucket masses, ranks and masked sums, TorchRandom.sample's draw. The one
+    # switch for all of them, looked up at call time (the tests and the A/B scripts set it to None).
+    from gbv.verify import _verify_kernels as compiled_kernels
+except ImportError:  # pragma: no cover - an install without a C compiler: the numpy code runs
+    compiled_kernels = None
 
 
 @dataclass(frozen=True)
@@ -157,9 +159,10 @@ class TorchRandom:
             # draw_rows' rule on the host, with a uniform of the blocks above: its six torch calls and a
             # torch.rand cost ~0.1 ms after a forward here (a cold cache), two numpy calls a fraction.
             row = dist.numpy()
-            if _verify_kernels is not None and row.dtype in (np.float32, np.float64) and row.flags.c_contiguous:
+            kernels = compiled_kernels
+            if kernels is not None and row.dtype in (np.float32, np.float64) and row.flags.c_contiguous:
                 # the same sums in the same order, one pass and a partial one (cumsum: 23 us at V = 4096)
-                return _verify_kernels.draw_row(row, row.dtype == np.float64, self.uniform(), BELOW_ONE)
+                return kernels.draw_row(row, row.dtype == np.float64, self.uniform(), BELOW_ONE)
             cdf = np.cumsum(row, dtype=np.float64)
             point = self.uniform() * (float(cdf[-1]) * BELOW_ONE)
             return min(int(np.searchsorted(cdf, point, side="right")), cdf.shape[0] - 1)

@@ -44,7 +44,7 @@ from torch import Tensor
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path, path_ratios
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
-from gbv.verify import ranking
+from gbv.verify import common, ranking
 from gbv.verify.ranking import (MassBounds, best_token, host_array, mass_below_among, mass_below_array,
                                 mass_below_rows, mass_below_rows_sorted, occupied_bucket_masses, power_sum,
                                 ranking_key, residual_bounds_ranked, residual_row)
@@ -90,10 +90,10 @@ def node_weights(p64: Tensor | np.ndarray, q64: Tensor | np.ndarray, below: Tens
     if num_paths == 1:
         return [0.0, 0.0]
     p64, q64, below = (host_array(row) if isinstance(row, Tensor) else row for row in (p64, q64, below))
-    kernels = ranking.compiled_kernels  # (looked up at call time: the tests switch it off)
+    kernels = common.compiled_kernels  # (looked up at call time: the tests switch it off)
     if kernels is not None:
-        return kernels.node_weights(*(np.ascontiguousarray(row, dtype=np.float64)
-                                              for row in (p64, q64, below)), num_paths)
+        rows = (np.ascontiguousarray(row, dtype=np.float64) for row in (p64, q64, below))
+        return kernels.node_weights(*rows, num_paths)
     rows_k, vocab = num_paths - 1, q64.shape[-1]
     # d_n = q (S_n(W + q, W) - 1) for n = 2..K: S_n by the recurrence of power_sum, one row per n.
     d = np.empty((rows_k, vocab))

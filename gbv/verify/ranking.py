@@ -31,17 +31,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gbv.verify.common import _verify_kernels
+from gbv.verify import common
 
 
 # Key of tokens with p(x) = q(x) = 0: below every real ratio (ratios are >= 0). Such tokens carry no
 # q-mass, so where they sit changes neither the laws nor any drafted path's rank; the value only makes
 # the order total and deterministic (and avoids computing 0/0).
 ZERO_ZERO_KEY = -1.0
-
-# gbv-adaptive's node-weight search, occupied_bucket_masses and mass_below_among compiled
-# (gbv/verify/_verify_kernels.c, setup.py); None where it is not built: the numpy code runs.
-compiled_kernels = _verify_kernels
 
 # On CPU, vocabularies larger than this are sorted with numpy (several times faster than torch's
 # stable sort for V ~ 1e5); both give the same order.
@@ -101,13 +97,15 @@ def mass_below(key: Tensor, q64: Tensor, tokens: Tensor) -> Tensor:
 
 def mass_below_array(key: np.ndarray, q64: np.ndarray, tokens: list[int]) -> np.ndarray:
     """:func:`mass_below` on arrays: (N, V) keys, (N, V) float64 q, N token ids -> (N,) float64. The
-    compiled form (float32 keys; q float32 or float64) sums in index order in one pass per row, where
-    numpy's dot product sums in its own order: the same value up to the last bits."""
+    compiled form (:data:`gbv.verify.common.compiled_kernels`; float32 keys, q float32 or float64) sums
+    in four interleaved running sums in one pass per row, where numpy's dot product sums in its own
+    order: the same value up to the last bits."""
     out = np.empty(len(tokens), dtype=np.float64)
-    if (compiled_kernels is not None and key.dtype == np.float32 and q64.dtype in (np.float32, np.float64)
+    kernels = common.compiled_kernels
+    if (kernels is not None and key.dtype == np.float32 and q64.dtype in (np.float32, np.float64)
             and key.flags.c_contiguous and q64.flags.c_contiguous):
         rows, vocab = key.shape
-        compiled_kernels.mass_below_at(key, q64, q64.dtype == np.float64, np.asarray(tokens, dtype=np.int64), out,
+        kernels.mass_below_at(key, q64, q64.dtype == np.float64, np.asarray(tokens, dtype=np.int64), out,
                                        rows, vocab)
         return out
     for row, token in enumerate(tokens):
@@ -583,10 +581,11 @@ def occupied_bucket_masses(key: np.ndarray, q64: np.ndarray, p64: np.ndarray
     -> (B,) float64 q-mass, p-mass and q-mass of the buckets ranked below, over the B occupied buckets
     in increasing key order (a bucket is a contiguous run of the order). The compiled form (float32
     keys) gives the same bits: the same sums in the same order."""
-    if compiled_kernels is not None and key.dtype == np.float32:
+    kernels = common.compiled_kernels
+    if kernels is not None and key.dtype == np.float32:
         size = min(len(key), _NUM_BUCKETS)
         mass_q, mass_p, below = (np.empty(size) for _ in range(3))
-        occupied = compiled_kernels.bucket_masses(np.ascontiguousarray(key), np.ascontiguousarray(q64, np.float64),
+        occupied = kernels.bucket_masses(np.ascontiguousarray(key), np.ascontiguousarray(q64, np.float64),
                                                   np.ascontiguousarray(p64, np.float64), mass_q, mass_p, below)
         return mass_q[:occupied], mass_p[:occupied], below[:occupied]
     ids = _bucket_ids(key[None])[0]
@@ -612,9 +611,10 @@ def mass_below_among(key: np.ndarray, q64: np.ndarray) -> np.ndarray:
     give this one order. The compiled form (float32 keys, up to ``_COMPILED_SORT_MAX_TOKENS``: one
     quicksort of the packed integers, 4.0 against 17 us at 150 tokens, 29 against 60 at 2,000; numpy's
     vectorised sort wins from ~4,000 up) gives the same bits: the same order and the same running sum."""
-    if compiled_kernels is not None and key.dtype == np.float32 and len(key) <= _COMPILED_SORT_MAX_TOKENS:
+    kernels = common.compiled_kernels
+    if kernels is not None and key.dtype == np.float32 and len(key) <= _COMPILED_SORT_MAX_TOKENS:
         below = np.empty(len(key))
-        compiled_kernels.mass_below_among(np.ascontiguousarray(key), np.ascontiguousarray(q64, np.float64), below)
+        kernels.mass_below_among(np.ascontiguousarray(key), np.ascontiguousarray(q64, np.float64), below)
         return below
     if len(key) <= _LEXSORT_MAX_TOKENS:
         worst_first = np.lexsort((-np.arange(len(key)), key))

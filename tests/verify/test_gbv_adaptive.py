@@ -16,7 +16,7 @@ import torch
 
 from gbv.theory import context_free_instance, enumerate_branches, exact_analysis, random_instance
 from gbv.verify import get_verifier, is_multi_path
-from gbv.verify import gbv_adaptive
+from gbv.verify import common, gbv_adaptive
 from gbv.verify.block import block_verify_path, verify_block
 from gbv.verify.common import VerifyResult, check_shapes
 from gbv.verify.gbv import SkewedLaw, path_walk, verify_gbv
@@ -174,10 +174,10 @@ SEARCHES = {"sorted": 10**9, "binned": 0, "compiled": None}
 
 def _use_search(monkeypatch, search: str) -> None:
     if search == "compiled":
-        if ranking.compiled_kernels is None:
+        if common.compiled_kernels is None:
             pytest.skip("gbv.verify._verify_kernels is not built (no C compiler at install)")
         return
-    monkeypatch.setattr(ranking, "compiled_kernels", None)
+    monkeypatch.setattr(common, "compiled_kernels", None)
     monkeypatch.setattr(gbv_adaptive, "_SORT_MAX_VOCAB", SEARCHES[search])
 
 

@@ -1,4 +1,4 @@
-"""The compiled helpers of gbv-adaptive's host form (gbv/verify/_verify_kernels.c) against the numpy
+"""The compiled helpers of the verifiers' host forms (gbv/verify/_verify_kernels.c) against the numpy
 code they replace: ``occupied_bucket_masses`` and ``mass_below_among`` bit for bit (the same sums in
 the same order), ``node_weights`` to rounding, on rows with ties, zeros, p = q, q = 0 < p (infinite
 keys), -0.0 keys and sharp temperatures. The weights' own correctness (the smallest maximiser of F)
@@ -13,7 +13,7 @@ import torch
 
 from gbv.verify import common, gbv_adaptive, ranking
 
-KERNELS = ranking.compiled_kernels
+KERNELS = common.compiled_kernels
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="gbv.verify._verify_kernels is not built")
 
 
@@ -43,7 +43,7 @@ CASES = [(vocab, seed, temperature, kind) for vocab in (2, 3, 7, 60, 700, 4096) 
 
 def _numpy(monkeypatch, fn, *args):
     with monkeypatch.context() as patch:
-        patch.setattr(ranking, "compiled_kernels", None)
+        patch.setattr(common, "compiled_kernels", None)
         return fn(*args)
 
 
@@ -104,7 +104,7 @@ def test_the_compiled_draw_is_torch_randoms_numpy_rule(monkeypatch, dtype):
         compiled, reference = (common.TorchRandom(torch.Generator().manual_seed(3)) for _ in range(2))
         ours = [compiled.sample(row) for _ in range(200)]
         with monkeypatch.context() as patch:
-            patch.setattr(common, "_verify_kernels", None)
+            patch.setattr(common, "compiled_kernels", None)
             theirs = [reference.sample(row) for _ in range(200)]
         assert ours == theirs
     with pytest.raises(ValueError, match="non-empty"):
@@ -126,7 +126,7 @@ def test_mass_below_at_is_the_numpy_masked_sum(monkeypatch):
         for q_rows in (q, q.astype(np.float32)):
             ours = ranking.mass_below_array(key, q_rows, tokens)
             with monkeypatch.context() as patch:
-                patch.setattr(ranking, "compiled_kernels", None)
+                patch.setattr(common, "compiled_kernels", None)
                 theirs = ranking.mass_below_array(key, q_rows.astype(np.float64), tokens)
             assert np.allclose(ours, theirs, rtol=1e-12, atol=1e-15), (vocab, q_rows.dtype)
     with pytest.raises(IndexError, match="outside the row"):
