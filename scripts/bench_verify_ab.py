@@ -25,15 +25,22 @@ engine instances (real rows: sharp at T = 0.2, flat at T = 1) instead of random 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import time
+import types
 
 import torch
 
 import gbv.verify.gbv as gbv_after
 import gbv.verify.gbv_adaptive as adaptive_after
 import gbv.verify.spectr as spectr_after
-from gbv.verify import TorchRandom
+from gbv.verify import TorchRandom, common
 
 from bench_engine_ab import load_before  # scripts/ is on the path when run as a script
 from bench_verifiers import make_inputs
@@ -43,15 +50,47 @@ MODULES = {"gbv": ("gbv/verify/gbv.py", gbv_after, "verify_gbv"),
            "spectr": ("gbv/verify/spectr.py", spectr_after, "verify_spectr")}
 
 
+def kernels_before(rev: str) -> types.ModuleType | None:
+    """``gbv/verify/_verify_kernels.c`` as of ``rev``, compiled as setup.py compiles it (into a temporary
+    folder) and imported under another name; None where ``rev`` has no such file or no compiler runs.
+    Why: the 'before' side must run its own compiled helpers, not the working tree's."""
+    try:
+        source = subprocess.run(["git", "show", f"{rev}:gbv/verify/_verify_kernels.c"], capture_output=True,
+                                text=True, check=True).stdout
+    except subprocess.CalledProcessError:
+        return None
+    folder = tempfile.mkdtemp(prefix="kernels_before_")
+    c_file, so_file = os.path.join(folder, "_verify_kernels.c"), os.path.join(folder, "_verify_kernels.so")
+    with open(c_file, "w") as handle:
+        handle.write(source)
+    compiler = sysconfig.get_config_var("CC") or "cc"
+    command = [*compiler.split(), "-O2", "-ffp-contract=off", "-fPIC", "-shared",
+               f"-I{sysconfig.get_paths()['include']}", c_file, "-o", so_file]
+    if subprocess.run(command, capture_output=True).returncode != 0:
+        return None
+    spec = importlib.util.spec_from_file_location("kernels_before._verify_kernels", so_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_verifier_before(rev: str, method: str):
     """``method``'s verify function as of ``rev``, importing the ranking and block modules of ``rev`` too
-    (the verifier calls ``block_verify_core``, whose callbacks may differ between revisions)."""
-    load_before(rev, "gbv/verify/ranking.py", "ranking_before")
+    (the verifier calls ``block_verify_core``, whose callbacks may differ between revisions), and with
+    ``rev``'s compiled helpers (:func:`kernels_before`) behind the 'before' modules' ``common``."""
+    common_before = types.ModuleType("common_before")
+    common_before.__dict__.update(common.__dict__)
+    common_before.compiled_kernels = kernels_before(rev) if common.compiled_kernels is not None else None
+    sys.modules["common_before"] = common_before
+    uses_common = {"from gbv.verify import common, ranking": "import common_before as common, ranking_before as ranking",
+                   "from gbv.verify import common": "import common_before as common"}
+    load_before(rev, "gbv/verify/ranking.py", "ranking_before", uses_common)
     load_before(rev, "gbv/verify/block.py", "block_before")
     path, _, function = MODULES[method]
     module = load_before(rev, path, f"{method.replace('-', '_')}_before",
                          {"from gbv.verify.ranking import": "from ranking_before import",
-                          "from gbv.verify.block import": "from block_before import"})
+                          "from gbv.verify.block import": "from block_before import", **uses_common})
+    print(f"before = {rev}, with {'its' if common_before.compiled_kernels is not None else 'no'} compiled helpers")
     return getattr(module, function)
 
 
@@ -66,18 +105,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", action="store_true", help="in the engine on the bundled pair instead")
     parser.add_argument("--prompts", type=int, default=8, help="--engine / --capture: prompts per data set")
     parser.add_argument("--capture", metavar="FILE", help="save the verifier's inputs in the engine to FILE")
+    parser.add_argument("--dtype", default=None, help="--engine / --capture: the bundled pair's dtype (default: its own)")
     parser.add_argument("--inputs", metavar="FILE", help="time on inputs saved by --capture")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.capture:
-        capture(args.method, args.paths, args.block_len, args.prompts, args.capture)
+        capture(args.method, args.paths, args.block_len, args.prompts, args.capture, args.dtype)
         return
     if not args.before:
         parser.error("--before is required (unless --capture)")
     sides = {"before": load_verifier_before(args.before, args.method),
              "after": getattr(MODULES[args.method][1], MODULES[args.method][2])}
     if args.engine:
-        engine_ab(args.method, args.paths, args.block_len, args.prompts, sides)
+        engine_ab(args.method, args.paths, args.block_len, args.prompts, sides, args.dtype)
         return
     times: dict[str, list[float]] = {"before": [], "after": []}
     same = 0
@@ -103,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
           f"after/before {after / before:.3f}; identical results on {same}/{count} instances")
 
 
-def capture(method: str, num_paths: int, block_len: int, prompts_per_set: int, path: str) -> None:
+def capture(method: str, num_paths: int, block_len: int, prompts_per_set: int, path: str,
+            dtype: str | None = None) -> None:
     """Record ``method``'s inputs in the engine on the bundled pair (``prompts_per_set`` GSM8K +
     HumanEval prompts, T = 0.2 and 1, 64 new tokens) and save them to ``path``."""
     import gbv
@@ -117,7 +158,7 @@ def capture(method: str, num_paths: int, block_len: int, prompts_per_set: int, p
         saved.append((draft_tokens.clone(), q.clone(), p.clone()))
         return original(draft_tokens, q, p, rng)
 
-    pair = gbv.load_pair("bundled")
+    pair = gbv.load_pair("bundled", dtype=dtype)
     prompts = load_prompts("gsm8k")[:prompts_per_set] + load_prompts("humaneval")[:prompts_per_set]
     setattr(module, function, recording)
     try:
@@ -131,7 +172,8 @@ def capture(method: str, num_paths: int, block_len: int, prompts_per_set: int, p
     print(f"saved {len(saved)} inputs of {method} K={num_paths} L={block_len} to {path}")
 
 
-def engine_ab(method: str, num_paths: int, block_len: int, prompts_per_set: int, sides: dict) -> None:
+def engine_ab(method: str, num_paths: int, block_len: int, prompts_per_set: int, sides: dict,
+              dtype: str | None = None) -> None:
     """Two verify functions of ``method`` (``sides``: name -> function) in the engine on the bundled
     pair: ``prompts_per_set`` GSM8K + HumanEval prompts, both sides per prompt in alternating order,
     T = 0.2 and 1, 96 new tokens. The engine looks the verifier up when it makes a decoder, so the
@@ -143,9 +185,9 @@ def engine_ab(method: str, num_paths: int, block_len: int, prompts_per_set: int,
     module, function = MODULES[method][1], MODULES[method][2]
     original = getattr(module, function)
     names = list(sides)
-    pair = gbv.load_pair("bundled")
+    pair = gbv.load_pair("bundled", dtype=dtype)
     prompts = load_prompts("gsm8k")[:prompts_per_set] + load_prompts("humaneval")[:prompts_per_set]
-    print(f"| {method} K={num_paths} L={block_len}, T | side | tokens/s | verify ms / iteration | "
+    print(f"| {method} K={num_paths} L={block_len} {dtype or ''}, T | side | tokens/s | verify ms / iteration | "
           "forwards share |\n|---|---|---:|---:|---:|")
     try:
         for temperature in (0.2, 1.0):

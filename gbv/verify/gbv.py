@@ -41,14 +41,15 @@ import torch
 from torch import Tensor
 
 from gbv.verify.block import block_verify_core, block_verify_on_device, block_verify_path, path_ratios
+from gbv.verify import common
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, take_row,
                                uses_device_form)
 from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, host_array, mass_below_array,
-                                mass_below_rows, mass_below_rows_sorted, power_sum, ranking_key,
-                                residual_bounds_ranked, residual_row)
+                                mass_below_of_rows, mass_below_rows, mass_below_rows_sorted, power_sum,
+                                ranking_key, residual_bounds_ranked, residual_row)
 
 __all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "path_walk_on_device", "ranking_key", "select_path",
-           "select_path_host", "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device",
+           "select_path_host", "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device", "skewed_walk",
            "verify_gbv", "verify_gbv_on_device", "walk_law_host"]
 
 
@@ -68,8 +69,16 @@ def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
     a shared prefix these rows are the same node's, so this is the node's ranking, and it needs no
     division by zero even when ``p`` and ``q`` are one-hot (temperature 0).
     """
-    if draft_tokens.shape[0] == 1:
+    num_paths, block_len = draft_tokens.shape
+    if num_paths == 1:
         return 0
+    kernels = common.compiled_kernels
+    if (kernels is not None and p.device.type == "cpu" and q.dtype == torch.float32 and p.dtype == torch.float32
+            and q.is_contiguous() and p.is_contiguous() and num_paths <= 64):
+        # One compiled call: the same float32 keys, compared in the same order (select_path_host is
+        # about ten numpy calls and Python loops, ~0.2 ms right after a forward).
+        tokens = np.ascontiguousarray(host_array(draft_tokens), dtype=np.int64)
+        return kernels.select_path(tokens, q.numpy(), p.numpy(), num_paths, block_len, p.shape[1], p.shape[2])
     tokens = host_array(draft_tokens)
     return select_path_host(tokens, _on_path(q, draft_tokens, tokens), _on_path(p, draft_tokens, tokens))
 
@@ -202,6 +211,9 @@ class SkewedLaw:
     def block_law(self, row: Tensor, below: Tensor, mass: Tensor) -> Tensor:
         return self.token_law(row, below, mass)  # a contiguous run of the order telescopes like one token
 
+    def compiled_law(self, row: int) -> tuple[int, int, np.ndarray]:
+        return 0, self.num_paths, np.array([self.v[row], self.u[row], self.denom[row]], dtype=np.float64)
+
     def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         v, u, k = self.v[row], self.u[row], self.num_paths  # S_K(x, z) lies in [K z^(K-1), K x^(K-1)]
         return k * (u + v * low) ** (k - 1) / self.denom[row], k * (u + v * high) ** (k - 1) / self.denom[row]
@@ -249,11 +261,12 @@ def walk_law_host(key: np.ndarray, q_path: np.ndarray, tokens: np.ndarray, num_p
     """The :class:`SkewedLaw` of the selected path over numpy arrays, and its on-path values
     ``q_G(s_{i+1})``: (L, V) keys and q (any float dtype; summed in float64) along the path, (L,)
     tokens; one masked sum per node (:func:`gbv.verify.ranking.mass_below_array`)."""
-    block_len = tokens.shape[0]
-    q64 = q_path.astype(np.float64, copy=False)
-    token_list = tokens.tolist()
-    below_on = mass_below_array(key, q64, token_list).tolist()
-    q_on = q64[np.arange(block_len), tokens].tolist()
+    return skewed_walk(mass_below_array(key, q_path, tokens.tolist()).tolist(),
+                       q_path[np.arange(tokens.shape[0]), tokens].astype(np.float64).tolist(), num_paths)
+
+
+def skewed_walk(below_on: list[float], q_on: list[float], num_paths: int) -> tuple[SkewedLaw, list[float]]:
+    """:func:`walk_law_host` from the on-path values: ``W`` and ``q`` at each node's token (floats)."""
     v, u = path_walk(below_on, q_on)
     law = SkewedLaw(np.array(v, dtype=np.float64), np.array(u, dtype=np.float64), num_paths)
     # S_K(1, u) in Python floats: the same float64 operations as law.denom.
@@ -282,16 +295,20 @@ def verify_gbv(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) ->
     # The host form: numpy views of the selected path's rows (CPU tensors; a torch call costs 5-10 us
     # of fixed cost on these rows, a numpy call about a fifth of that).
     tokens, q_path, p_path = host_array(draft_tokens[path]), host_array(q[path]), host_array(p[path])
-    key = ranking_key(p_path[:block_len], q_path)  # (L, V), float32 for float32 rows
-    law, q_g_on = walk_law_host(key, q_path, tokens, num_paths)
-    p_on = p_path[np.arange(block_len), tokens].astype(np.float64).tolist()
+    # The keys (ranking_key: float32 for float32 rows) are computed where they are compared: along the
+    # path by the masked sums, and at the nodes BV's residual reaches (no (L, V) key array).
+    token_list = tokens.tolist()
+    depths = np.arange(block_len)
+    law, q_g_on = skewed_walk(mass_below_of_rows(p_path[:block_len], q_path, token_list).tolist(),
+                              q_path[depths, tokens].astype(np.float64).tolist(), num_paths)
+    p_on = p_path[depths, tokens].astype(np.float64).tolist()
     ratios = path_ratios(p_on, q_g_on)
 
     def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
-        return residual_bounds_ranked(key, q_path, p_path, rows, weights, law)
+        return residual_bounds_ranked(None, q_path, p_path, rows, weights, law)
 
     def residual_dist(i: int, w: float) -> Tensor:
-        return residual_row(key[i], q_path[i], p_path[i], w, law, i)
+        return residual_row(ranking_key(p_path[i], q_path[i]), q_path[i], p_path[i], w, law, i)
 
     # The bonus row as given (float32 rows sample faster; its law is p_L either way).
     accepted_len, next_token = block_verify_core(ratios, residual_bounds, residual_dist, p[path, block_len], rng)

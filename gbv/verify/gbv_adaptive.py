@@ -314,6 +314,13 @@ class AdaptiveLaw:
     def ratio_bounds(self, row: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         return self._ratio(row, low, low), self._ratio(row, high, high)  # S_n(x, z) in [S_n(z, z), S_n(x, x)]
 
+    def compiled_law(self, row: int) -> tuple[int, int, np.ndarray]:
+        # R's constant part as _ratio sums it (numpy's sum over the K columns), then the g_n of n >= 2
+        counts, lams = self.counts[[row]], self.lams[[row]]
+        greedy = counts * lams
+        constant = (counts * (1.0 - lams)).sum(-1) + greedy[..., 0]
+        return 1, counts.shape[-1], np.concatenate([constant, greedy[0, 1:]]).astype(np.float64)
+
     def on_host(self) -> "AdaptiveLaw":
         """The same law over numpy arrays (:class:`gbv.verify.ranking.RankLaw`)."""
         if isinstance(self.counts, np.ndarray):

@@ -108,6 +108,7 @@ def mass_below_array(key: np.ndarray, q64: np.ndarray, tokens: list[int]) -> np.
         kernels.mass_below_at(key, q64, q64.dtype == np.float64, np.asarray(tokens, dtype=np.int64), out,
                                        rows, vocab)
         return out
+    q64 = q64.astype(np.float64, copy=False)  # (the dot products below sum in q's precision)
     for row, token in enumerate(tokens):
         # Ranked below y: a smaller key, or an equal key and a larger id ("<" left of y, "<=" right).
         k_tok = key[row, token]
@@ -115,6 +116,20 @@ def mass_below_array(key: np.ndarray, q64: np.ndarray, tokens: list[int]) -> np.
         below[token + 1:] |= key[row, token + 1:] == k_tok
         out[row] = q64[row] @ below  # q * 1 = q, q * 0 = 0: the sum of the masked q
     return out
+
+
+def mass_below_of_rows(p: np.ndarray, q: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """:func:`mass_below_array` of the keys :func:`ranking_key` ``(p, q)``: (N, V) rows, N token ids ->
+    (N,) float64. The compiled form (float32 rows) computes each key where it compares it, the same
+    division, so the same sums without the (N, V) key array (~0.1 ms an iteration after a forward)."""
+    kernels = common.compiled_kernels
+    if (kernels is not None and p.dtype == np.float32 and q.dtype == np.float32 and p.flags.c_contiguous
+            and q.flags.c_contiguous):
+        out = np.empty(len(tokens), dtype=np.float64)
+        rows, vocab = q.shape
+        kernels.mass_below_keyed(p, q, np.asarray(tokens, dtype=np.int64), out, rows, vocab)
+        return out
+    return mass_below_array(ranking_key(p, q), q, tokens)
 
 
 def host_array(t: Tensor | np.ndarray) -> np.ndarray:
@@ -250,6 +265,12 @@ class RankLaw(Protocol):
         """The same law over numpy arrays (``self`` if it already is)."""
         ...
 
+    def compiled_law(self, row: int) -> tuple[int, int, np.ndarray]:
+        """The law at node ``row`` as gbv/verify/_verify_kernels.c evaluates it, ``(kind, K, constants)``
+        (its ``RankLaw``: the numpy operations in their order, so the same bits). Optional: the bucket
+        split runs its numpy code for a law without it. Called on the :meth:`on_host` copy."""
+        ...
+
     def on_tensors(self) -> "RankLaw":
         """The same law over CPU tensors (``self`` if it already is): for tensor code given host rows."""
         ...
@@ -290,7 +311,7 @@ class _BucketSplit:
     p64: np.ndarray  # (N, V) float64
     scale64: np.ndarray  # (N,)
     law: RankLaw  # on the host
-    flat: np.ndarray  # (N, V) flat bucket ids
+    flat: np.ndarray | None  # (N, V) flat bucket ids (None: not computed yet)
     occupied: np.ndarray  # (B,) flat ids of the occupied buckets
     unsettled: np.ndarray  # (B,) bool
     below: np.ndarray  # (B,) q-mass below each occupied bucket
@@ -310,6 +331,8 @@ class _BucketSplit:
         flags[self.occupied[pick]] = True
         below_all = np.zeros(rows * _NUM_BUCKETS)
         below_all[self.occupied] = self.below
+        if self.flat is None:
+            self.flat = _bucket_ids(self.key)
         return _unsettled_buckets(self.key, self.q64, self.p64, self.scale64, self.law, self.flat, flags, below_all)
 
 
@@ -320,15 +343,21 @@ def _split_buckets(key: np.ndarray, q64: np.ndarray, p64: np.ndarray, scale64: n
     a sum of positive parts is at least the positive part of the sum, and at most the sum of the
     ``s p`` terms."""
     rows = key.shape[0]
-    flat = _bucket_ids(key)
-    mass, below = _bucket_masses(flat, q64)
-    mass = mass.reshape(-1)
-    target = np.bincount(flat.reshape(-1), weights=p64.reshape(-1), minlength=rows * _NUM_BUCKETS)
-    # Only occupied buckets count (a few hundred of the ~4,000 per row: keys are ratios near 1), so the
-    # rest of the work runs on their flat ids (row * _NUM_BUCKETS + bucket) alone: ~10x fewer elements.
-    occupied = np.flatnonzero(mass + target > 0)  # (both >= 0: one test for either > 0)
+    if rows == 1 and common.compiled_kernels is not None and key.dtype == np.float32:
+        # One row (BV's stop coins ask for one node at a time): the occupied buckets' masses in one
+        # compiled call, the same bits as the bincounts below; the tokens' bucket ids only if needed.
+        mass, target, below, occupied = occupied_bucket_masses(key[0], q64[0], p64[0], with_ids=True)
+        flat = None
+    else:
+        flat = _bucket_ids(key)
+        mass, below = _bucket_masses(flat, q64)
+        mass = mass.reshape(-1)
+        target = np.bincount(flat.reshape(-1), weights=p64.reshape(-1), minlength=rows * _NUM_BUCKETS)
+        # Only occupied buckets count (a few hundred of the ~4,000 per row: keys are ratios near 1), so
+        # the rest of the work runs on their flat ids (row * _NUM_BUCKETS + bucket) alone: ~10x fewer.
+        occupied = np.flatnonzero(mass + target > 0)  # (both >= 0: one test for either > 0)
+        mass, target, below = mass[occupied], target[occupied], below.reshape(-1)[occupied]
     row_ids, bucket = np.divmod(occupied, _NUM_BUCKETS)
-    mass, target, below = mass[occupied], target[occupied], below.reshape(-1)[occupied]
     ratio_lo, ratio_hi = law.ratio_bounds(row_ids, below, below + mass)
     key_lo, key_hi = _bucket_key_bounds()
     s = scale64[row_ids]
@@ -435,6 +464,9 @@ class RowsOf:
             return self
         return RowsOf(self.law.on_host(), host_array(self.idx))
 
+    def compiled_law(self, row: int) -> tuple[int, int, np.ndarray]:
+        return self.law.compiled_law(int(self.idx[row]))
+
     def on_tensors(self) -> "RowsOf":
         if isinstance(self.idx, Tensor):
             return self
@@ -504,21 +536,55 @@ def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
     weights below 1 are often small. Tighter bounds of one node on demand: its settled buckets
     exactly, the unsettled ones (whose tokens need a sort) as ``[max(0, w P_b - law_b), w P_b]``. Its
     exact mass on demand, sorting that node's unsettled buckets only. Below ``BUCKET_MIN_VOCAB``,
-    exact masses at once. The buckets run on numpy views of the rows (the host forms' code: CPU)."""
-    if key.shape[-1] < BUCKET_MIN_VOCAB:
+    exact masses at once. The buckets run on numpy views of the rows (the host forms' code: CPU).
+    ``key`` may be None: each node's keys are then computed (:func:`ranking_key`) where they are needed."""
+    if key is None and q.shape[-1] < BUCKET_MIN_VOCAB:
+        key = ranking_key(p[:q.shape[0]], q)
+    if q.shape[-1] < BUCKET_MIN_VOCAB:
         if isinstance(key, np.ndarray):  # host rows (CPU): whole rows are ranked by tensor code
             key, q, p, law = torch.from_numpy(key), torch.from_numpy(q), torch.from_numpy(p), law.on_tensors()
         return MassBounds.exactly(_ranked_positive_part(*_path_nodes(key, q, p, rows, weights, law)).tolist())
-    key_h, q_h, p_h = host_array(key), host_array(q), host_array(p)
+    q_h, p_h = host_array(q), host_array(p)
+    key_h = None if key is None else host_array(key)
     law_h = law.on_host()
     totals = p_h[rows].sum(-1, dtype=np.float64).tolist()
     high = [w * total * (1.0 + MASS_MARGIN) for w, total in zip(weights, totals)]
     splits: dict[int, _BucketSplit] = {}
+    kernels = common.compiled_kernels
+    if (kernels is not None and hasattr(law_h, "compiled_law") and q_h.dtype == np.float32
+            and p_h.dtype == np.float32 and q_h.flags.c_contiguous and p_h.flags.c_contiguous
+            and (key_h is None or (key_h.dtype == np.float32 and key_h.flags.c_contiguous))):
+        # One compiled call per step of a node (float32 rows, float32 keys), the same bits as the numpy
+        # code below: ten-odd numpy calls over the occupied buckets and the law's, ~0.2 ms a node right
+        # after a forward.
+        key_lo, key_hi = _bucket_key_bounds()
+        found: dict[tuple[int, bool], tuple[float, float, float, float]] = {}
+
+        def compiled_split(j: int, exact: bool) -> tuple[float, float, float, float]:
+            if (j, exact) not in found:
+                node = rows[j]
+                node_key = ranking_key(p_h[node], q_h[node]) if key_h is None else key_h[node]
+                kind, k, constants = law_h.compiled_law(node)
+                found[(j, exact)] = kernels.split_row(node_key, q_h[node], p_h[node], False, float(weights[j]),
+                                                      kind, k, constants, key_lo, key_hi, exact)
+            return found[(j, exact)]
+
+        def compiled_tighter(j: int) -> tuple[float, float]:
+            _, low, high, _ = compiled_split(j, False)
+            return low, high
+
+        def compiled_exact(j: int) -> float:
+            settled, _, _, unsettled = compiled_split(j, True)
+            return settled + unsettled
+
+        return MassBounds([0.0] * len(rows), high, compiled_exact, compiled_tighter)
 
     def split(j: int) -> _BucketSplit:
         if j not in splits:
             node = rows[j]
-            splits[j] = _split_buckets(key_h[node:node + 1], q_h[node:node + 1].astype(np.float64),
+            node_key = (ranking_key(p_h[node:node + 1], q_h[node:node + 1]) if key_h is None
+                        else key_h[node:node + 1])
+            splits[j] = _split_buckets(node_key, q_h[node:node + 1].astype(np.float64),
                                        p_h[node:node + 1].astype(np.float64), np.array([weights[j]]),
                                        RowsOf(law_h, np.array([node])))
         return splits[j]
@@ -532,10 +598,9 @@ def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
     return MassBounds([0.0] * len(rows), high, exact, tighter)
 
 
-# mass_below_among ranks up to this many tokens with np.lexsort, more with _stable_argsort_rows.
+# mass_below_among ranks up to this many tokens with np.lexsort, more with _stable_argsort_rows (where
+# the compiled sort is not installed).
 _LEXSORT_MAX_TOKENS = 1000
-# ... and up to this many with the compiled sort, where it is installed.
-_COMPILED_SORT_MAX_TOKENS = 2048
 
 # Relative margin of residual_row's key threshold: the candidates are compared in the key's precision
 # (float32 keys with a float64 threshold), so the threshold is lowered by more than their rounding.
@@ -557,17 +622,30 @@ def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row:
     key_h, q_h, p_h = host_array(key), host_array(q), host_array(p)
     law_h = law.on_host()
     node = np.array([row])
+    kernels = common.compiled_kernels
+    device = p.device if isinstance(p, Tensor) else "cpu"  # (host rows: a CPU tensor)
+    if (kernels is not None and hasattr(law_h, "compiled_law") and key_h.dtype == np.float32
+            and p_h.dtype == np.float32 and q_h.dtype in (np.float32, np.float64) and key_h.flags.c_contiguous
+            and p_h.flags.c_contiguous and q_h.flags.c_contiguous):
+        # One compiled call (the threshold, candidates, their exact ranks, the law and the terms): the
+        # same values to rounding (the others' mass and the total are summed in another order).
+        dist = np.empty(key_h.shape[-1])
+        total = kernels.residual_dist(key_h, q_h, q_h.dtype == np.float64, p_h, float(w), _THRESHOLD_MARGIN,
+                                      *law_h.compiled_law(row), dist)
+        if not total > 0.0:  # round-off only, as below
+            return torch.from_numpy(p_h.astype(np.float64)).to(device)
+        return torch.from_numpy(dist).to(device)
     r_min = float(law_h.ratio_bounds(node, np.zeros(1), np.ones(1))[0][0])
     threshold = r_min / w * (1.0 - _THRESHOLD_MARGIN) if w > 0.0 else math.inf
-    is_candidate = key_h > threshold
+    with np.errstate(over="ignore"):  # (a threshold past float32's range compares as +inf)
+        is_candidate = key_h > threshold
     candidates = np.flatnonzero(is_candidate)
-    q_c = q_h[candidates].astype(np.float64)
+    q_c, p_c = q_h[candidates].astype(np.float64), p_h[candidates].astype(np.float64)
     # The candidates' exact ranks among themselves, and all non-candidates below them.
     below_c = mass_below_among(key_h[candidates], q_c)
     outside = q_h.sum(dtype=np.float64, where=~is_candidate)
-    terms = np.maximum(w * p_h[candidates].astype(np.float64) - law_h.token_law(node, below_c + outside, q_c), 0.0)
+    terms = np.maximum(w * p_c - law_h.token_law(node, below_c + outside, q_c), 0.0)
     total = float(terms.sum())
-    device = p.device if isinstance(p, Tensor) else "cpu"  # (host rows: a CPU tensor)
     if total <= 0.0:  # a branch of probability 0 in exact arithmetic: round-off only (as normalize_or)
         return torch.from_numpy(p_h.astype(np.float64)).to(device)
     dist = np.zeros(key_h.shape[-1])
@@ -575,19 +653,23 @@ def residual_row(key: Tensor, q: Tensor, p: Tensor, w: float, law: RankLaw, row:
     return torch.from_numpy(dist).to(device)
 
 
-def occupied_bucket_masses(key: np.ndarray, q64: np.ndarray, p64: np.ndarray
-                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def occupied_bucket_masses(key: np.ndarray, q64: np.ndarray, p64: np.ndarray, with_ids: bool = False
+                           ) -> tuple[np.ndarray, ...]:
     """One row's key buckets (:func:`_bucket_ids`) as if each were a token: (V,) keys, float64 q and p
     -> (B,) float64 q-mass, p-mass and q-mass of the buckets ranked below, over the B occupied buckets
-    in increasing key order (a bucket is a contiguous run of the order). The compiled form (float32
-    keys) gives the same bits: the same sums in the same order."""
+    in increasing key order (a bucket is a contiguous run of the order), and with ``with_ids`` their
+    (B,) int64 bucket ids. The compiled form (float32 keys) gives the same bits: the same sums in the
+    same order."""
     kernels = common.compiled_kernels
     if kernels is not None and key.dtype == np.float32:
         size = min(len(key), _NUM_BUCKETS)
         mass_q, mass_p, below = (np.empty(size) for _ in range(3))
+        ids = np.empty(size, dtype=np.int64) if with_ids else None
         occupied = kernels.bucket_masses(np.ascontiguousarray(key), np.ascontiguousarray(q64, np.float64),
-                                                  np.ascontiguousarray(p64, np.float64), mass_q, mass_p, below)
-        return mass_q[:occupied], mass_p[:occupied], below[:occupied]
+                                         np.ascontiguousarray(p64, np.float64), mass_q, mass_p, below,
+                                         *(() if ids is None else (ids,)))
+        found = mass_q[:occupied], mass_p[:occupied], below[:occupied]
+        return found + (ids[:occupied],) if with_ids else found
     ids = _bucket_ids(key[None])[0]
     mass_q = np.bincount(ids, weights=q64, minlength=_NUM_BUCKETS)
     mass_p = np.bincount(ids, weights=p64, minlength=_NUM_BUCKETS)
@@ -598,7 +680,7 @@ def occupied_bucket_masses(key: np.ndarray, q64: np.ndarray, p64: np.ndarray
     below = np.empty_like(mass_q)
     below[0] = 0.0
     np.cumsum(mass_q[:-1], out=below[1:])
-    return mass_q, mass_p, below
+    return (mass_q, mass_p, below, occupied) if with_ids else (mass_q, mass_p, below)
 
 
 def mass_below_among(key: np.ndarray, q64: np.ndarray) -> np.ndarray:
@@ -608,11 +690,11 @@ def mass_below_among(key: np.ndarray, q64: np.ndarray) -> np.ndarray:
     Worst first is key ascending, ties by the larger id: for a few hundred tokens one ``lexsort``
     (3-7 us against 25-28 us at 20-150 tokens), for more the packed sort of
     :func:`_stable_argsort_rows` (44 against 46 us at 1,000, 104 against 297 us at 4,000). Both
-    give this one order. The compiled form (float32 keys, up to ``_COMPILED_SORT_MAX_TOKENS``: one
-    quicksort of the packed integers, 4.0 against 17 us at 150 tokens, 29 against 60 at 2,000; numpy's
-    vectorised sort wins from ~4,000 up) gives the same bits: the same order and the same running sum."""
+    give this one order. The compiled form (float32 keys: a quicksort of the packed integers up to 128
+    tokens, a radix sort of them above, 4.0 against 17 us at 150 tokens, about 20 against 115 at 4,096)
+    gives the same bits: the same order and the same running sum."""
     kernels = common.compiled_kernels
-    if kernels is not None and key.dtype == np.float32 and len(key) <= _COMPILED_SORT_MAX_TOKENS:
+    if kernels is not None and key.dtype == np.float32:
         below = np.empty(len(key))
         kernels.mass_below_among(np.ascontiguousarray(key), np.ascontiguousarray(q64, np.float64), below)
         return below

@@ -295,7 +295,8 @@ def test_inconsistent_ranking_is_detected(monkeypatch, broken):
     instances = [random_instance(v, l, k, seed=seed, kind=kind) for kind, v, l, k, seed in NEGATIVE_CONTROL_INSTANCES]
     verifier = get_verifier("gbv")
     assert max(exact_analysis(verifier, inst).max_law_error for inst in instances) < LOSSLESS_TOL
-    monkeypatch.setattr(gbv_module, "mass_below_array", broken)
+    # (the law's on-path masses: verify_gbv computes them from the rows by mass_below_of_rows)
+    monkeypatch.setattr(gbv_module, "mass_below_of_rows", lambda p, q, tokens: broken(ranking.ranking_key(p, q), q, tokens))
     assert max(exact_analysis(verifier, inst).max_law_error for inst in instances) > 1e-6
 
 

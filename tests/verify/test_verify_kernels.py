@@ -7,11 +7,17 @@ is tests/verify/test_gbv_adaptive.py's brute force, run on every search includin
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
-from gbv.verify import common, gbv_adaptive, ranking
+from exact_checks import LOSSLESS_TOL, embed, outcome_law, tuple_inputs
+from gbv.theory import exact_analysis, random_instance
+from gbv.theory.instance import TinyInstance
+from gbv.verify import common, gbv_adaptive, get_verifier, ranking
+from gbv.verify import gbv as gbv_module
 
 KERNELS = common.compiled_kernels
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="gbv.verify._verify_kernels is not built")
@@ -131,3 +137,204 @@ def test_mass_below_at_is_the_numpy_masked_sum(monkeypatch):
             assert np.allclose(ours, theirs, rtol=1e-12, atol=1e-15), (vocab, q_rows.dtype)
     with pytest.raises(IndexError, match="outside the row"):
         KERNELS.mass_below_at(key, q, True, np.array([0, 0, 0, 0, 0, vocab], dtype=np.int64), np.empty(6), 6, vocab)
+
+
+# ------------------------------------------------- the selection, keyed masses, bucket split, residual row
+def test_compiled_selection_is_select_path_host():
+    """gbv.select_path through the compiled selection against select_path_host: paths that share
+    prefixes (ties are decided further down), equal keys (p = q rows: ties by the smaller token id),
+    identical paths (the smallest index), q = 0 < p is not drafted, K up to 6."""
+    gen = torch.Generator().manual_seed(11)
+    checked = 0
+    for num_paths in (2, 3, 6):
+        for block_len in (1, 3, 8):
+            for vocab in (3, 50):
+                for equal in (False, True):
+                    tokens = torch.randint(vocab, (num_paths, block_len), generator=gen)
+                    tokens[1:, : block_len // 2] = tokens[0, : block_len // 2]  # shared prefixes
+                    if num_paths > 2:
+                        tokens[2] = tokens[1]
+                    q = torch.softmax(torch.randn(num_paths, block_len, vocab, generator=gen), -1)
+                    p = q.clone() if equal else torch.softmax(torch.randn(num_paths, block_len + 1, vocab,
+                                                                          generator=gen), -1)
+                    if equal:
+                        p = torch.cat([p, q[:, :1]], 1)
+                    host = gbv_module.select_path_host(tokens.numpy(), gbv_module._on_path(q, tokens, tokens.numpy()),
+                                                       gbv_module._on_path(p, tokens, tokens.numpy()))
+                    assert gbv_module.select_path(tokens, q, p) == host, (num_paths, block_len, vocab, equal)
+                    checked += 1
+    assert checked == 36
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        KERNELS.select_path(np.full((2, 1), 5, dtype=np.int64), np.zeros((2, 1, 3), np.float32),
+                            np.zeros((2, 2, 3), np.float32), 2, 1, 2, 3)
+
+
+@pytest.mark.parametrize("vocab", [1, 9, 700, 4096])
+def test_keyed_masses_are_the_masked_sums_of_the_keys(monkeypatch, vocab):
+    """mass_below_of_rows computes each key where it compares it: the same sums as mass_below_at on the
+    keys of ranking_key (bit for bit), and numpy's masked sums to rounding; rows with q = 0 < p, p = q = 0
+    and ties."""
+    gen = np.random.default_rng(vocab)
+    rows = 5
+    q = gen.random((rows, vocab)).astype(np.float32)
+    p = gen.random((rows, vocab)).astype(np.float32)
+    q[:, ::4] = 0.0
+    p[:, ::6] = 0.0
+    p[::2, 1::3] = q[::2, 1::3]  # ties of key 1
+    q[:, 0], p[:, 0] = 0.5, 0.25  # the drafted tokens below have q > 0
+    tokens = [0, vocab - 1 if q[1, vocab - 1] > 0 else 0, vocab // 2 if q[2, vocab // 2] > 0 else 0, 0, 0]
+    ours = ranking.mass_below_of_rows(p, q, tokens)
+    key = ranking.ranking_key(p, q)
+    assert np.array_equal(ours, ranking.mass_below_array(key, q, tokens))
+    theirs = _numpy(monkeypatch, ranking.mass_below_of_rows, p, q, tokens)
+    assert np.allclose(ours, theirs, rtol=1e-12, atol=1e-15)
+
+
+def _laws(block_len: int, num_paths: int, seed: int) -> list:
+    """A GBV law and a gbv-adaptive law over ``block_len`` nodes (random walk values, counts, weights)."""
+    gen = np.random.default_rng(seed)
+    v = gen.random(block_len)
+    skewed = gbv_module.SkewedLaw(v, 1.0 - v, num_paths)
+    counts = gen.random((block_len, num_paths))
+    counts /= counts.sum(-1, keepdims=True)
+    lams = gen.random((block_len, num_paths))
+    lams[:, 0] = 0.0
+    lams[0, 1:] = 1.0  # weight 1 (GBV's) at one node
+    return [skewed, gbv_adaptive.AdaptiveLaw(counts, lams)]
+
+
+@pytest.mark.parametrize("temperature,kind", [(0.2, "plain"), (1.0, "plain"), (1.0, "ties"), (0.2, "zeros")])
+@pytest.mark.parametrize("num_paths", [2, 3, 4])
+def test_compiled_bucket_split_is_the_numpy_split(monkeypatch, temperature, kind, num_paths):
+    """residual_bounds_ranked's compiled split (one call per node) gives the numpy split's bits: the
+    tighter bounds and the exact mass of every node, for both laws, at scales that settle every bucket,
+    some, or none, on rows at the bucketed vocabulary."""
+    block_len, vocab = 4, 4096
+    rows = [_rows(vocab, 10 * node + num_paths, temperature, kind) for node in range(block_len + 1)]
+    p = np.stack([row[0] for row in rows]).astype(np.float32)
+    q = np.stack([row[1] for row in rows[:block_len]]).astype(np.float32)
+    nodes, weights = [1, 2, 3], [1.0, 0.37, 1e-4]
+    for law in _laws(block_len, num_paths, num_paths):
+        for key in (None, ranking.ranking_key(p[:block_len], q)):
+            results = []
+            for kernels in (KERNELS, None):
+                with monkeypatch.context() as patch:
+                    patch.setattr(common, "compiled_kernels", kernels)
+                    bounds = ranking.residual_bounds_ranked(key, q, p, nodes, weights, law)
+                    results.append([(bounds.tighter(j), bounds.exact(j)) for j in range(len(nodes))])
+            assert results[0] == results[1], type(law).__name__
+            for (low, high), exact in results[0]:
+                assert low <= exact <= high
+
+
+def test_split_row_with_float64_rows_and_bad_input():
+    """The split's float64 rows (the same values as float32 rows converted) give the same bits, and
+    a law with the wrong number of constants is refused."""
+    p, q, key, _ = _rows(4096, 3, 1.0, "ties")
+    key_lo, key_hi = ranking._bucket_key_bounds()
+    law = np.array([0.6, 0.4, 1.7])
+    as32 = KERNELS.split_row(key, q.astype(np.float32), p.astype(np.float32), False, 0.8, 0, 3, law, key_lo, key_hi, True)
+    as64 = KERNELS.split_row(key, q, p, True, 0.8, 0, 3, law, key_lo, key_hi, True)
+    assert as32 == as64
+    with pytest.raises(ValueError, match="kind 0: 3 constants"):
+        KERNELS.split_row(key, q, p, True, 0.8, 0, 3, law[:2], key_lo, key_hi, True)
+
+
+@pytest.mark.parametrize("vocab", [2, 7, 700, 4096])
+def test_compiled_residual_row_is_the_numpy_residual_row(monkeypatch, vocab):
+    """residual_row's compiled form against its numpy form: the same support, the same distribution to
+    rounding (the others' mass and the total are summed in another order), for both laws, weights from
+    1 down to 0 (no candidate: the fallback to p), sharp and flat rows with ties and zeros."""
+    for temperature, kind in ((0.2, "plain"), (1.0, "ties"), (1.0, "zeros")):
+        p64, q64, key, _ = _rows(vocab, vocab, temperature, kind)
+        p, q = p64.astype(np.float32), q64.astype(np.float32)
+        for law in _laws(2, 3, vocab):
+            for w in (1.0, 0.5, 1e-3, 0.0):
+                for q_rows in (q, q64):
+                    ours = ranking.residual_row(key, q_rows, p, w, law, 1).numpy()
+                    theirs = _numpy(monkeypatch, ranking.residual_row, key, q_rows, p, w, law, 1).numpy()
+                    assert np.array_equal(ours > 0, theirs > 0), (temperature, kind, w)
+                    assert np.allclose(ours, theirs, rtol=1e-10, atol=1e-15), (temperature, kind, w)
+
+
+def _dyadic(inst, denominator: int = 64):
+    """``inst`` with every row rounded to multiples of 1/denominator (the rounding put on the largest
+    entry): float32 holds such rows exactly and they sum to exactly 1, so the enumerator can replay a
+    verifier on float32 inputs, which is what takes the compiled paths."""
+    def rounded(row):
+        out = np.floor(row * denominator) / denominator
+        out[int(np.argmax(row))] += 1.0 - out.sum()
+        return out
+
+    return TinyInstance(inst.vocab, inst.block_len, inst.num_paths, {c: rounded(r) for c, r in inst.target.items()},
+                        {c: rounded(r) for c, r in inst.draft.items()})
+
+
+class _CountingKernels:
+    """The compiled module with a count of the calls of each function (so a test sees it was used)."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, {}
+
+    def __getattr__(self, name):
+        function = getattr(self.module, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return function(*args)
+        return counted
+
+
+@pytest.mark.parametrize("method", ["gbv", "gbv-adaptive"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_inputs_through_the_compiled_paths_have_the_exact_law(monkeypatch, method, seed):
+    """Exact enumeration of the compiled paths. The float64 tiny instance runs the numpy code (its keys
+    are float64), whose law the losslessness grid proves. Its float32 copy embedded at V = 8192 (the
+    bucketed code) runs the compiled selection, keyed masses, bucket split and residual row, and must
+    give the same outcome law to 1e-12 on every tuple of drafted paths tried (K = 3; L = 3, so that
+    BV's stop coins ask for the bucket split)."""
+    verifier = get_verifier(method)
+    inst = _dyadic(random_instance(3, 3, 3, 40 + seed, "mixed"))
+    assert exact_analysis(verifier, inst.with_paths(2)).max_law_error < LOSSLESS_TOL  # (3^9 tuples at K = 3: slow)
+    vocab, ids = 8192, [17, 4000, 8191]
+    to_small = {v: k for k, v in enumerate(ids)}
+    counting = _CountingKernels(KERNELS)
+    monkeypatch.setattr(common, "compiled_kernels", counting)
+    gen = np.random.default_rng(seed)
+    seqs = [s for s in itertools.product(range(3), repeat=3) if inst.seq_prob(inst.draft, s) > 0]
+    for _ in range(6):
+        paths = [seqs[i] for i in gen.integers(len(seqs), size=3)]
+        small = outcome_law(verifier, *tuple_inputs(inst, paths))
+        big = outcome_law(verifier, *embed(inst, paths, vocab, ids, torch.float32), token_map=to_small)
+        assert all(abs(big.get(k, 0.0) - small.get(k, 0.0)) < 1e-12 for k in set(big) | set(small)), paths
+    used = ("select_path", "mass_below_keyed") if method == "gbv" else ("node_weights", "mass_below_at")
+    for name in (*used, "split_row", "residual_dist"):
+        assert counting.calls.get(name, 0) > 0, (name, counting.calls)
+
+
+def test_the_float32_exact_check_catches_a_broken_compiled_law(monkeypatch):
+    """Negative control of the test above: a residual row and a bucket split that evaluate the law with
+    one path too many (K + 1 in the power sums) change the outcome law of some tuple of paths."""
+    class Broken(_CountingKernels):
+        def __getattr__(self, name):
+            function = getattr(self.module, name)
+            if name == "residual_dist":  # (key, q, q64, p, w, margin, kind, K, constants, out)
+                return lambda *a: function(*a[:7], a[7] + 1, *a[8:])
+            if name == "split_row":  # (key, q, p, rows64, scale, kind, K, constants, ...)
+                return lambda *a: function(*a[:6], a[6] + 1, *a[7:])
+            return function
+
+    verifier = get_verifier("gbv")
+    inst = _dyadic(random_instance(3, 3, 3, 40, "mixed"))
+    vocab, ids = 8192, [17, 4000, 8191]
+    to_small = {v: k for k, v in enumerate(ids)}
+    monkeypatch.setattr(common, "compiled_kernels", Broken(KERNELS))
+    gen = np.random.default_rng(0)
+    seqs = [s for s in itertools.product(range(3), repeat=3) if inst.seq_prob(inst.draft, s) > 0]
+    worst = 0.0
+    for _ in range(6):
+        paths = [seqs[i] for i in gen.integers(len(seqs), size=3)]
+        small = outcome_law(verifier, *tuple_inputs(inst, paths))
+        big = outcome_law(verifier, *embed(inst, paths, vocab, ids, torch.float32), token_map=to_small)
+        worst = max([worst] + [abs(big.get(k, 0.0) - small.get(k, 0.0)) for k in set(big) | set(small)])
+    assert worst > 1e-6
