@@ -356,20 +356,32 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     # are converted on their own: a float64 copy of all K L rows at once is a fresh allocation large
     # enough to be page-faulted in on every call.
     q_host, p_host = host_array(q), host_array(p)
+    vocab = q_host.shape[-1]
+    kernels = common.compiled_kernels
+    # From V = BUCKET_MIN_VOCAB up, float32 rows (the engine's) take one compiled call per node for its
+    # keys and weights (host_node_weights' cuts, the same weights): ~10 numpy calls and two float64
+    # copies of the rows, ~0.1 ms a node right after a forward.
+    compiled = (kernels is not None and vocab >= ranking.BUCKET_MIN_VOCAB and q_host.dtype == np.float32
+                and p_host.dtype == np.float32 and q_host.flags.c_contiguous and p_host.flags.c_contiguous)
+    key_rows = np.empty((block_len, vocab), dtype=np.float32) if compiled else None
     leads, keys, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], []
     for depth in range(block_len):
         lead = alive[0]
-        key = ranking_key(p_host[lead, depth], q_host[lead, depth])
-        q64, p64 = q_host[lead, depth].astype(np.float64), p_host[lead, depth].astype(np.float64)
+        q_row, p_row = q_host[lead, depth], p_host[lead, depth]
         # The weights may be any function of the node's rows: they use W from key buckets at large V
         # (no sort) and leave out tokens of negligible q, while the law below uses the exact W
         # wherever it is evaluated.
-        lams = host_node_weights(p64, q64, key, num_paths)
+        if compiled:
+            key = key_rows[depth]
+            lams = kernels.adaptive_node(p_row, q_row, key, num_paths, _WEIGHT_MASS_CUT / vocab)
+        else:
+            key = ranking_key(p_row, q_row)
+            lams = host_node_weights(p_row.astype(np.float64), q_row.astype(np.float64), key, num_paths)
         candidates = [tokens[k][depth] for k in alive]
         chosen = choose_next(candidates, key[candidates].tolist(), lams[len(alive)], rng)
         alive = [k for k in alive if tokens[k][depth] == chosen]
-        below_s = float(mass_below_array(key[None], q64[None], [chosen])[0])
-        q_s, p_s = float(q64[chosen]), float(p64[chosen])
+        below_s = float(mass_below_array(key[None], q_row[None], [chosen])[0])
+        q_s, p_s = float(q_row[chosen]), float(p_row[chosen])
         # q_A(s) = q_s sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n); counts are normalised.
         # (1 - lam) in brackets: lam S + 1 - lam would cancel S when it is tiny.
         ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
@@ -385,7 +397,8 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     law = AdaptiveLaw(np.array(counts_rows, dtype=np.float64), np.array(lams_rows, dtype=np.float64))
     # The selected nodes' rows, (L, V): the lead path's at each depth (numpy, as the nodes' rows above).
     node_rows = (np.array(leads), np.arange(block_len))
-    q_all, p_all, key_all = q_host[node_rows], p_host[node_rows], np.stack(keys)
+    q_all, p_all = q_host[node_rows], p_host[node_rows]
+    key_all = key_rows if compiled else np.stack(keys)
 
     def residual_bounds(rows: list[int], weights: list[float]) -> MassBounds:
         return residual_bounds_ranked(key_all, q_all, p_all, rows, weights, law)

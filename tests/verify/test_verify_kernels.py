@@ -338,3 +338,45 @@ def test_the_float32_exact_check_catches_a_broken_compiled_law(monkeypatch):
         big = outcome_law(verifier, *embed(inst, paths, vocab, ids, torch.float32), token_map=to_small)
         worst = max([worst] + [abs(big.get(k, 0.0) - small.get(k, 0.0)) for k in set(big) | set(small)])
     assert worst > 1e-6
+
+
+def _four_sums_reference(key: np.ndarray, q: np.ndarray, y: int) -> float:
+    """The masked sum in pure Python: token x into running sum x mod 4, then (s0 + s1) + (s2 + s3)."""
+    sums = [0.0] * 4
+    k_y = float(key[y])
+    for x, (k, q_x) in enumerate(zip(key.tolist(), q.astype(np.float64).tolist())):
+        if k < k_y or (k == k_y and x > y):
+            sums[x & 3] += q_x
+    return (sums[0] + sums[1]) + (sums[2] + sums[3])
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 8, 13, 4096, 4099])
+def test_simd_and_scalar_masked_sums_are_the_four_running_sums(vocab):
+    """mass_below_at and mass_below_keyed in their AVX2 and scalar forms give the bits of the four
+    running sums written out in Python: vocabularies with and without a tail past the last 8 tokens,
+    tied keys, q = 0 < p and p = q = 0 tokens, the token at the start, the end and inside a tie."""
+    gen = np.random.default_rng(vocab)
+    rows = 4
+    q = gen.random((rows, vocab)).astype(np.float32)
+    p = gen.random((rows, vocab)).astype(np.float32)
+    q[:, 1::5] = 0.0
+    p[:, 2::7] = 0.0
+    p[:, ::3] = np.round(q[:, ::3], 2)
+    q[:, ::3] = np.round(q[:, ::3], 2)  # ties of key 1
+    q[:, 0] = p[:, 0] = 0.25
+    tokens = np.array([0, vocab - 1, vocab // 2, (vocab // 3) * 3], dtype=np.int64)
+    q[np.arange(rows), tokens] = 0.5  # drafted tokens have q > 0
+    key = ranking.ranking_key(p, q)
+    expected = [_four_sums_reference(key[r], q[r], int(tokens[r])) for r in range(rows)]
+    try:
+        for simd in (True, False):
+            KERNELS.set_simd(simd)
+            for q_rows in (q, q.astype(np.float64)):
+                out = np.empty(rows)
+                KERNELS.mass_below_at(key, q_rows, q_rows.dtype == np.float64, tokens, out, rows, vocab)
+                assert out.tolist() == expected, (simd, q_rows.dtype)
+            out = np.empty(rows)
+            KERNELS.mass_below_keyed(p, q, tokens, out, rows, vocab)
+            assert out.tolist() == expected, simd
+    finally:
+        KERNELS.set_simd(True)
