@@ -1005,6 +1005,78 @@ done:
     return result;
 }
 
+/* gbv_adaptive's per-node work after its coin, in the Python code's float operations and order (the
+ * same bits): the chosen token's W (mass_below_at's masked sum), its q and p, the on-path law q_A(s) =
+ * q_s sum_n a(n) (lam_n S_n(W + q_s, W) + 1 - lam_n) (Python's sum from 0 over the n with a(n) > 0),
+ * and update_counts' new a(k) (binomials exact in 64 bits, then rounded to double as Python's
+ * int * float; pow as Python's float ** int). counts and lams: K + 1 floats each (index 0 unused), K <= 32.
+ * Returns (W, q_s, p_s, q_A(s), counts). */
+static PyObject *adaptive_step(PyObject *self, PyObject *args) {
+    Py_buffer key, q, p;
+    int q_double;
+    Py_ssize_t chosen;
+    PyObject *counts_in, *lams_in;
+    if (!PyArg_ParseTuple(args, "y*y*py*nOO", &key, &q, &q_double, &p, &chosen, &counts_in, &lams_in)) return NULL;
+    PyObject *result = NULL, *counts_seq = NULL, *lams_seq = NULL;
+    Py_ssize_t m = key.len / (Py_ssize_t)sizeof(float);
+    Py_ssize_t q_width = q_double ? (Py_ssize_t)sizeof(double) : (Py_ssize_t)sizeof(float);
+    counts_seq = PySequence_Fast(counts_in, "adaptive_step: counts must be a sequence");
+    lams_seq = PySequence_Fast(lams_in, "adaptive_step: lams must be a sequence");
+    if (counts_seq == NULL || lams_seq == NULL) goto done;
+    Py_ssize_t paths = PySequence_Fast_GET_SIZE(counts_seq) - 1;
+    if (q.len != m * q_width || p.len != m * (Py_ssize_t)sizeof(float) || chosen < 0 || chosen >= m || paths < 1
+        || paths > 32 || PySequence_Fast_GET_SIZE(lams_seq) != paths + 1) {
+        PyErr_SetString(PyExc_ValueError, "adaptive_step: float32 key and p rows, a float32 or float64 q row of one "
+                        "length, a token in the row, K + 1 counts and weights, 1 <= K <= 32");
+        goto done;
+    }
+    double counts[64], lams[64], fresh[64];
+    for (Py_ssize_t n = 0; n <= paths; n++) {
+        counts[n] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(counts_seq, n));
+        lams[n] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(lams_seq, n));
+        fresh[n] = 0.0;
+    }
+    if (PyErr_Occurred()) goto done;
+    const float *keys = key.buf;
+    const float *q32 = q_double ? NULL : q.buf;
+    const double *q64 = q_double ? q.buf : NULL;
+    double below_s = masked_sum(keys, NULL, q32, q64, m, chosen, keys[chosen]);
+    double q_s = q_double ? q64[chosen] : (double)q32[chosen], p_s = (double)((const float *)p.buf)[chosen];
+    double ratio = 0.0;
+    for (Py_ssize_t n = 1; n <= paths; n++)
+        if (counts[n] > 0.0)
+            ratio += counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]));
+    for (Py_ssize_t n = 1; n <= paths; n++) {
+        if (counts[n] == 0.0) continue;
+        double lam = lams[n];
+        uint64_t comb_n = 1, comb_n1 = 1;  /* C(n, k) and C(n - 1, k - 1), from k = 1 up */
+        comb_n = (uint64_t)n;
+        for (Py_ssize_t k = 1; k <= n; k++) {
+            if (k > 1) {
+                comb_n = comb_n * (uint64_t)(n - k + 1) / (uint64_t)k;
+                comb_n1 = comb_n1 * (uint64_t)(n - k + 1) / (uint64_t)(k - 1);
+            }
+            double kg = (double)comb_n * pow(q_s, (double)k) * pow(below_s, (double)(n - k));
+            double ku = (double)comb_n1 * pow(q_s, (double)k) * pow(1.0 - q_s, (double)(n - k));
+            fresh[k] += counts[n] * (lam * kg + (1.0 - lam) * ku);
+        }
+    }
+    double total = 0.0;
+    for (Py_ssize_t n = 0; n <= paths; n++) total += fresh[n];
+    PyObject *updated = PyList_New(paths + 1);
+    if (updated == NULL) goto done;
+    for (Py_ssize_t n = 0; n <= paths; n++)
+        PyList_SET_ITEM(updated, n, PyFloat_FromDouble(total > 0.0 ? fresh[n] / total : counts[n]));
+    result = Py_BuildValue("ddddN", below_s, q_s, p_s, q_s * ratio, updated);
+done:
+    Py_XDECREF(counts_seq);
+    Py_XDECREF(lams_seq);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&p);
+    return result;
+}
+
 static PyMethodDef METHODS[] = {
     {"set_simd", set_simd, METH_VARARGS,
      "set_simd(on) -> whether the AVX2 form of the masked sums runs from now on (tests compare both forms)."},
@@ -1014,6 +1086,9 @@ static PyMethodDef METHODS[] = {
     {"adaptive_node", adaptive_node, METH_VARARGS,
      "adaptive_node(p32, q32, key_out32, num_paths, cut): gbv_adaptive's node keys into key_out and "
      "host_node_weights' weights -> [0, 0, lam_2, ..., lam_K]."},
+    {"adaptive_step", adaptive_step, METH_VARARGS,
+     "adaptive_step(key32, q, q_is_float64, p32, chosen, counts, lams): gbv_adaptive's node after its coin -> "
+     "(W, q_s, p_s, on-path law, updated counts)."},
     {"bucket_masses", bucket_masses, METH_VARARGS,
      "bucket_masses(key32, q64, p64, mass_q, mass_p, below[, ids64]): ranking.occupied_bucket_masses into the "
      "three float64 outputs (and the buckets' ids); returns the number of occupied buckets."},

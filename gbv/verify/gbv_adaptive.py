@@ -380,16 +380,21 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
         candidates = [tokens[k][depth] for k in alive]
         chosen = choose_next(candidates, key[candidates].tolist(), lams[len(alive)], rng)
         alive = [k for k in alive if tokens[k][depth] == chosen]
+        leads.append(lead)
+        keys.append(key)
+        counts_rows.append(counts[1:])
+        lams_rows.append(lams[1:])
+        if compiled and num_paths <= 32:  # the same float operations as below, in one call
+            _, _, p_s, law_s, counts = kernels.adaptive_step(key, q_row, False, p_row, chosen, counts, lams)
+            law_on.append(law_s)
+            p_on.append(p_s)
+            continue
         below_s = float(mass_below_array(key[None], q_row[None], [chosen])[0])
         q_s, p_s = float(q_row[chosen]), float(p_row[chosen])
         # q_A(s) = q_s sum_n abar(n) (lam_n S_n(W + q, W) + 1 - lam_n); counts are normalised.
         # (1 - lam) in brackets: lam S + 1 - lam would cancel S when it is tiny.
         ratio = sum(counts[n] * (lams[n] * power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
                     for n in range(1, num_paths + 1) if counts[n] > 0.0)
-        leads.append(lead)
-        keys.append(key)
-        counts_rows.append(counts[1:])
-        lams_rows.append(lams[1:])
         law_on.append(q_s * ratio)
         p_on.append(p_s)
         counts = update_counts(counts, lams, q_s, below_s)

@@ -307,7 +307,7 @@ def test_float32_inputs_through_the_compiled_paths_have_the_exact_law(monkeypatc
         small = outcome_law(verifier, *tuple_inputs(inst, paths))
         big = outcome_law(verifier, *embed(inst, paths, vocab, ids, torch.float32), token_map=to_small)
         assert all(abs(big.get(k, 0.0) - small.get(k, 0.0)) < 1e-12 for k in set(big) | set(small)), paths
-    used = ("select_path", "mass_below_keyed") if method == "gbv" else ("node_weights", "mass_below_at")
+    used = ("select_path", "mass_below_keyed") if method == "gbv" else ("adaptive_node", "adaptive_step")
     for name in (*used, "split_row", "residual_dist"):
         assert counting.calls.get(name, 0) > 0, (name, counting.calls)
 
@@ -380,3 +380,47 @@ def test_simd_and_scalar_masked_sums_are_the_four_running_sums(vocab):
             assert out.tolist() == expected, simd
     finally:
         KERNELS.set_simd(True)
+
+
+@pytest.mark.parametrize("num_paths", [1, 2, 3, 5, 8])
+def test_adaptive_step_is_the_python_node_update(num_paths):
+    """adaptive_step (gbv-adaptive's node after its coin) gives the bits of the Python code it stands
+    for: the chosen token's W by the masked sum, q_A(s) = q_s sum_n a(n) (lam_n S_n + 1 - lam_n) and
+    update_counts; counts with zeros, weights 0, 1 and between, sharp and flat rows, q float32 and
+    float64."""
+    gen = np.random.default_rng(num_paths)
+    for temperature, kind in ((0.2, "plain"), (1.0, "ties"), (1.0, "zeros")):
+        p64, q64, key, _ = _rows(4096, num_paths, temperature, kind)
+        p, q = p64.astype(np.float32), q64.astype(np.float32)
+        for _ in range(5):
+            counts = gen.random(num_paths + 1)
+            counts[0] = 0.0
+            counts[gen.random(num_paths + 1) < 0.3] = 0.0
+            counts = (counts / counts.sum() if counts.sum() > 0 else counts).tolist()
+            lams = [0.0, 0.0] + gen.choice([0.0, 1.0, 0.37, 0.999], size=num_paths - 1).tolist()
+            chosen = int(gen.choice(np.flatnonzero(q > 0)))
+            for q_row in (q, q.astype(np.float64)):
+                below_s = float(ranking.mass_below_array(key[None], q_row[None], [chosen])[0])
+                q_s, p_s = float(q_row[chosen]), float(p[chosen])
+                ratio = sum(counts[n] * (lams[n] * ranking.power_sum(below_s + q_s, below_s, n) + (1.0 - lams[n]))
+                            for n in range(1, num_paths + 1) if counts[n] > 0.0)
+                expected = (below_s, q_s, p_s, q_s * ratio,
+                            gbv_adaptive.update_counts(counts, lams, q_s, below_s))
+                got = KERNELS.adaptive_step(key, q_row, q_row.dtype == np.float64, p, chosen, counts, lams)
+                assert got == expected, (temperature, kind, counts, lams)
+    with pytest.raises(ValueError, match="K \\+ 1 counts"):
+        KERNELS.adaptive_step(key, q, False, p, 0, [0.0, 1.0], [0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("temperature,kind", [(0.2, "plain"), (1.0, "plain"), (1.0, "ties"), (0.2, "zeros")])
+def test_adaptive_node_is_the_keys_and_host_node_weights(temperature, kind):
+    """adaptive_node writes ranking_key's float32 keys and returns host_node_weights' weights (the
+    sharp cut and the flat buckets both: the same inputs to the same search), for K = 1 to 6."""
+    p64, q64, _, _ = _rows(4096, 5, temperature, kind)
+    p, q = p64.astype(np.float32), q64.astype(np.float32)
+    key = ranking.ranking_key(p, q)
+    for num_paths in (1, 2, 3, 6):
+        key_out = np.empty_like(key)
+        lams = KERNELS.adaptive_node(p, q, key_out, num_paths, gbv_adaptive._WEIGHT_MASS_CUT / 4096)
+        assert np.array_equal(key_out.view(np.int32), key.view(np.int32))
+        assert lams == gbv_adaptive.host_node_weights(p.astype(np.float64), q.astype(np.float64), key, num_paths)
