@@ -1,9 +1,11 @@
-"""Before/after of GBV, gbv-adaptive or SpecTr in one process: the verifier and ``gbv/verify/ranking.py`` as of
-a git revision against the working tree, on the same instances and seeds.
+"""Before/after of a verifier (BV, token-level, GBV, gbv-adaptive or SpecTr) in one process: the verifier,
+``gbv/verify/ranking.py``, ``gbv/verify/block.py`` and the compiled helpers as of a git revision against
+the working tree, on the same instances and seeds.
 
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --vocab 32768 --instances 40
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv-adaptive --vocab 4096 --paths 3
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv --engine   # in the engine, bundled pair
+    python scripts/bench_verify_ab.py --before HEAD~1 --method block --paths 1 --block-len 4 --engine --dtype bfloat16
     python scripts/bench_verify_ab.py --capture /tmp/inputs.pt --method gbv-adaptive --paths 3
     python scripts/bench_verify_ab.py --before HEAD~1 --method gbv-adaptive --inputs /tmp/inputs.pt
 
@@ -37,7 +39,9 @@ import types
 
 import torch
 
+import gbv.verify.block as block_after
 import gbv.verify.gbv as gbv_after
+import gbv.verify.token as token_after
 import gbv.verify.gbv_adaptive as adaptive_after
 import gbv.verify.spectr as spectr_after
 from gbv.verify import TorchRandom, common
@@ -45,7 +49,9 @@ from gbv.verify import TorchRandom, common
 from bench_engine_ab import load_before  # scripts/ is on the path when run as a script
 from bench_verifiers import make_inputs
 
-MODULES = {"gbv": ("gbv/verify/gbv.py", gbv_after, "verify_gbv"),
+MODULES = {"block": ("gbv/verify/block.py", block_after, "verify_block"),
+           "token": ("gbv/verify/token.py", token_after, "verify_token"),
+           "gbv": ("gbv/verify/gbv.py", gbv_after, "verify_gbv"),
            "gbv-adaptive": ("gbv/verify/gbv_adaptive.py", adaptive_after, "verify_gbv_adaptive"),
            "spectr": ("gbv/verify/spectr.py", spectr_after, "verify_spectr")}
 
@@ -85,7 +91,7 @@ def load_verifier_before(rev: str, method: str):
     uses_common = {"from gbv.verify import common, ranking": "import common_before as common, ranking_before as ranking",
                    "from gbv.verify import common": "import common_before as common"}
     load_before(rev, "gbv/verify/ranking.py", "ranking_before", uses_common)
-    load_before(rev, "gbv/verify/block.py", "block_before")
+    load_before(rev, "gbv/verify/block.py", "block_before", uses_common)
     path, _, function = MODULES[method]
     module = load_before(rev, path, f"{method.replace('-', '_')}_before",
                          {"from gbv.verify.ranking import": "from ranking_before import",

@@ -1077,6 +1077,47 @@ done:
     return result;
 }
 
+/* gbv.verify.block.positive_part_row: (w p - q)+ of one node's rows in float64 (p float32, q float32 or
+ * float64: the numpy code's values, term for term) into out; returns their sum (four running sums: numpy's
+ * pairwise sum to rounding). One pass for four numpy passes and their allocations, and the sum. */
+static PyObject *positive_part(PyObject *self, PyObject *args) {
+    Py_buffer p, q, out;
+    int q_double;
+    double w;
+    if (!PyArg_ParseTuple(args, "y*y*pdw*", &p, &q, &q_double, &w, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t m = p.len / (Py_ssize_t)sizeof(float);
+    Py_ssize_t q_width = q_double ? (Py_ssize_t)sizeof(double) : (Py_ssize_t)sizeof(float);
+    if (q.len != m * q_width || out.len != m * (Py_ssize_t)sizeof(double)) {
+        PyErr_SetString(PyExc_ValueError, "positive_part: a float32 p row, a float32 or float64 q row and a float64 "
+                        "out, of one length");
+        goto done;
+    }
+    const float *p_row = p.buf;
+    double *row = out.buf, sum[4] = {0.0, 0.0, 0.0, 0.0};
+    if (q_double) {
+        const double *q_row = q.buf;
+        for (Py_ssize_t x = 0; x < m; x++) {
+            double d = w * (double)p_row[x] - q_row[x];
+            row[x] = d > 0.0 ? d : 0.0;
+            sum[x & 3] += row[x];
+        }
+    } else {
+        const float *q_row = q.buf;
+        for (Py_ssize_t x = 0; x < m; x++) {
+            double d = w * (double)p_row[x] - (double)q_row[x];
+            row[x] = d > 0.0 ? d : 0.0;
+            sum[x & 3] += row[x];
+        }
+    }
+    result = PyFloat_FromDouble((sum[0] + sum[1]) + (sum[2] + sum[3]));
+done:
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef METHODS[] = {
     {"set_simd", set_simd, METH_VARARGS,
      "set_simd(on) -> whether the AVX2 form of the masked sums runs from now on (tests compare both forms)."},
@@ -1089,6 +1130,8 @@ static PyMethodDef METHODS[] = {
     {"adaptive_step", adaptive_step, METH_VARARGS,
      "adaptive_step(key32, q, q_is_float64, p32, chosen, counts, lams): gbv_adaptive's node after its coin -> "
      "(W, q_s, p_s, on-path law, updated counts)."},
+    {"positive_part", positive_part, METH_VARARGS,
+     "positive_part(p32, q, q_is_float64, w, out64): block.positive_part_row into out -> its sum."},
     {"bucket_masses", bucket_masses, METH_VARARGS,
      "bucket_masses(key32, q64, p64, mass_q, mass_p, below[, ids64]): ranking.occupied_bucket_masses into the "
      "three float64 outputs (and the buckets' ids); returns the number of occupied buckets."},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gbv.verify.block import normalized_or, on_path_host, positive_part_row
+from gbv.verify.block import normalized_or, on_path_host, positive_part_and_sum
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs, residual_on_device,
                                take_row, uses_device_form)
 
@@ -44,7 +44,8 @@ def token_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: Rando
     q_h, p_h, ratios = on_path_host(tokens, q_path, p_path)
     for i, ratio in enumerate(ratios):
         if not rng.accept(min(1.0, ratio)):
-            return i, rng.sample(normalized_or(positive_part_row(p_h[i], q_h[i], 1.0), p_path[i]))
+            row, total = positive_part_and_sum(p_h[i], q_h[i], 1.0)
+            return i, rng.sample(normalized_or(row, p_path[i], total))
     return block_len, rng.sample(p_path[block_len])
 
 

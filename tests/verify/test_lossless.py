@@ -234,8 +234,8 @@ def test_master_check_catches_monkeypatched_production_block(form, monkeypatch):
         real_residual = block_module.residual_on_device
         monkeypatch.setattr(block_module, "residual_on_device", lambda p, q, scale=1.0: real_residual(p, q))
     else:
-        real_part = block_module.positive_part_row
-        monkeypatch.setattr(block_module, "positive_part_row", lambda p, q, w: real_part(p, q, 1.0))
+        real_part = block_module.positive_part_and_sum
+        monkeypatch.setattr(block_module, "positive_part_and_sum", lambda p, q, w: real_part(p, q, 1.0))
     assert master_check_fails(get_verifier("block"))
 
 
@@ -252,5 +252,5 @@ def test_master_check_catches_monkeypatched_production_token(form, monkeypatch):
         monkeypatch.setattr(token_module, "residual_on_device", lambda p, q, scale=1.0: real_residual(p, 0.0 * q))
     else:
         assert not master_check_fails(get_verifier("token"))
-        monkeypatch.setattr(token_module, "positive_part_row", lambda p, q, w: p.astype(np.float64))
+        monkeypatch.setattr(token_module, "positive_part_and_sum", lambda p, q, w: (p.astype(np.float64), float(p.sum())))
     assert master_check_fails(get_verifier("token"))

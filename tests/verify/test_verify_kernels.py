@@ -17,6 +17,7 @@ from exact_checks import LOSSLESS_TOL, embed, outcome_law, tuple_inputs
 from gbv.theory import exact_analysis, random_instance
 from gbv.theory.instance import TinyInstance
 from gbv.verify import common, gbv_adaptive, get_verifier, ranking
+from gbv.verify import block as block_module
 from gbv.verify import gbv as gbv_module
 
 KERNELS = common.compiled_kernels
@@ -424,3 +425,17 @@ def test_adaptive_node_is_the_keys_and_host_node_weights(temperature, kind):
         lams = KERNELS.adaptive_node(p, q, key_out, num_paths, gbv_adaptive._WEIGHT_MASS_CUT / 4096)
         assert np.array_equal(key_out.view(np.int32), key.view(np.int32))
         assert lams == gbv_adaptive.host_node_weights(p.astype(np.float64), q.astype(np.float64), key, num_paths)
+
+
+def test_positive_part_is_the_numpy_row(monkeypatch):
+    """BV's and token-level sampling's residual row (w p - q)+: the compiled form gives numpy's row
+    (the same values) and its sum to rounding, for q float32 and float64, w = 1, below 1 and 0."""
+    for temperature, kind in ((0.2, "plain"), (1.0, "ties"), (1.0, "zeros")):
+        p64, q64, _, _ = _rows(4099, 9, temperature, kind)
+        p = p64.astype(np.float32)
+        for q in (q64.astype(np.float32), q64):
+            for w in (1.0, 0.61, 0.0):
+                row, total = block_module.positive_part_and_sum(p, q, w)
+                ref_row, ref_total = _numpy(monkeypatch, block_module.positive_part_and_sum, p, q, w)
+                assert np.array_equal(row, ref_row)
+                assert total == pytest.approx(ref_total, rel=1e-13, abs=1e-300)
