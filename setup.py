@@ -1,8 +1,8 @@
-"""The compiled parts of gbv: the host forward's kernels (gbv/engine/_host_kernels.c) and
-gbv-adaptive's node-weight search (gbv/verify/_verify_kernels.c). Everything else is in
-pyproject.toml. Both extensions are optional: where they do not build (no C compiler), gbv installs
-without them, the host forward uses torch's products and attention (gbv/engine/host_kernels.py says
-which is in use) and gbv-adaptive its numpy search."""
+"""The compiled parts of gbv: the host forward's kernels (gbv/engine/_host_kernels.c) and the
+verifiers' host-form helpers (gbv/verify/_verify_kernels.c). Everything else is in pyproject.toml.
+Both extensions are optional: where they do not build (no C compiler), gbv installs without them, the
+host forward uses torch's products and attention (gbv/engine/host_kernels.py says which is in use)
+and the verifiers their numpy code (the same results)."""
 
 from setuptools import Extension, setup
 

@@ -88,7 +88,8 @@ def load_verifier_before(rev: str, method: str):
     common_before.__dict__.update(common.__dict__)
     common_before.compiled_kernels = kernels_before(rev) if common.compiled_kernels is not None else None
     sys.modules["common_before"] = common_before
-    uses_common = {"from gbv.verify import common, ranking": "import common_before as common, ranking_before as ranking",
+    uses_common = {"from gbv.verify import common, ranking":
+                   "import common_before as common, ranking_before as ranking",
                    "from gbv.verify import common": "import common_before as common"}
     load_before(rev, "gbv/verify/ranking.py", "ranking_before", uses_common)
     load_before(rev, "gbv/verify/block.py", "block_before", uses_common)
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", action="store_true", help="in the engine on the bundled pair instead")
     parser.add_argument("--prompts", type=int, default=8, help="--engine / --capture: prompts per data set")
     parser.add_argument("--capture", metavar="FILE", help="save the verifier's inputs in the engine to FILE")
-    parser.add_argument("--dtype", default=None, help="--engine / --capture: the bundled pair's dtype (default: its own)")
+    parser.add_argument("--dtype", default=None,
+                        help="--engine / --capture: the bundled pair's dtype (default: its own)")
     parser.add_argument("--inputs", metavar="FILE", help="time on inputs saved by --capture")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

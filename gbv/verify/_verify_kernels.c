@@ -1,17 +1,25 @@
-/* The verifiers' host-form helpers, compiled (plain C, no intrinsics: it builds on any CPU; optional,
- * see setup.py). Each replaces a piece of numpy code that is mostly fixed cost per call, and gives its
- * results: the same bits, or the same values up to rounding where the sums run in another order
- * (tests/verify/test_verify_kernels.py). gbv.verify.common.compiled_kernels switches them all.
+/* The verifiers' host-form helpers, compiled (C; an AVX2 form of the masked sums, chosen at run time on
+ * x86-64 with GCC or clang, the scalar form elsewhere; optional, see setup.py). Each replaces numpy code
+ * that is mostly fixed cost per call -- and right after a forward, every call runs from a cold cache, so
+ * one call for ten is what pays -- and gives its results: the same bits, or the same values up to
+ * rounding where the sums run in another order (tests/verify/test_verify_kernels.py).
+ * gbv.verify.common.compiled_kernels switches them all.
  *
  * - node_weights: gbv-adaptive's weight search at one node (gbv_adaptive.node_weights). It finds the
  *   weight lam_n that maximises the one-step acceptance F(lam) = sum_x min(p_x, q_x + lam d_x),
  *   d = g_n - q, over a row cut to the tokens that matter (a sharp row's ~150 tokens, or a flat row's
- *   few hundred occupied key buckets). In numpy that was ~25 calls per node, 0.1-0.2 ms, 8 nodes an
- *   iteration, a fifth of gbv-adaptive's wall time on the bundled pair; here one pass per n and a
- *   selection of the crossing breakpoint (no sort of the row). Any weight keeps gbv-adaptive lossless
- *   (it is a function of the node's rows only).
+ *   few hundred occupied key buckets): one pass per n and a selection of the crossing breakpoint (no
+ *   sort of the row). Any weight keeps gbv-adaptive lossless (it is a function of the node's rows).
+ * - adaptive_node, adaptive_step: gbv-adaptive's whole node before its coin (keys, cut or buckets,
+ *   weights) and after it (W of the chosen token, the on-path law, the update of the counts).
+ * - select_path, mass_below_keyed: GBV's selection, and the masked sums of its walk with the keys
+ *   computed where they are compared.
+ * - split_row, residual_dist: BV's bucketed residual mass and its correction row at one node of a rank
+ *   law (GBV's q_G or gbv-adaptive's q_A: RankLaw below).
+ * - positive_part: BV's and token-level sampling's (w p - q)+ and its sum.
  * - bucket_masses, mass_below_among, mass_below_at: gbv.verify.ranking's key-bucket masses, exact
- *   ranks among a few tokens, and masked sums of the q-mass ranked below a token.
+ *   ranks among some tokens (a radix sort from RADIX_MIN tokens up), and masked sums of the q-mass
+ *   ranked below a token.
  * - draw_row: gbv.verify.common.TorchRandom.sample's inverse-CDF draw on one row.
  *
  * Compiled with -ffp-contract=off so that the arithmetic is the numpy code's, operation for operation.

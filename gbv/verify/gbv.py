@@ -49,8 +49,8 @@ from gbv.verify.ranking import (ZERO_ZERO_KEY, MassBounds, best_token, host_arra
                                 ranking_key, residual_bounds_ranked, residual_row)
 
 __all__ = ["ZERO_ZERO_KEY", "SkewedLaw", "path_walk", "path_walk_on_device", "ranking_key", "select_path",
-           "select_path_host", "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device", "skewed_walk",
-           "verify_gbv", "verify_gbv_on_device", "walk_law_host"]
+           "select_path_host", "select_path_on_device", "skewed_draft_law", "skewed_law_rows_on_device",
+           "skewed_walk", "verify_gbv", "verify_gbv_on_device", "walk_law_host"]
 
 
 def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
@@ -67,7 +67,8 @@ def select_path(draft_tokens: Tensor, q: Tensor, p: Tensor) -> int:
     two paths differ decides the lexicographic order. Each candidate's key is read from its own rows
     (``p[k, d]``, ``q[k, d]`` at its own token, where ``q > 0`` because the token was drawn from it); for
     a shared prefix these rows are the same node's, so this is the node's ranking, and it needs no
-    division by zero even when ``p`` and ``q`` are one-hot (temperature 0).
+    division by zero even when ``p`` and ``q`` are one-hot (temperature 0). Contiguous float32 rows on
+    the CPU take the compiled selection (``gbv/verify/_verify_kernels.c``: the same index).
     """
     num_paths, block_len = draft_tokens.shape
     if num_paths == 1:

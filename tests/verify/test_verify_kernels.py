@@ -234,7 +234,8 @@ def test_split_row_with_float64_rows_and_bad_input():
     p, q, key, _ = _rows(4096, 3, 1.0, "ties")
     key_lo, key_hi = ranking._bucket_key_bounds()
     law = np.array([0.6, 0.4, 1.7])
-    as32 = KERNELS.split_row(key, q.astype(np.float32), p.astype(np.float32), False, 0.8, 0, 3, law, key_lo, key_hi, True)
+    as32 = KERNELS.split_row(key, q.astype(np.float32), p.astype(np.float32), False, 0.8, 0, 3, law, key_lo, key_hi,
+                             True)
     as64 = KERNELS.split_row(key, q, p, True, 0.8, 0, 3, law, key_lo, key_hi, True)
     assert as32 == as64
     with pytest.raises(ValueError, match="kind 0: 3 constants"):
