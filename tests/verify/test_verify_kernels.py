@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from exact_checks import LOSSLESS_TOL, embed, outcome_law, tuple_inputs
+from exact_checks import LOSSLESS_TOL, embedded_law_gap
 from gbv.theory import exact_analysis, random_instance
 from gbv.theory.instance import TinyInstance
 from gbv.verify import common, gbv_adaptive, get_verifier, ranking
@@ -272,6 +272,15 @@ def _dyadic(inst, denominator: int = 64):
                         {c: rounded(r) for c, r in inst.draft.items()})
 
 
+def _float32_law_gap(verifier, inst, seed: int) -> float:
+    """The largest outcome-law difference, over six random tuples of three paths drawn from ``inst``'s
+    draft, between the float64 tiny instance and its float32 embedding at V = 8,192."""
+    gen = np.random.default_rng(seed)
+    seqs = [s for s in itertools.product(range(inst.vocab), repeat=inst.block_len) if inst.seq_prob(inst.draft, s) > 0]
+    return max(embedded_law_gap(verifier, inst, [seqs[i] for i in gen.integers(len(seqs), size=3)], 8192,
+                                [17, 4000, 8191], torch.float32) for _ in range(6))
+
+
 class _CountingKernels:
     """The compiled module with a count of the calls of each function (so a test sees it was used)."""
 
@@ -298,17 +307,9 @@ def test_float32_inputs_through_the_compiled_paths_have_the_exact_law(monkeypatc
     verifier = get_verifier(method)
     inst = _dyadic(random_instance(3, 3, 3, 40 + seed, "mixed"))
     assert exact_analysis(verifier, inst.with_paths(2)).max_law_error < LOSSLESS_TOL  # (3^9 tuples at K = 3: slow)
-    vocab, ids = 8192, [17, 4000, 8191]
-    to_small = {v: k for k, v in enumerate(ids)}
     counting = _CountingKernels(KERNELS)
     monkeypatch.setattr(common, "compiled_kernels", counting)
-    gen = np.random.default_rng(seed)
-    seqs = [s for s in itertools.product(range(3), repeat=3) if inst.seq_prob(inst.draft, s) > 0]
-    for _ in range(6):
-        paths = [seqs[i] for i in gen.integers(len(seqs), size=3)]
-        small = outcome_law(verifier, *tuple_inputs(inst, paths))
-        big = outcome_law(verifier, *embed(inst, paths, vocab, ids, torch.float32), token_map=to_small)
-        assert all(abs(big.get(k, 0.0) - small.get(k, 0.0)) < 1e-12 for k in set(big) | set(small)), paths
+    assert _float32_law_gap(verifier, inst, seed) < 1e-12
     used = ("select_path", "mass_below_keyed") if method == "gbv" else ("adaptive_node", "adaptive_step")
     for name in (*used, "split_row", "residual_dist"):
         assert counting.calls.get(name, 0) > 0, (name, counting.calls)
@@ -326,20 +327,8 @@ def test_the_float32_exact_check_catches_a_broken_compiled_law(monkeypatch):
                 return lambda *a: function(*a[:6], a[6] + 1, *a[7:])
             return function
 
-    verifier = get_verifier("gbv")
-    inst = _dyadic(random_instance(3, 3, 3, 40, "mixed"))
-    vocab, ids = 8192, [17, 4000, 8191]
-    to_small = {v: k for k, v in enumerate(ids)}
     monkeypatch.setattr(common, "compiled_kernels", Broken(KERNELS))
-    gen = np.random.default_rng(0)
-    seqs = [s for s in itertools.product(range(3), repeat=3) if inst.seq_prob(inst.draft, s) > 0]
-    worst = 0.0
-    for _ in range(6):
-        paths = [seqs[i] for i in gen.integers(len(seqs), size=3)]
-        small = outcome_law(verifier, *tuple_inputs(inst, paths))
-        big = outcome_law(verifier, *embed(inst, paths, vocab, ids, torch.float32), token_map=to_small)
-        worst = max([worst] + [abs(big.get(k, 0.0) - small.get(k, 0.0)) for k in set(big) | set(small)])
-    assert worst > 1e-6
+    assert _float32_law_gap(get_verifier("gbv"), _dyadic(random_instance(3, 3, 3, 40, "mixed")), 0) > 1e-6
 
 
 def _four_sums_reference(key: np.ndarray, q: np.ndarray, y: int) -> float:
