@@ -17,6 +17,7 @@
  * - split_row, residual_dist: BV's bucketed residual mass and its correction row at one node of a rank
  *   law (GBV's q_G or gbv-adaptive's q_A: RankLaw below).
  * - positive_part: BV's and token-level sampling's (w p - q)+ and its sum.
+ * - spectr_rho: SpecTr's root search at one node.
  * - bucket_masses, mass_below_among, mass_below_at: gbv.verify.ranking's key-bucket masses, exact
  *   ranks among some tokens (a radix sort from RADIX_MIN tokens up), and masked sums of the q-mass
  *   ranked below a token.
@@ -1126,6 +1127,123 @@ done:
     return result;
 }
 
+/* gbv.verify.spectr._smallest_rho on one node's rows (float32 or float64 together): the smallest rho in
+ * [1, k] with rho beta(rho) >= 1 - (1 - beta(rho))^k, to RHO_TOLERANCE, as the numpy code finds it: the
+ * breakpoints t = p / q in (1, k) sorted, f at each, the first segment where f >= 0, its closed form or
+ * a bisection on it. The same steps on the same float64 values; the sums run in order (numpy's are
+ * pairwise), so the value agrees to rounding. Any rho where the inequality holds keeps SpecTr lossless. */
+typedef struct {
+    double t, p, q;
+} Breakpoint;
+
+static int by_t(const void *a, const void *b) {
+    double x = ((const Breakpoint *)a)->t, y = ((const Breakpoint *)b)->t;
+    return (x > y) - (x < y);
+}
+
+static PyObject *spectr_rho(PyObject *self, PyObject *args) {
+    Py_buffer p, q;
+    int rows_double;
+    Py_ssize_t k;
+    double tolerance;
+    Py_ssize_t max_steps;
+    if (!PyArg_ParseTuple(args, "y*y*pndn", &p, &q, &rows_double, &k, &tolerance, &max_steps)) return NULL;
+    PyObject *result = NULL;
+    Breakpoint *inside = NULL;
+    Py_ssize_t width = rows_double ? (Py_ssize_t)sizeof(double) : (Py_ssize_t)sizeof(float);
+    Py_ssize_t m = p.len / width;
+    if (q.len != p.len || p.len != m * width) {
+        PyErr_SetString(PyExc_ValueError, "spectr_rho: p and q rows of one length and dtype (float32 or float64)");
+        goto done;
+    }
+    double rho = 1.0;
+    if (k <= 1) goto found;  /* f == 0 identically for k = 1 */
+#define AT(view, x) (rows_double ? ((const double *)(view).buf)[x] : (double)((const float *)(view).buf)[x])
+    double beta1 = 0.0;
+    for (Py_ssize_t x = 0; x < m; x++) {
+        double px = AT(p, x), qx = AT(q, x);
+        beta1 += px < qx ? px : qx;
+    }
+    if (beta1 - 1.0 + pow(1.0 - beta1, (double)k) >= 0.0) goto found;  /* beta(1) is 0 or 1 */
+    inside = PyMem_RawMalloc((size_t)(m > 0 ? m : 1) * sizeof(Breakpoint));
+    if (inside == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    double p_low = 0.0, q_low = 0.0, q_total = 0.0, low_max = -INFINITY;
+    int any_low = 0;
+    Py_ssize_t count = 0;
+    for (Py_ssize_t x = 0; x < m; x++) {
+        double px = AT(p, x), qx = AT(q, x), t = px / qx;  /* q = 0: +inf or nan, never in (1, k) */
+        q_total += qx;
+        if (t <= 1.0) {
+            p_low += px;
+            q_low += qx;
+            any_low = 1;
+            if (t > low_max) low_max = t;
+        } else if (t > 1.0 && t < (double)k) {
+            inside[count].t = t;
+            inside[count].p = px;
+            inside[count++].q = qx;
+        }
+    }
+#undef AT
+    qsort(inside, (size_t)count, sizeof(Breakpoint), by_t);
+    /* g(t_j) = (p-mass up to j) + t_j (q-mass after j); f(t_j) = (1 - g / t)^k + g - 1, nondecreasing */
+    double cum_p = p_low, cum_q = q_low, hi = (double)k, lo_t, b, a;
+    Py_ssize_t first = count;
+    double prev_cum_p = 0.0, prev_q_above = 0.0;
+    for (Py_ssize_t j = 0; j < count; j++) {
+        cum_p += inside[j].p;
+        cum_q += inside[j].q;
+        double q_above = q_total - cum_q, g = cum_p + inside[j].t * q_above;
+        if (pow(1.0 - g / inside[j].t, (double)k) + g - 1.0 >= 0.0) {
+            first = j;
+            hi = inside[j].t;
+            break;
+        }
+        prev_cum_p = cum_p;
+        prev_q_above = q_above;
+    }
+    if (first > 0) {
+        lo_t = inside[first - 1].t;
+        b = prev_cum_p;
+        a = prev_q_above;
+    } else if (any_low) {
+        lo_t = low_max;
+        b = p_low;
+        a = q_total - q_low;
+    } else {
+        lo_t = 0.0;
+        b = 0.0;
+        a = q_total;
+    }
+    double lo = lo_t > 1.0 ? lo_t : 1.0;
+#define EXCESS(r) (a * (r) + b - 1.0 + pow(1.0 - a - b / (r), (double)k))
+    if (b <= 0.0 && 0.0 < a) {  /* no target mass below the segment: f is linear there */
+        double root = (1.0 - pow(1.0 - a, (double)k)) / a;
+        if (lo <= root && root <= hi && EXCESS(root) >= 0.0) {
+            rho = root;
+            goto found;
+        }
+    }
+    for (Py_ssize_t step = 0; step < max_steps; step++) {
+        if (hi - lo <= tolerance * hi) break;
+        double mid = 0.5 * (lo + hi);
+        if (EXCESS(mid) >= 0.0) hi = mid;
+        else lo = mid;
+    }
+#undef EXCESS
+    rho = hi;
+found:
+    result = PyFloat_FromDouble(rho);
+done:
+    PyMem_RawFree(inside);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&q);
+    return result;
+}
+
 static PyMethodDef METHODS[] = {
     {"set_simd", set_simd, METH_VARARGS,
      "set_simd(on) -> whether the AVX2 form of the masked sums runs from now on (tests compare both forms)."},
@@ -1138,6 +1256,8 @@ static PyMethodDef METHODS[] = {
     {"adaptive_step", adaptive_step, METH_VARARGS,
      "adaptive_step(key32, q, q_is_float64, p32, chosen, counts, lams): gbv_adaptive's node after its coin -> "
      "(W, q_s, p_s, on-path law, updated counts)."},
+    {"spectr_rho", spectr_rho, METH_VARARGS,
+     "spectr_rho(p, q, rows_are_float64, k, tolerance, max_steps): spectr._smallest_rho of one node's rows."},
     {"positive_part", positive_part, METH_VARARGS,
      "positive_part(p32, q, q_is_float64, w, out64): block.positive_part_row into out -> its sum."},
     {"bucket_masses", bucket_masses, METH_VARARGS,

@@ -429,3 +429,29 @@ def test_positive_part_is_the_numpy_row(monkeypatch):
                 ref_row, ref_total = _numpy(monkeypatch, block_module.positive_part_and_sum, p, q, w)
                 assert np.array_equal(row, ref_row)
                 assert total == pytest.approx(ref_total, rel=1e-13, abs=1e-300)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_spectr_root_is_the_numpy_root(monkeypatch, dtype):
+    """SpecTr's root search, compiled, against its numpy code: the same rho to rounding (the sums run
+    in order, numpy's pairwise), on sharp and flat rows with ties, zeros and one-hot rows, k = 1 to 6;
+    and the inequality holds at it (the tests of _smallest_rho in test_spectr.py run the compiled form,
+    since it is installed)."""
+    from gbv.verify import spectr
+
+    rows = []
+    for temperature, kind in ((0.2, "plain"), (1.0, "plain"), (1.0, "ties"), (0.2, "zeros")):
+        p, q, _, _ = _rows(700, 3, temperature, kind)
+        rows.append((p, q))
+    hot = np.zeros(700)
+    hot[5] = 1.0
+    rows += [(hot, rows[1][1]), (rows[1][0], hot), (rows[1][0], rows[1][0].copy())]
+    for p, q in rows:
+        p, q = p.astype(dtype), q.astype(dtype)
+        for k in range(1, 7):
+            ours = spectr._smallest_rho(p, q, k)
+            theirs = _numpy(monkeypatch, spectr._smallest_rho, p, q, k)
+            assert ours == pytest.approx(theirs, rel=1e-10), k
+            p64, q64 = p.astype(np.float64), q.astype(np.float64)
+            beta = np.minimum(q64, p64 / ours).sum()
+            assert ours * beta >= 1.0 - (1.0 - beta) ** k - 1e-12
