@@ -35,6 +35,13 @@
  * bits clamp to bucket 0), up to +inf. */
 #define BUCKET_SHIFT 19
 #define NUM_BUCKETS ((0x7F800000 >> BUCKET_SHIFT) + 1)
+/* A float32 key's bucket from its bits: negative bits (-0.0, -1) clamp to bucket 0; bits above +inf
+ * (a NaN, which the keys never are) to the last bucket, so that no key writes outside the arrays. */
+static int32_t bucket_of(int32_t bits) {
+    int32_t b = bits >> BUCKET_SHIFT;  /* (arithmetic shift: negative bits stay negative) */
+    return b < 0 ? 0 : (b >= NUM_BUCKETS ? NUM_BUCKETS - 1 : b);
+}
+
 /* Below this many breakpoints the crossing is found by an insertion sort and a running sum. */
 #define SMALL 24
 
@@ -228,8 +235,7 @@ static PyObject *bucket_masses(PyObject *self, PyObject *args) {
     double *mass_q = mass, *mass_p = mass + NUM_BUCKETS;
     int32_t low = NUM_BUCKETS, high = 0;
     for (Py_ssize_t x = 0; x < m; x++) {
-        int32_t bucket = bits[x] >> BUCKET_SHIFT;  /* (arithmetic shift: negative bits stay negative) */
-        if (bucket < 0) bucket = 0;
+        int32_t bucket = bucket_of(bits[x]);
         mass_q[bucket] += q[x];
         mass_p[bucket] += p[x];
         if (bucket < low) low = bucket;
@@ -752,8 +758,7 @@ static PyObject *split_row(PyObject *self, PyObject *args) {
     int32_t low_bucket = NUM_BUCKETS, high_bucket = 0;
 #define ROW_AT(view, x) (rows_double ? ((const double *)(view).buf)[x] : (double)((const float *)(view).buf)[x])
     for (Py_ssize_t x = 0; x < m; x++) {
-        int32_t b = bits[x] >> BUCKET_SHIFT;
-        if (b < 0) b = 0;
+        int32_t b = bucket_of(bits[x]);
         mass_q[b] += ROW_AT(q, x);
         mass_p[b] += ROW_AT(p, x);
         if (b < low_bucket) low_bucket = b;
@@ -800,8 +805,7 @@ static PyObject *split_row(PyObject *self, PyObject *args) {
             float *member_keys = (float *)(packed + 3 * m);
             const float *keys = key.buf;
             for (Py_ssize_t x = 0; x < m; x++) {
-                int32_t b = bits[x] >> BUCKET_SHIFT;
-                if (b < 0) b = 0;
+                int32_t b = bucket_of(bits[x]);
                 if (unsettled[b] != 0.0) {
                     member_keys[count] = keys[x];
                     member_ids[count++] = (uint64_t)x;
@@ -812,8 +816,7 @@ static PyObject *split_row(PyObject *self, PyObject *args) {
             int32_t seg_bucket = -1;
             for (Py_ssize_t i = 0; i < count; i++) {
                 Py_ssize_t x = member_ids[(Py_ssize_t)(0xFFFFFFFFu - (uint32_t)(packed[i] & 0xFFFFFFFFu))];
-                int32_t b = bits[x] >> BUCKET_SHIFT;
-                if (b < 0) b = 0;
+                int32_t b = bucket_of(bits[x]);
                 double q_x = ROW_AT(q, x);
                 csum += q_x;
                 if (b != seg_bucket) {  /* the first (worst) token of its bucket */
@@ -984,8 +987,7 @@ static PyObject *adaptive_node(PyObject *self, PyObject *args) {
             int32_t low = NUM_BUCKETS, high = 0;
             const int32_t *bits = (const int32_t *)keys;
             for (Py_ssize_t x = 0; x < m; x++) {
-                int32_t b = bits[x] >> BUCKET_SHIFT;
-                if (b < 0) b = 0;
+                int32_t b = bucket_of(bits[x]);
                 mass_q[b] += (double)q_row[x];
                 mass_p[b] += (double)p_row[x];
                 if (b < low) low = b;
