@@ -10,7 +10,8 @@ drafted paths (``gbv.engine.tree.build_tree``) and the commit's cache moves (``K
 and patched into the tree decoder and the cache class for its prompts. Prints tokens/s per row with
 either variant, their ratio, the share of the wall time outside the draft, target and verify phases,
 and on how many prompts both made the same tokens (they must: neither changes what is computed). The
-loop is scripts/bench_verify_kernels_ab.py's :func:`interleaved_ab`.
+loop and the table are scripts/bench_verify_kernels_ab.py's :func:`interleaved_ab` and
+:func:`print_ab_table`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import gbv.engine.tree_decoder as tree_decoder
 from gbv.engine.lean import KVCache
 
 from bench_engine_ab import load_before  # scripts/ is on the path when run as a script
-from bench_verify_kernels_ab import interleaved_ab, label
+from bench_verify_kernels_ab import interleaved_ab, print_ab_table
 
 ROWS = [("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("traversal", 3, 4), ("block", 1, 4)]
 
@@ -44,15 +45,7 @@ def main() -> int:
 
     header, sums, same = interleaved_ab(args.dtype, args.prompts, args.max_new_tokens, ROWS, use)
     print(f"{header}, before = {args.before}\n")
-    print("| T | row | tokens/s before | tokens/s after | ratio | other share before / after | same tokens |")
-    print("|---|---|---|---|---|---|---|")
-    for temperature in (0.2, 1.0):
-        for row in ROWS:
-            before, after = sums[(temperature, row, False)], sums[(temperature, row, True)]
-            rate_before, rate_after = before[0] / before[1], after[0] / after[1]
-            print(f"| {temperature} | {label(row)} | {rate_before:.1f} | {rate_after:.1f} "
-                  f"| {rate_after / rate_before:.3f}x | {before[4] / before[1]:.1%} / {after[4] / after[1]:.1%} "
-                  f"| {same[(temperature, row)]}/{2 * args.prompts} |")
+    print_ab_table(sums, same, ROWS, args.prompts, ("before", "after"), [("other share", 4, ".1%")])
     return 0
 
 

@@ -82,17 +82,27 @@ def main() -> int:
 
     header, sums, same = interleaved_ab(args.dtype, args.prompts, args.max_new_tokens, ROWS, use)
     print(header + "\n")
-    print("| T | row | tokens/s numpy | tokens/s compiled | ratio | verify share numpy / compiled "
-          "| forwards share numpy / compiled | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print_ab_table(sums, same, ROWS, args.prompts, ("numpy", "compiled"),
+                   [("verify share", 2, ".0%"), ("forwards share", 3, ".0%")])
+    return 0
+
+
+def print_ab_table(sums: dict, same: dict, rows: list[tuple[str, int, int]], prompts: int, sides: tuple[str, str],
+                   shares: list[tuple[str, int, str]]) -> None:
+    """The markdown table of an :func:`interleaved_ab` run: per (temperature, row) the tokens/s of the
+    two variants (named by ``sides``), their ratio, each share of the wall time in ``shares`` (title,
+    index into the pooled sums, format) for both, and on how many prompts both made the same tokens."""
+    before, after = sides
+    print(f"| T | row | tokens/s {before} | tokens/s {after} | ratio | "
+          + "".join(f"{title} {before} / {after} | " for title, _, _ in shares) + "same tokens |")
+    print("|" + "---|" * (6 + len(shares)))
     for temperature in (0.2, 1.0):
-        for row in ROWS:
+        for row in rows:
             off, on = sums[(temperature, row, False)], sums[(temperature, row, True)]
             rate_off, rate_on = off[0] / off[1], on[0] / on[1]
-            print(f"| {temperature} | {label(row)} | {rate_off:.1f} | {rate_on:.1f} | {rate_on / rate_off:.3f}x "
-                  f"| {off[2] / off[1]:.0%} / {on[2] / on[1]:.0%} | {off[3] / off[1]:.0%} / {on[3] / on[1]:.0%} "
-                  f"| {same[(temperature, row)]}/{2 * args.prompts} |")
-    return 0
+            cells = "".join(f"{off[index] / off[1]:{fmt}} / {on[index] / on[1]:{fmt}} | " for _, index, fmt in shares)
+            print(f"| {temperature} | {label(row)} | {rate_off:.1f} | {rate_on:.1f} | {rate_on / rate_off:.3f}x | "
+                  f"{cells}{same[(temperature, row)]}/{2 * prompts} |")
 
 
 if __name__ == "__main__":

@@ -587,7 +587,8 @@ static PyObject *select_path(PyObject *self, PyObject *args) {
     Py_ssize_t paths, block, p_block, m;
     if (!PyArg_ParseTuple(args, "y*y*y*nnnn", &tokens, &q, &p, &paths, &block, &p_block, &m)) return NULL;
     PyObject *result = NULL;
-    if (paths < 1 || paths > 64 || block < 1 || p_block < block || tokens.len != paths * block * (Py_ssize_t)sizeof(int64_t)
+    if (paths < 1 || paths > 64 || block < 1 || p_block < block
+        || tokens.len != paths * block * (Py_ssize_t)sizeof(int64_t)
         || q.len != paths * block * m * (Py_ssize_t)sizeof(float)
         || p.len != paths * p_block * m * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "select_path: int64 tokens (K, L), float32 q (K, L, V) and p (K, L', V), "
@@ -951,17 +952,20 @@ static PyObject *adaptive_node(PyObject *self, PyObject *args) {
     }
     double lams[65] = {0.0};
     if (paths >= 2) {
-        Py_ssize_t size = 2 * support < m ? support : (m < NUM_BUCKETS ? m : NUM_BUCKETS);
+        int sharp = 2 * support < m;
+        Py_ssize_t size = sharp ? support : (m < NUM_BUCKETS ? m : NUM_BUCKETS);
         rows = PyMem_RawMalloc((size_t)(3 * size + 1) * sizeof(double));
         work = PyMem_RawMalloc((size_t)(4 * size + 1) * sizeof(double));
-        packed = PyMem_RawMalloc((size_t)(2 * support + 1) * sizeof(uint64_t) + (size_t)(support + 1) * sizeof(float));
-        if (rows == NULL || work == NULL || packed == NULL) {
+        if (sharp)  /* the sort's packed values and scratch, and the cut tokens' keys */
+            packed = PyMem_RawMalloc((size_t)(2 * support + 1) * sizeof(uint64_t)
+                                     + (size_t)(support + 1) * sizeof(float));
+        if (rows == NULL || work == NULL || (sharp && packed == NULL)) {
             PyErr_NoMemory();
             goto done;
         }
         double *row_p = rows, *row_q = rows + size, *below = rows + 2 * size;
         Py_ssize_t count = 0;
-        if (2 * support < m) {  /* sharp: the tokens of non-negligible q, exact ranks among them */
+        if (sharp) {  /* the tokens of non-negligible q, exact ranks among them */
             float *cut_keys = (float *)(packed + 2 * support + 1);
             for (Py_ssize_t x = 0; x < m; x++) {
                 if ((double)q_row[x] > cut) {
@@ -1088,7 +1092,7 @@ done:
     return result;
 }
 
-/* gbv.verify.block.positive_part_row: (w p - q)+ of one node's rows in float64 (p float32, q float32 or
+/* gbv.verify.block.positive_part_and_sum: (w p - q)+ of one node's rows in float64 (p float32, q float32 or
  * float64: the numpy code's values, term for term) into out; returns their sum (four running sums: numpy's
  * pairwise sum to rounding). One pass for four numpy passes and their allocations, and the sum. */
 static PyObject *positive_part(PyObject *self, PyObject *args) {

@@ -559,11 +559,14 @@ def residual_bounds_ranked(key: Tensor, q: Tensor, p: Tensor, rows: list[int], w
         # after a forward.
         key_lo, key_hi = _bucket_key_bounds()
         found: dict[tuple[int, bool], tuple[float, float, float, float]] = {}
+        node_keys: dict[int, np.ndarray] = {}  # (the exact step follows the tighter one: one key row)
 
         def compiled_split(j: int, exact: bool) -> tuple[float, float, float, float]:
             if (j, exact) not in found:
                 node = rows[j]
-                node_key = ranking_key(p_h[node], q_h[node]) if key_h is None else key_h[node]
+                if node not in node_keys:
+                    node_keys[node] = ranking_key(p_h[node], q_h[node]) if key_h is None else key_h[node]
+                node_key = node_keys[node]
                 kind, k, constants = law_h.compiled_law(node)
                 found[(j, exact)] = kernels.split_row(node_key, q_h[node], p_h[node], False, float(weights[j]),
                                                       kind, k, constants, key_lo, key_hi, exact)
