@@ -17,6 +17,8 @@
  * - split_row, residual_dist: BV's bucketed residual mass and its correction row at one node of a rank
  *   law (GBV's q_G or gbv-adaptive's q_A: RankLaw below).
  * - positive_part: BV's and token-level sampling's (w p - q)+ and its sum.
+ * - single_path: BV and token-level sampling on one path, whole (the coins' uniforms from the caller's
+ *   random source, drawn where the numpy code draws them).
  * - spectr_rho: SpecTr's root search at one node.
  * - bucket_masses, mass_below_among, mass_below_at: gbv.verify.ranking's key-bucket masses, exact
  *   ranks among some tokens (a radix sort from RADIX_MIN tokens up), and masked sums of the q-mass
@@ -403,6 +405,28 @@ done:
  * last index. numpy's cumsum adds in order, so the sums and the index are the same bits; one pass for
  * the total and one that stops at the index, against cumsum's ~5.5 ns an element here (23 us at
  * V = 4096). */
+static Py_ssize_t draw_index(const void *dist, int is_double, Py_ssize_t m, double u, double below_one) {
+    double total = 0.0, running = 0.0;
+    if (is_double) {
+        const double *row = dist;
+        for (Py_ssize_t x = 0; x < m; x++) total += row[x];
+        double point = u * (total * below_one);
+        for (Py_ssize_t x = 0; x < m - 1; x++) {
+            running += row[x];
+            if (running > point) return x;
+        }
+    } else {
+        const float *row = dist;
+        for (Py_ssize_t x = 0; x < m; x++) total += (double)row[x];
+        double point = u * (total * below_one);
+        for (Py_ssize_t x = 0; x < m - 1; x++) {
+            running += (double)row[x];
+            if (running > point) return x;
+        }
+    }
+    return m - 1;
+}
+
 static PyObject *draw_row(PyObject *self, PyObject *args) {
     Py_buffer dist;
     double u, below_one;
@@ -415,31 +439,7 @@ static PyObject *draw_row(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "draw_row needs a non-empty contiguous float32 or float64 row");
         return NULL;
     }
-    double total = 0.0, running = 0.0;
-    Py_ssize_t index = m - 1;
-    if (is_double) {
-        const double *row = dist.buf;
-        for (Py_ssize_t x = 0; x < m; x++) total += row[x];
-        double point = u * (total * below_one);
-        for (Py_ssize_t x = 0; x < m - 1; x++) {
-            running += row[x];
-            if (running > point) {
-                index = x;
-                break;
-            }
-        }
-    } else {
-        const float *row = dist.buf;
-        for (Py_ssize_t x = 0; x < m; x++) total += (double)row[x];
-        double point = u * (total * below_one);
-        for (Py_ssize_t x = 0; x < m - 1; x++) {
-            running += (double)row[x];
-            if (running > point) {
-                index = x;
-                break;
-            }
-        }
-    }
+    Py_ssize_t index = draw_index(dist.buf, is_double, m, u, below_one);
     PyBuffer_Release(&dist);
     return PyLong_FromSsize_t(index);
 }
@@ -1133,6 +1133,172 @@ done:
     return result;
 }
 
+/* One uniform from the random source's bound method ``uniform`` (TorchRandom.uniform): the same stream
+ * as the numpy code's rng.accept / rng.sample draws, one at a time and only where they draw one. */
+static int next_uniform(PyObject *uniform, double *u) {
+    PyObject *value = PyObject_CallNoArgs(uniform);
+    if (value == NULL) return -1;
+    *u = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return (*u == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* (w p - q)+ of one float32 row pair into row, and its sum: positive_part's loop (the same bits); the
+ * sum of p too, in the same pass, where p_sum is given. */
+static double positive_part_row32(const float *p_row, const float *q_row, double w, double *row, Py_ssize_t m,
+                                  double *p_sum) {
+    double sum[4] = {0.0, 0.0, 0.0, 0.0}, mass = 0.0;
+    for (Py_ssize_t x = 0; x < m; x++) {
+        double d = w * (double)p_row[x] - (double)q_row[x];
+        row[x] = d > 0.0 ? d : 0.0;
+        sum[x & 3] += row[x];
+        mass += (double)p_row[x];
+    }
+    if (p_sum != NULL) *p_sum = mass;
+    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
+
+/* row / total in place, then draw_index's rule on it: the division fused into the pass of the total
+ * (the same quotients, summed in the same order). */
+static Py_ssize_t draw_normalized(double *row, double total, Py_ssize_t m, double u, double below_one) {
+    double sum = 0.0, running = 0.0;
+    for (Py_ssize_t x = 0; x < m; x++) {
+        row[x] /= total;
+        sum += row[x];
+    }
+    double point = u * (sum * below_one);
+    for (Py_ssize_t x = 0; x < m - 1; x++) {
+        running += row[x];
+        if (running > point) return x;
+    }
+    return m - 1;
+}
+
+/* python's min(1.0, value): 1.0 unless value < 1.0 (so a NaN gives 1.0, as in the numpy code). */
+static double min_one(double value) { return value < 1.0 ? value : 1.0; }
+
+/* block.block_verify_host (block = 1) or token.token_verify_host (block = 0) on one path of float32
+ * rows, whole: the on-path ratios, BV's weights, the stop coins (or token-level's accept coins), the
+ * residual masses they need, the correction row (into out, float64) and the draw of the next token,
+ * with uniforms from ``uniform`` wherever the numpy code draws one (rng.accept draws none for a
+ * probability <= 0 or >= 1; BV's rng.accept_within none where its upper bound is 0). Why: the numpy
+ * form is ~25 Python, numpy and torch calls, each from a cold cache right after the target's forward
+ * (0.15-0.2 ms a call here); this is one.
+ *
+ * The same results as the numpy code, bit for bit: the same float64 ratios and weights, the same
+ * positive_part sums, the same draws. One step differs in form only: BV's coin at a node with w_i < 1
+ * is "u < h_i" with h_i from the exact residual mass, where the numpy code first answers False for
+ * u >= its upper bound stop_prob(w_i sum p_i (1 + margin)); that bound is >= h_i (the margin covers
+ * the rounding of the sums), so it never decides otherwise. */
+static PyObject *single_path(PyObject *self, PyObject *args) {
+    Py_buffer q, p, tokens, out;
+    Py_ssize_t L, V;
+    int block;
+    PyObject *uniform;
+    double margin, below_one;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnpOw*dd", &q, &p, &tokens, &L, &V, &block, &uniform, &out, &margin,
+                          &below_one))
+        return NULL;
+    PyObject *result = NULL;
+    double *weights = NULL;
+    if (L < 1 || V < 1 || q.len != L * V * (Py_ssize_t)sizeof(float) ||
+        p.len != (L + 1) * V * (Py_ssize_t)sizeof(float) || tokens.len != L * (Py_ssize_t)sizeof(int64_t) ||
+        out.len != V * (Py_ssize_t)sizeof(double)) {
+        PyErr_SetString(PyExc_ValueError, "single_path: float32 q (L, V) and p (L + 1, V), int64 tokens (L,) and a "
+                        "float64 out (V,), contiguous");
+        goto done;
+    }
+    const float *q_rows = q.buf, *p_rows = p.buf;
+    const int64_t *drafted = tokens.buf;
+    double *row = out.buf;
+    weights = PyMem_Malloc((size_t)(L + 1) * sizeof(double));
+    if (weights == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* on_path_host's ratios p_{i-1}(x_i) / q_{i-1}(x_i) in float64 (inf where only q is 0, 0 for 0 / 0);
+     * BV's weights w_i = min(1, w_{i-1} ratio_i), w_0 = 1 (token-level sampling: min(1, ratio_i)). */
+    weights[0] = 1.0;
+    for (Py_ssize_t i = 1; i <= L; i++) {
+        int64_t x = drafted[i - 1];
+        if (x < 0 || x >= V) {
+            PyErr_SetString(PyExc_ValueError, "single_path: a drafted token outside the vocabulary");
+            goto done;
+        }
+        double pp = (double)p_rows[(i - 1) * V + x], qq = (double)q_rows[(i - 1) * V + x];
+        double ratio = qq > 0.0 ? pp / qq : (pp > 0.0 ? INFINITY : 0.0);
+        weights[i] = min_one(block ? weights[i - 1] * ratio : ratio);
+    }
+    Py_ssize_t tau = 0;  /* the accepted length */
+    double u;
+    int have_row = 0;    /* row holds (w_tau p_tau - q_tau)+ and total its sum */
+    double total = 0.0;
+    if (block) {
+        /* The stop coins from i = L down: h_L = w_L (rng.accept), then h_i = r_i / (r_i + (1 - w_i)). */
+        int stop = 0;
+        double w = weights[L];
+        if (w >= 1.0) stop = 1;
+        else if (w > 0.0) {
+            if (next_uniform(uniform, &u) < 0) goto done;
+            stop = u < w;
+        }
+        if (stop) tau = L;
+        for (Py_ssize_t i = L - 1; i >= 1 && !stop; i--) {
+            w = weights[i];
+            if (!(w < 1.0)) {  /* w_i = 1: h_i = 1, rng.accept(1.0) draws nothing */
+                stop = 1;
+                tau = i;
+                break;
+            }
+            if (w <= 0.0) continue;  /* upper bound 0: rng.accept_within draws nothing */
+            double p_sum;
+            total = positive_part_row32(p_rows + i * V, q_rows + i * V, w, row, V, &p_sum);
+            if (w * p_sum * (1.0 + margin) <= 0.0) continue;  /* (p_i = 0: the bound is 0 too) */
+            if (next_uniform(uniform, &u) < 0) goto done;
+            double denom = total + (1.0 - w);
+            double h = denom <= 0.0 ? 1.0 : total / denom;
+            if (u < h) {
+                stop = 1;
+                tau = i;
+                have_row = 1;
+            }
+        }
+    } else {
+        while (tau < L) {  /* rng.accept(min(1, ratio)) per drafted token, until the first rejection */
+            double prob = weights[tau + 1];
+            int accepted = 1;
+            if (!(prob >= 1.0)) {
+                if (prob <= 0.0) accepted = 0;
+                else {
+                    if (next_uniform(uniform, &u) < 0) goto done;
+                    accepted = u < prob;
+                }
+            }
+            if (!accepted) break;
+            tau++;
+        }
+    }
+    Py_ssize_t next;
+    if (tau == L) {  /* the whole block: the bonus token from p_L */
+        if (next_uniform(uniform, &u) < 0) goto done;
+        next = draw_index(p_rows + L * V, 0, V, u, below_one);
+    } else {  /* norm((w_tau p_tau - q_tau)+), or p_tau where it has no mass (normalized_or) */
+        double w = block ? weights[tau] : 1.0;
+        if (!have_row) total = positive_part_row32(p_rows + tau * V, q_rows + tau * V, w, row, V, NULL);
+        if (next_uniform(uniform, &u) < 0) goto done;
+        next = total <= 0.0 ? draw_index(p_rows + tau * V, 0, V, u, below_one)
+                            : draw_normalized(row, total, V, u, below_one);
+    }
+    result = Py_BuildValue("nn", tau, next);
+done:
+    PyMem_Free(weights);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* gbv.verify.spectr._smallest_rho on one node's rows (float32 or float64 together): the smallest rho in
  * [1, k] with rho beta(rho) >= 1 - (1 - beta(rho))^k, to RHO_TOLERANCE, as the numpy code finds it: the
  * breakpoints t = p / q in (1, k) sorted, f at each, the first segment where f >= 0, its closed form or
@@ -1264,6 +1430,9 @@ static PyMethodDef METHODS[] = {
      "(W, q_s, p_s, on-path law, updated counts)."},
     {"spectr_rho", spectr_rho, METH_VARARGS,
      "spectr_rho(p, q, rows_are_float64, k, tolerance, max_steps): spectr._smallest_rho of one node's rows."},
+    {"single_path", single_path, METH_VARARGS,
+     "single_path(q32, p32, tokens64, L, V, block, uniform, out64, margin, below_one): block_verify_host (block) or "
+     "token_verify_host on one path -> (accepted_len, next_token)."},
     {"positive_part", positive_part, METH_VARARGS,
      "positive_part(p32, q, q_is_float64, w, out64): block.positive_part_row into out -> its sum."},
     {"bucket_masses", bucket_masses, METH_VARARGS,

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from gbv.verify import common
-from gbv.verify.common import (RandomSource, Refinement, VerifyResult, check_shapes, host_ints, on_path_probs,
-                               residual_on_device, take_row, uses_device_form)
+from gbv.verify.common import (BELOW_ONE, RandomSource, Refinement, TorchRandom, VerifyResult, check_shapes,
+                               host_ints, on_path_probs, residual_on_device, take_row, uses_device_form)
 from gbv.verify.ranking import MASS_MARGIN, MassBounds, host_array
 
 
@@ -173,11 +173,41 @@ def normalized_or(dist: np.ndarray, fallback: Tensor, total: float | None = None
     return torch.from_numpy(dist)
 
 
+def single_path_compiled(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource,
+                         block: bool) -> tuple[int, int] | None:
+    """BV (``block``) or token-level sampling on one path (shapes as :func:`block_verify_on_device`, or
+    the verifiers' (K, L), (K, L, V), (K, L+1, V) inputs, of which path 0) as one compiled call
+    (``_verify_kernels.single_path``): the same ``(accepted_len, next_token)`` as
+    :func:`block_verify_host` / :func:`gbv.verify.token.token_verify_host`, bit for bit, with the
+    same uniforms from ``rng``. None where it does not run: no compiled helpers, a random source other
+    than :class:`TorchRandom` (the exact enumerator replays the numpy code's ``accept`` and
+    ``sample``), rows that are not contiguous float32 host tensors.
+
+    Why: the numpy form is ~25 Python, numpy and torch calls; right after the target's forward each
+    runs from a cold cache, and a BV call took 0.15-0.2 ms on the bundled pair here."""
+    kernels = common.compiled_kernels
+    single_path = getattr(kernels, "single_path", None)  # (None when the tests switch it off)
+    if (single_path is None or not isinstance(rng, TorchRandom) or not q_path.dtype == p_path.dtype == torch.float32
+            or tokens.dtype != torch.long or not (q_path.is_cpu and p_path.is_cpu and tokens.is_cpu)
+            or not (q_path.is_contiguous() and p_path.is_contiguous() and tokens.is_contiguous())):
+        return None
+    q_h, p_h, drafted = q_path.numpy(), p_path.numpy(), tokens.numpy()
+    if q_h.ndim == 3:  # (K, L, V) and the like: path 0 (numpy's indexing is cheaper than torch's)
+        q_h, p_h, drafted = q_h[0], p_h[0], drafted[0]
+    block_len, vocab = q_h.shape
+    return single_path(q_h, p_h, drafted, block_len, vocab, block, rng.uniform, np.empty(vocab), MASS_MARGIN,
+                       BELOW_ONE)
+
+
 def block_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource) -> tuple[int, int]:
     """BV on one path on the host: :func:`block_verify_core` with the rows as numpy views (float64
     sums), each residual mass computed only when its stop coin needs it (bounds ``0 <= r_i <= w_i
     sum p_i`` first). Why: the tensor form is about 100 small torch calls, ~1 ms at V = 4096 on this
-    CPU; this is a few dozen numpy calls. Shapes as :func:`block_verify_on_device`."""
+    CPU; this is a few dozen numpy calls, or one compiled call (:func:`single_path_compiled`) where
+    that runs. Shapes as :func:`block_verify_on_device`."""
+    compiled = single_path_compiled(tokens, q_path, p_path, rng, True)
+    if compiled is not None:
+        return compiled
     block_len = tokens.shape[0]
     q_h, p_h, ratios = on_path_host(tokens, q_path, p_path)
     computed: dict[tuple[int, float], tuple[np.ndarray, float]] = {}
@@ -213,5 +243,8 @@ def block_verify_path(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: Rando
 def verify_block(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
     """(K, L) tokens, (K, L, V) q, (K, L+1, V) p -> BV result on path 0."""
     check_shapes(draft_tokens, q, p)
-    accepted_len, next_token = block_verify_path(draft_tokens[0], q[0], p[0], rng)
-    return VerifyResult(0, accepted_len, next_token)
+    # the host form's compiled call where it runs (on the CPU), else as before
+    outcome = None if uses_device_form(p) else single_path_compiled(draft_tokens, q, p, rng, True)
+    if outcome is None:
+        outcome = block_verify_path(draft_tokens[0], q[0], p[0], rng)
+    return VerifyResult(0, *outcome)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gbv.verify.block import normalized_or, on_path_host, positive_part_and_sum
+from gbv.verify.block import normalized_or, on_path_host, positive_part_and_sum, single_path_compiled
 from gbv.verify.common import (RandomSource, VerifyResult, check_shapes, host_ints, on_path_probs, residual_on_device,
                                take_row, uses_device_form)
 
@@ -38,8 +38,12 @@ def token_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: 
 
 def token_verify_host(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource) -> tuple[int, int]:
     """The sequential rule on the host: one coin per drafted token until the first rejection, then a
-    draw from ``norm((p - q)+)`` (float64), or from ``p_L`` after a full block. Shapes as
+    draw from ``norm((p - q)+)`` (float64), or from ``p_L`` after a full block; one compiled call
+    where that runs (:func:`gbv.verify.block.single_path_compiled`). Shapes as
     :func:`token_verify_on_device`."""
+    compiled = single_path_compiled(tokens, q_path, p_path, rng, False)
+    if compiled is not None:
+        return compiled
     block_len = tokens.shape[0]
     q_h, p_h, ratios = on_path_host(tokens, q_path, p_path)
     for i, ratio in enumerate(ratios):
@@ -53,5 +57,9 @@ def verify_token(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) 
     """(K, L) tokens, (K, L, V) q, (K, L+1, V) p -> result on path 0: the host form on the CPU, the
     device form (one host read) elsewhere."""
     check_shapes(draft_tokens, q, p)
-    form = token_verify_on_device if uses_device_form(p) else token_verify_host
-    return VerifyResult(0, *form(draft_tokens[0], q[0], p[0], rng))
+    # the host form's compiled call where it runs (on the CPU), else as before
+    outcome = None if uses_device_form(p) else single_path_compiled(draft_tokens, q, p, rng, False)
+    if outcome is None:
+        form = token_verify_on_device if uses_device_form(p) else token_verify_host
+        outcome = form(draft_tokens[0], q[0], p[0], rng)
+    return VerifyResult(0, *outcome)

@@ -455,3 +455,119 @@ def test_compiled_spectr_root_is_the_numpy_root(monkeypatch, dtype):
             p64, q64 = p.astype(np.float64), q.astype(np.float64)
             beta = np.minimum(q64, p64 / ours).sum()
             assert ours * beta >= 1.0 - (1.0 - beta) ** k - 1e-12
+
+
+def _path_instance(vocab: int, block_len: int, seed: int, temperature: float, kind: str):
+    """One path as the engine hands it to BV or token-level sampling: (L,) long tokens drawn from the
+    float32 q rows (L, V) and the float32 p rows (L + 1, V). ``kind``: "plain"; "equal" (p = q on
+    the path: every weight 1); "zeros" (top-k-like rows with zeros in p and q, and drafted tokens
+    where p = 0: weights of 0); "onehot" (a greedy target: p one-hot)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 2.0 * torch.randn(block_len + 1, vocab, generator=gen, dtype=torch.float64)
+    q = torch.softmax(logits[:block_len] / temperature, -1)
+    p = torch.softmax((logits + 0.7 * torch.randn(block_len + 1, vocab, generator=gen, dtype=torch.float64))
+                      / temperature, -1)
+    if kind == "equal":
+        p[:block_len] = q
+    elif kind == "zeros":
+        q[:, 1::3] = 0.0
+        p[:, ::4] = 0.0
+    elif kind == "onehot":
+        p = torch.nn.functional.one_hot(p.argmax(-1), vocab).double()
+    q, p = (rows / rows.sum(-1, keepdim=True) for rows in (q, p))
+    q, p = q.float().contiguous(), p.float().contiguous()
+    tokens = torch.multinomial(q.double(), 1, generator=gen)[:, 0]
+    if kind == "zeros":  # drafted tokens the target rules out (p = 0 < q)
+        tokens[::2] = torch.tensor([int((q[i] > 0).nonzero()[0]) for i in range(0, block_len, 2)])
+        p[::2][torch.arange(tokens[::2].numel()), tokens[::2]] = 0.0
+    return tokens, q, p
+
+
+def _without_single_path():
+    """The compiled helpers without ``single_path``: the numpy forms of BV and token-level sampling
+    with every other helper as in production (positive_part, draw_row: the same sums)."""
+    import types
+    return types.SimpleNamespace(**{name: getattr(KERNELS, name) for name in dir(KERNELS)
+                                    if not name.startswith("_") and name != "single_path"})
+
+
+def _single_path_outcomes(monkeypatch, form, tokens, q, p, seeds, numpy_form: bool):
+    """(accepted_len, next_token, the random source's next uniform) of ``form`` per seed."""
+    outcomes = []
+    with monkeypatch.context() as patch:
+        if numpy_form:
+            patch.setattr(common, "compiled_kernels", _without_single_path())
+        for seed in seeds:
+            rng = common.TorchRandom(torch.Generator().manual_seed(seed))
+            outcomes.append((*form(tokens, q, p, rng), rng.uniform()))
+    return outcomes
+
+
+SINGLE_PATH_CASES = [(vocab, block_len, temperature, kind) for vocab, block_len in ((2, 1), (7, 3), (700, 4), (4096, 8))
+                     for temperature in (0.05, 1.0) for kind in ("plain", "equal", "zeros", "onehot")]
+
+
+@pytest.mark.parametrize("vocab,block_len,temperature,kind", SINGLE_PATH_CASES)
+def test_single_path_is_the_numpy_bv_and_token_rule(monkeypatch, vocab, block_len, temperature, kind):
+    """BV and token-level sampling as one compiled call give the numpy forms' accepted length and next
+    token, and draw the same uniforms (the next one agrees), on 40 seeds of sharp and flat rows, p = q,
+    zeros in p and q (weights of 0), a one-hot target. The numpy forms are the ones the exact
+    enumeration proves lossless (they take every random source; the compiled call only TorchRandom)."""
+    from gbv.verify import token as token_module
+    tokens, q, p = _path_instance(vocab, block_len, 7 * vocab + block_len, temperature, kind)
+    calls = []
+    spy = lambda *args: calls.append(1) or KERNELS.single_path(*args)  # noqa: E731
+    for form in (block_module.block_verify_host, token_module.token_verify_host):
+        with monkeypatch.context() as patch:
+            spied = _without_single_path()
+            spied.single_path = spy
+            patch.setattr(common, "compiled_kernels", spied)
+            compiled = _single_path_outcomes(monkeypatch, form, tokens, q, p, range(40), numpy_form=False)
+        assert calls, "the compiled call did not run"
+        calls.clear()
+        assert compiled == _single_path_outcomes(monkeypatch, form, tokens, q, p, range(40), numpy_form=True)
+    # The verifiers' own (K, L) inputs: path 0 of two, as the engine calls them.
+    other_tokens, other_q, other_p = _path_instance(vocab, block_len, 5, 1.0, "plain")
+    stacked = (torch.stack([tokens, other_tokens]), torch.stack([q, other_q]), torch.stack([p, other_p]))
+    for name in ("block", "token"):
+        verifier = get_verifier(name)
+        form = lambda t, q_, p_, rng: tuple(vars(verifier(t, q_, p_, rng)).values())  # noqa: E731
+        compiled = _single_path_outcomes(monkeypatch, form, *stacked, range(20), numpy_form=False)
+        assert compiled == _single_path_outcomes(monkeypatch, form, *stacked, range(20), numpy_form=True)
+        assert {outcome[0] for outcome in compiled} == {0}  # path 0
+
+
+def test_the_single_path_check_catches_a_wrong_rule(monkeypatch):
+    """Negative control: a compiled call with a wrong rule (token-level sampling's coins where BV's are
+    due) fails the comparison above on the same instances."""
+    tokens, q, p = _path_instance(700, 4, 11, 1.0, "plain")
+    broken = _without_single_path()
+    broken.single_path = lambda q_, p_, t_, L, V, block, *rest: KERNELS.single_path(q_, p_, t_, L, V, False, *rest)
+    with monkeypatch.context() as patch:
+        patch.setattr(common, "compiled_kernels", broken)
+        wrong = _single_path_outcomes(monkeypatch, block_module.block_verify_host, tokens, q, p, range(40), False)
+    assert wrong != _single_path_outcomes(monkeypatch, block_module.block_verify_host, tokens, q, p, range(40), True)
+
+
+def test_single_path_runs_only_where_it_gives_the_numpy_results():
+    """Not for other random sources (the enumerator's), float64 rows or strided rows; bad input -> one
+    ValueError."""
+    tokens, q, p = _path_instance(60, 3, 2, 1.0, "plain")
+    rng = common.TorchRandom(torch.Generator().manual_seed(0))
+    assert block_module.single_path_compiled(tokens, q, p, rng, True) is not None
+
+    class OtherSource:
+        def accept(self, prob):
+            return True
+
+        def sample(self, dist):
+            return 0
+
+    assert block_module.single_path_compiled(tokens, q, p, OtherSource(), True) is None
+    assert block_module.single_path_compiled(tokens, q.double(), p, rng, True) is None
+    assert block_module.single_path_compiled(tokens, q, p.t().contiguous().t(), rng, True) is None
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        KERNELS.single_path(q.numpy(), p.numpy(), np.array([0, 60, 1]), 3, 60, True, rng.uniform, np.empty(60),
+                            1e-9, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        KERNELS.single_path(q.numpy(), p.numpy(), tokens.numpy(), 3, 61, True, rng.uniform, np.empty(60), 1e-9, 1.0)
