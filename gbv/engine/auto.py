@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 
 from gbv.engine.config import AUTO
-from gbv.engine.decoder import set_method
+from gbv.engine.decoder import method_settings
 from gbv.engine.stats import GenerationStats
 from gbv.verify import METHODS
 # Each observation's weight decays by this factor per later observation of the same arm: the
@@ -422,6 +422,11 @@ class AutoDecoder:
         self.base = base
         self.policy = policy
         self._held, self._hold_left = 0, 0  # the leader being held, and for how many more iterations
+        # Each arm's decoder settings (method_settings) and label, and the speculative arm the base
+        # decoder is set to (None: its own method; an ar iteration leaves the settings as they are).
+        self._settings = [method_settings(arm.method, arm.num_paths, arm.block_len) for arm in policy.arms]
+        self._labels = [arm.label for arm in policy.arms]
+        self._applied: int | None = None
         max_block = max(arm.block_len for arm in policy.arms)
         base.stats = GenerationStats(method=AUTO, num_paths=max(arm.num_paths for arm in policy.arms),
                                      block_len=max_block, depth_accept_counts=[0] * max_block)
@@ -453,25 +458,27 @@ class AutoDecoder:
             index = policy.choose(block_len)
             if index == policy.last_leader:
                 self._held, self._hold_left = index, _HOLD - 1
-        arm = policy.arms[index]
-        if arm.method != "ar" and self.base.draft_len < self.prompt_len - 1:
+        base = self.base
+        settings = self._settings[index]
+        block = settings[3]  # (0 for ar: a plain target step)
+        if block and base.draft_len < self.prompt_len - 1:
             # A deferred prompt is fed to the draft outside the arm's clock: it is the prefill, which
             # no arm was ever charged (charged to the arm, +10 ms on the bundled pair put BV L = 2, the
             # best arm in float32, under its ceiling for good). The tokens of plain steps since the
             # draft last ran are fed inside the clock, as before: a cost of switching to speculation,
             # which the policy should see (uncharged, near-tied arms were tried too often: auto fell
             # to 0.94x ar in bfloat16, where ar is the best arm).
-            self.base.catch_up_draft(self.prompt_len - 1)
+            base.catch_up_draft(self.prompt_len - 1)
         start = time.perf_counter()
-        if arm.method == "ar":
-            new = self.base.step(0)
-        else:
-            set_method(self.base, arm.method, arm.num_paths, arm.block_len)
-            new = self.base.step(arm.block_len)
+        if block and index != self._applied:
+            base.method, base.verifier, base.num_paths, base.block_len = settings
+            self._applied = index
+        new = base.step(block)
         # The step ended by reading its tokens back to the host, so the device work is done.
         policy.record(index, len(new), time.perf_counter() - start)
-        arms = self.base.stats.auto_arms
-        arms[arm.label] = arms.get(arm.label, 0) + 1
+        label = self._labels[index]
+        arms = base.stats.auto_arms
+        arms[label] = arms.get(label, 0) + 1
         return new
 
     def truncate(self, length: int) -> None:
