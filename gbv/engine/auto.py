@@ -88,6 +88,10 @@ _SWITCH_PAIRS = 4.0  # weight, in pairs, of the prior "no switching cost" of an 
 # Why: between forwards that stream tens of MB of weights, the policy's Python runs from a cold cache:
 # a choice cost ~22 us and its record ~9 us in bfloat16 here, against a 2 ms ar step (1.5%). Holding
 # delays an exploratory trial by at most 7 iterations; each choice still depends only on the past.
+# The decoder also defers its records (AutoPolicy.defer) to the next choice, which applies them in
+# order first: the same state at every choice, and the records of a hold run one after another, warm.
+# (A record cost ~25 us in the engine, cold, against ~4 us warm; 76 us of policy work an iteration
+# was 1.8% of a float32 BV iteration, ~3% of a bfloat16 one.)
 _HOLD = 8
 
 
@@ -138,10 +142,12 @@ class AutoPolicy:
         # rate(i) of each arm until an iteration of its family (or of itself, for ar) changes it: a
         # choice then costs one rate instead of twelve (~120 -> ~20 us, 2% of an ar iteration here)
         self._rates: dict[int, float] = {}
-        self._members: dict[tuple[str, int], list[int]] = {}  # family -> its arms' indices
+        self._members: dict[tuple[str, int], list[int]] = {}  # family -> the arms whose rates its runs change
+        self._family_arms: dict[tuple[str, int], tuple[int, ...]] = {}  # family -> its arms (the cost line's)
         self._ceilings: dict[int, float] = {}  # ceiling(i), kept until an iteration changes what it depends on
         self._fitting: dict[int | None, tuple[int, ...]] = {}  # max_block -> the arms whose blocks fit
         self.last_leader: int | None = None  # the leader when choose() last ran (AutoDecoder holds it)
+        self._pending: list[tuple[int, int, float]] = []  # deferred records, oldest first (defer)
         self.clock = 0  # iterations recorded, of every arm
         self.stamps = [0] * len(arms)  # the clock when each arm's sums were last aged
         # Switching costs (see _SWITCH_PAIRS): decayed sums of (switch-in seconds - next seconds) over
@@ -158,6 +164,7 @@ class AutoPolicy:
                 family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
                 family.grow(arm.block_len)
                 self._members.setdefault((arm.method, arm.num_paths), []).append(index)
+        self._family_arms = {family: tuple(members) for family, members in self._members.items()}
 
     def expected_tokens(self, index: int) -> float:
         """Tokens per iteration: 1 for ``ar``; else ``1 + sum_d P(accepted >= d)`` from the pooled
@@ -191,8 +198,9 @@ class AutoPolicy:
         family (None with fewer than two block lengths). Cached until the next :meth:`record`."""
         family = (method, num_paths)
         if family not in self._lines:  # (dropped by record when the family runs)
-            points = [(a.block_len, self.seconds[i] / self.trials[i], self.trials[i]) for i, a in enumerate(self.arms)
-                      if (a.method, a.num_paths) == family and self.trials[i] > 0]
+            arms, seconds, trials = self.arms, self.seconds, self.trials
+            points = [(arms[i].block_len, seconds[i] / trials[i], trials[i]) for i in self._family_arms[family]
+                      if trials[i] > 0]
             weight = sum(w for _, _, w in points)
             mean_l = sum(w * length for length, _, w in points) / weight
             spread = sum(w * (length - mean_l) ** 2 for length, _, w in points)
@@ -261,6 +269,8 @@ class AutoPolicy:
         (bfloat16 bundled pair), where ``ar`` was the best arm all along."""
         # One pass per list, no helper calls on the hot path: where one arm leads, a choice runs every
         # iteration (~2 ms in bfloat16 here), and the plain version cost ~19 us of it over 17 arms.
+        if self._pending:
+            self.flush()
         allowed = self._fitting.get(max_block)
         if allowed is None:
             allowed = self._fitting[max_block] = tuple(
@@ -307,13 +317,31 @@ class AutoPolicy:
 
     def leader(self) -> int | None:
         """The arm with the best rate among those that have finished exploring (None before any has)."""
+        self.flush()
         explored = [i for i in range(len(self.arms)) if self.runs[i] >= _MIN_TRIALS]
         return max(explored, key=self._rate) if explored else None
 
     def record(self, index: int, tokens: int, seconds: float) -> None:
         """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``
         (counted as at most ``_OUTLIER`` times the arm's mean, once it has run ``_MIN_TRIALS`` times;
-        an iteration after another arm or a prefill less the arm's switching cost, _SWITCH_PAIRS)."""
+        an iteration after another arm or a prefill less the arm's switching cost, _SWITCH_PAIRS).
+        Deferred records are applied first."""
+        if self._pending:
+            self.flush()
+        self._record(index, tokens, seconds)
+
+    def defer(self, index: int, tokens: int, seconds: float) -> None:
+        """:meth:`record`, applied later: by the next :meth:`choose`, :meth:`record`, :meth:`flush`,
+        :meth:`leader`, :meth:`best` or :meth:`table`, in order (see ``_HOLD``)."""
+        self._pending.append((index, tokens, seconds))
+
+    def flush(self) -> None:
+        """Apply the deferred records, oldest first."""
+        pending, self._pending = self._pending, []
+        for index, tokens, seconds in pending:
+            self._record(index, tokens, seconds)
+
+    def _record(self, index: int, tokens: int, seconds: float) -> None:
         if self.runs[index] >= _MIN_TRIALS:
             seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
         if self._switch_in is not None and self._switch_in[0] == index:  # a switch-in and the next iteration
@@ -349,9 +377,11 @@ class AutoPolicy:
                 self._rates.pop(member, None)
 
     def best(self) -> Arm:
+        self.flush()
         return self.arms[max(range(len(self.arms)), key=self.rate)]
 
     def table(self) -> list[dict]:
+        self.flush()
         return [{"arm": arm.label, "runs": self.runs[i], "tokens_per_s": self.rate(i)}
                 for i, arm in enumerate(self.arms)]
 
@@ -364,13 +394,19 @@ class _Acceptance:
     def __init__(self) -> None:
         self.kept: list[float] = [0.0]
         self.tried: list[float] = [0.0]
+        # expected_tokens of every block length, 0 .. the longest (None before any observation), until
+        # the next record: the arms of a family share its partial sums (one pass, not one per arm)
+        self._expected: list[float] | None = None
+        self._stale = True
 
     def grow(self, block_len: int) -> None:
         while len(self.kept) <= block_len:
             self.kept.append(0.0)
             self.tried.append(0.0)
+        self._stale = True
 
     def record(self, accepted: int, block_len: int) -> None:
+        self._stale = True
         for depth in range(1, len(self.kept)):
             self.kept[depth] *= _DECAY
             self.tried[depth] *= _DECAY
@@ -384,15 +420,20 @@ class _Acceptance:
         with ``c = _PRIOR_DEPTH_TRIALS``, ``rate_0 = 1``: each depth's rate is shrunk towards the one
         above it, so a depth seen a few times (or never) continues near the rate of the shallower
         depths instead of at 0 or 1; None before any observation."""
-        if self.tried[1] <= 0.0:
-            return None
-        expected, reach, rate = 1.0, 1.0, 1.0
-        for depth in range(1, block_len + 1):
-            # Shrunk towards the rate of the depth above (the carried-forward estimate).
-            rate = (self.kept[depth] + _PRIOR_DEPTH_TRIALS * rate) / (self.tried[depth] + _PRIOR_DEPTH_TRIALS)
-            reach *= rate
-            expected += reach
-        return expected
+        if self._stale:
+            self._stale = False
+            self._expected = None
+            if self.tried[1] > 0.0:
+                sums = [1.0]
+                expected, reach, rate = 1.0, 1.0, 1.0
+                for depth in range(1, len(self.kept)):
+                    # Shrunk towards the rate of the depth above (the carried-forward estimate).
+                    rate = (self.kept[depth] + _PRIOR_DEPTH_TRIALS * rate) / (self.tried[depth] + _PRIOR_DEPTH_TRIALS)
+                    reach *= rate
+                    expected += reach
+                    sums.append(expected)
+                self._expected = sums
+        return None if self._expected is None else self._expected[block_len]
 
 
 def _aged(trials: float, iterations: int) -> float:
@@ -439,6 +480,7 @@ class AutoDecoder:
         return self.base.tokens
 
     def prefill(self, prompt_ids) -> None:
+        self.policy.flush()  # (the last generation's deferred records come before the prefill)
         self.policy.previous = None  # the first iteration after a prefill is a switch-in (_SWITCH_PAIRS)
         # Where ar leads (a CPU in bfloat16, a draft far from the target), the draft is fed the prompt
         # only if a speculative arm runs at all (the tree engine: catch_up_draft); else at once, as before.
@@ -475,7 +517,7 @@ class AutoDecoder:
             self._applied = index
         new = base.step(block)
         # The step ended by reading its tokens back to the host, so the device work is done.
-        policy.record(index, len(new), time.perf_counter() - start)
+        policy.defer(index, len(new), time.perf_counter() - start)
         label = self._labels[index]
         arms = base.stats.auto_arms
         arms[label] = arms.get(label, 0) + 1

@@ -228,6 +228,7 @@ def test_where_ar_leads_the_draft_is_fed_the_prompt_only_when_it_is_needed(monke
 
         monkeypatch.setattr(dec.base, "catch_up_draft", slow_catch_up)
         new = dec.step()
+        dec.policy.flush()  # (the decoder defers its records to the next choice)
         assert dec.policy.runs[1] == 1 and dec.policy.seconds[1] < 0.3  # the catch-up is not the arm's
         tokens = dec.base.tokens
         assert tokens == prompt + new and dec.base.draft_len >= len(prompt) - 1
