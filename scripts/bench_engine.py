@@ -268,7 +268,7 @@ def markdown(report: dict) -> str:
             top = sorted(arms.items(), key=lambda kv: -kv[1])[:3]
             best_rate = _sum(totals[best_fixed], "tokens") / _sum(totals[best_fixed], "seconds")
             auto_rate = _sum(totals["auto"], "tokens") / _sum(totals["auto"], "seconds")
-            lines += ["", f"`auto` = {auto_rate / best_rate:.2f}x the best fixed row ({best_fixed}); its most "
+            lines += ["", f"`auto` = {auto_rate / best_rate:.3f}x the best fixed row ({best_fixed}); its most "
                       f"chosen arms: {', '.join(f'{a} ({n})' for a, n in top)}.", ""]
     return "\n".join(lines)
 

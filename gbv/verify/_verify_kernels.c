@@ -1143,18 +1143,14 @@ static int next_uniform(PyObject *uniform, double *u) {
     return (*u == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* (w p - q)+ of one float32 row pair into row, and its sum: positive_part's loop (the same bits); the
- * sum of p too, in the same pass, where p_sum is given. */
-static double positive_part_row32(const float *p_row, const float *q_row, double w, double *row, Py_ssize_t m,
-                                  double *p_sum) {
-    double sum[4] = {0.0, 0.0, 0.0, 0.0}, mass = 0.0;
+/* (w p - q)+ of one float32 row pair into row, and its sum: positive_part's loop (the same bits). */
+static double positive_part_row32(const float *p_row, const float *q_row, double w, double *row, Py_ssize_t m) {
+    double sum[4] = {0.0, 0.0, 0.0, 0.0};
     for (Py_ssize_t x = 0; x < m; x++) {
         double d = w * (double)p_row[x] - (double)q_row[x];
         row[x] = d > 0.0 ? d : 0.0;
         sum[x & 3] += row[x];
-        mass += (double)p_row[x];
     }
-    if (p_sum != NULL) *p_sum = mass;
     return (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
 
@@ -1186,10 +1182,10 @@ static double min_one(double value) { return value < 1.0 ? value : 1.0; }
  * (0.15-0.2 ms a call here); this is one.
  *
  * The same results as the numpy code, bit for bit: the same float64 ratios and weights, the same
- * positive_part sums, the same draws. One step differs in form only: BV's coin at a node with w_i < 1
- * is "u < h_i" with h_i from the exact residual mass, where the numpy code first answers False for
- * u >= its upper bound stop_prob(w_i sum p_i (1 + margin)); that bound is >= h_i (the margin covers
- * the rounding of the sums), so it never decides otherwise. */
+ * positive_part sums, the same draws. BV's coin at a node with w_i < 1 answers "no stop" for u >= the
+ * upper bound stop_prob(w_i sum p_i (1 + margin)) and else compares u with h_i from the exact residual
+ * mass, as the numpy code does; sum p_i runs in another order here, but both bounds are >= h_i (the
+ * margin covers the rounding of the sums), so no coin decides otherwise. */
 static PyObject *single_path(PyObject *self, PyObject *args) {
     Py_buffer q, p, tokens, out;
     Py_ssize_t L, V;
@@ -1251,10 +1247,17 @@ static PyObject *single_path(PyObject *self, PyObject *args) {
                 break;
             }
             if (w <= 0.0) continue;  /* upper bound 0: rng.accept_within draws nothing */
-            double p_sum;
-            total = positive_part_row32(p_rows + i * V, q_rows + i * V, w, row, V, &p_sum);
-            if (w * p_sum * (1.0 + margin) <= 0.0) continue;  /* (p_i = 0: the bound is 0 too) */
+            const float *p_row = p_rows + i * V;
+            double mass[4] = {0.0, 0.0, 0.0, 0.0};
+            for (Py_ssize_t x = 0; x < V; x++) mass[x & 3] += (double)p_row[x];
+            double bound = w * ((mass[0] + mass[1]) + (mass[2] + mass[3])) * (1.0 + margin);
+            if (bound <= 0.0) continue;  /* (p_i = 0: the bound is 0 too) */
             if (next_uniform(uniform, &u) < 0) goto done;
+            /* The bound first, as the numpy form: no stop for u >= h(bound) >= h_i, without the exact
+             * mass (its sum of p runs in another order; the margin covers the difference). */
+            double bound_denom = bound + (1.0 - w);
+            if (bound_denom > 0.0 && u >= bound / bound_denom) continue;
+            total = positive_part_row32(p_row, q_rows + i * V, w, row, V);
             double denom = total + (1.0 - w);
             double h = denom <= 0.0 ? 1.0 : total / denom;
             if (u < h) {
@@ -1284,7 +1287,7 @@ static PyObject *single_path(PyObject *self, PyObject *args) {
         next = draw_index(p_rows + L * V, 0, V, u, below_one);
     } else {  /* norm((w_tau p_tau - q_tau)+), or p_tau where it has no mass (normalized_or) */
         double w = block ? weights[tau] : 1.0;
-        if (!have_row) total = positive_part_row32(p_rows + tau * V, q_rows + tau * V, w, row, V, NULL);
+        if (!have_row) total = positive_part_row32(p_rows + tau * V, q_rows + tau * V, w, row, V);
         if (next_uniform(uniform, &u) < 0) goto done;
         next = total <= 0.0 ? draw_index(p_rows + tau * V, 0, V, u, below_one)
                             : draw_normalized(row, total, V, u, below_one);
