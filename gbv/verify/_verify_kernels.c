@@ -1092,6 +1092,17 @@ done:
     return result;
 }
 
+/* (w p - q)+ of one float32 row pair into row, and its sum (four running sums, token x into sum x mod 4). */
+static double positive_part_row32(const float *p_row, const float *q_row, double w, double *row, Py_ssize_t m) {
+    double sum[4] = {0.0, 0.0, 0.0, 0.0};
+    for (Py_ssize_t x = 0; x < m; x++) {
+        double d = w * (double)p_row[x] - (double)q_row[x];
+        row[x] = d > 0.0 ? d : 0.0;
+        sum[x & 3] += row[x];
+    }
+    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
+
 /* gbv.verify.block.positive_part_and_sum: (w p - q)+ of one node's rows in float64 (p float32, q float32 or
  * float64: the numpy code's values, term for term) into out; returns their sum (four running sums: numpy's
  * pairwise sum to rounding). One pass for four numpy passes and their allocations, and the sum. */
@@ -1109,23 +1120,20 @@ static PyObject *positive_part(PyObject *self, PyObject *args) {
         goto done;
     }
     const float *p_row = p.buf;
-    double *row = out.buf, sum[4] = {0.0, 0.0, 0.0, 0.0};
+    double *row = out.buf, total;
     if (q_double) {
+        double sum[4] = {0.0, 0.0, 0.0, 0.0};
         const double *q_row = q.buf;
         for (Py_ssize_t x = 0; x < m; x++) {
             double d = w * (double)p_row[x] - q_row[x];
             row[x] = d > 0.0 ? d : 0.0;
             sum[x & 3] += row[x];
         }
+        total = (sum[0] + sum[1]) + (sum[2] + sum[3]);
     } else {
-        const float *q_row = q.buf;
-        for (Py_ssize_t x = 0; x < m; x++) {
-            double d = w * (double)p_row[x] - (double)q_row[x];
-            row[x] = d > 0.0 ? d : 0.0;
-            sum[x & 3] += row[x];
-        }
+        total = positive_part_row32(p_row, q.buf, w, row, m);
     }
-    result = PyFloat_FromDouble((sum[0] + sum[1]) + (sum[2] + sum[3]));
+    result = PyFloat_FromDouble(total);
 done:
     PyBuffer_Release(&p);
     PyBuffer_Release(&q);
@@ -1141,17 +1149,6 @@ static int next_uniform(PyObject *uniform, double *u) {
     *u = PyFloat_AsDouble(value);
     Py_DECREF(value);
     return (*u == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* (w p - q)+ of one float32 row pair into row, and its sum: positive_part's loop (the same bits). */
-static double positive_part_row32(const float *p_row, const float *q_row, double w, double *row, Py_ssize_t m) {
-    double sum[4] = {0.0, 0.0, 0.0, 0.0};
-    for (Py_ssize_t x = 0; x < m; x++) {
-        double d = w * (double)p_row[x] - (double)q_row[x];
-        row[x] = d > 0.0 ? d : 0.0;
-        sum[x & 3] += row[x];
-    }
-    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
 
 /* row / total in place, then draw_index's rule on it: the division fused into the pass of the total
