@@ -198,6 +198,38 @@ def test_cached_rates_give_the_choices_of_rates_computed_afresh():
     assert any(mine != fresh for mine, fresh in pairs)
 
 
+def _held_run(policy: AutoPolicy, seed: int, deferred: bool) -> tuple[list[int], list]:
+    """The decoder's pattern: a choice, then up to 8 iterations of the chosen arm without one, each
+    recorded at once or deferred. Returns the choices and the policy's sums after a final flush."""
+    import random
+
+    rng = random.Random(seed)
+    choices = []
+    for _ in range(120):
+        cap = rng.choice([None, None, 3, 0])
+        chosen = policy.choose(cap)
+        choices.append(chosen)
+        arm = policy.arms[chosen]
+        for _ in range(rng.randint(1, 8)):
+            tokens = rng.randint(1, arm.block_len + 1) if arm.block_len else 1
+            seconds = rng.uniform(0.5, 1.5) * (0.005 + 0.002 * arm.num_paths * arm.block_len)
+            (policy.defer if deferred else policy.record)(chosen, tokens, seconds)
+    policy.flush()
+    return choices, [policy.runs, policy.trials, policy.seconds, policy.switch_sums, policy.stamps]
+
+
+def test_deferred_records_give_the_choices_and_sums_of_records_applied_at_once(monkeypatch):
+    """The decoder defers its records to the next choice (AutoPolicy.defer): every choice and every sum
+    equals those of the same records applied at once, over random held runs. The check can fail: a
+    policy that drops its deferred records chooses otherwise."""
+    for seed in range(3):
+        immediate = _held_run(AutoPolicy(auto.default_arms(False, True)), seed, deferred=False)
+        assert _held_run(AutoPolicy(auto.default_arms(False, True)), seed, deferred=True) == immediate
+    monkeypatch.setattr(AutoPolicy, "flush", lambda self: self._pending.clear())
+    dropped = _held_run(AutoPolicy(auto.default_arms(False, True)), 0, deferred=True)
+    assert dropped[0] != _held_run(AutoPolicy(auto.default_arms(False, True)), 0, deferred=False)[0]
+
+
 def test_where_ar_leads_the_draft_is_fed_the_prompt_only_when_it_is_needed(monkeypatch):
     """With ar the leader, auto's prefill leaves the draft unfed (no draft forward at all while ar
     runs). When a speculative arm runs, the draft is first fed the prompt, outside the arm's clock,
