@@ -142,8 +142,7 @@ class AutoPolicy:
         # rate(i) of each arm until an iteration of its family (or of itself, for ar) changes it: a
         # choice then costs one rate instead of twelve (~120 -> ~20 us, 2% of an ar iteration here)
         self._rates: dict[int, float] = {}
-        self._members: dict[tuple[str, int], list[int]] = {}  # family -> the arms whose rates its runs change
-        self._family_arms: dict[tuple[str, int], tuple[int, ...]] = {}  # family -> its arms (the cost line's)
+        self._members: dict[tuple[str, int], list[int]] = {}  # family -> its arms' indices
         self._ceilings: dict[int, float] = {}  # ceiling(i), kept until an iteration changes what it depends on
         self._fitting: dict[int | None, tuple[int, ...]] = {}  # max_block -> the arms whose blocks fit
         self.last_leader: int | None = None  # the leader when choose() last ran (AutoDecoder holds it)
@@ -164,7 +163,6 @@ class AutoPolicy:
                 family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
                 family.grow(arm.block_len)
                 self._members.setdefault((arm.method, arm.num_paths), []).append(index)
-        self._family_arms = {family: tuple(members) for family, members in self._members.items()}
 
     def expected_tokens(self, index: int) -> float:
         """Tokens per iteration: 1 for ``ar``; else ``1 + sum_d P(accepted >= d)`` from the pooled
@@ -198,9 +196,8 @@ class AutoPolicy:
         family (None with fewer than two block lengths). Cached until the next :meth:`record`."""
         family = (method, num_paths)
         if family not in self._lines:  # (dropped by record when the family runs)
-            arms, seconds, trials = self.arms, self.seconds, self.trials
-            points = [(arms[i].block_len, seconds[i] / trials[i], trials[i]) for i in self._family_arms[family]
-                      if trials[i] > 0]
+            points = [(a.block_len, self.seconds[i] / self.trials[i], self.trials[i]) for i, a in enumerate(self.arms)
+                      if (a.method, a.num_paths) == family and self.trials[i] > 0]
             weight = sum(w for _, _, w in points)
             mean_l = sum(w * length for length, _, w in points) / weight
             spread = sum(w * (length - mean_l) ** 2 for length, _, w in points)
@@ -463,10 +460,9 @@ class AutoDecoder:
         self.base = base
         self.policy = policy
         self._held, self._hold_left = 0, 0  # the leader being held, and for how many more iterations
-        # Each arm's decoder settings (method_settings) and label, and the speculative arm the base
-        # decoder is set to (None: its own method; an ar iteration leaves the settings as they are).
+        # Each arm's decoder settings (method_settings), and the speculative arm the base decoder is set
+        # to (None: its own method; an ar iteration leaves the settings as they are).
         self._settings = [method_settings(arm.method, arm.num_paths, arm.block_len) for arm in policy.arms]
-        self._labels = [arm.label for arm in policy.arms]
         self._applied: int | None = None
         max_block = max(arm.block_len for arm in policy.arms)
         base.stats = GenerationStats(method=AUTO, num_paths=max(arm.num_paths for arm in policy.arms),
@@ -518,7 +514,7 @@ class AutoDecoder:
         new = base.step(block)
         # The step ended by reading its tokens back to the host, so the device work is done.
         policy.defer(index, len(new), time.perf_counter() - start)
-        label = self._labels[index]
+        label = policy.arms[index].label
         arms = base.stats.auto_arms
         arms[label] = arms.get(label, 0) + 1
         return new

@@ -57,9 +57,10 @@ def verify_token(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) 
     """(K, L) tokens, (K, L, V) q, (K, L+1, V) p -> result on path 0: the host form on the CPU, the
     device form (one host read) elsewhere."""
     check_shapes(draft_tokens, q, p)
-    # the host form's compiled call where it runs (on the CPU), else as before
-    outcome = None if uses_device_form(p) else single_path_compiled(draft_tokens, q, p, rng, False)
-    if outcome is None:
-        form = token_verify_on_device if uses_device_form(p) else token_verify_host
-        outcome = form(draft_tokens[0], q[0], p[0], rng)
+    if uses_device_form(p):
+        outcome = token_verify_on_device(draft_tokens[0], q[0], p[0], rng)
+    else:  # the host form's compiled call where it runs, on the (K, ...) inputs as they are
+        outcome = single_path_compiled(draft_tokens, q, p, rng, False)
+        if outcome is None:
+            outcome = token_verify_host(draft_tokens[0], q[0], p[0], rng)
     return VerifyResult(0, *outcome)
