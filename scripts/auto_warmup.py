@@ -8,8 +8,8 @@ Each prompt (N GSM8K + N HumanEval, 128 new tokens, EOS off, T = 0.2) runs twice
 as a fixed ``ar`` row, and as ``auto`` forced to alternate stretches of BV L and of ``ar``. A step's
 position is how many steps of the same kind ran right before it (0 after the other kind or the
 prompt's prefill). Prints the median milliseconds per step at each position, per row and kind: where
-they settle is the arm's steady cost, and the excess before it is what ``auto`` charges a switch
-(``gbv.engine.auto._WARM``).
+they settle is the arm's steady cost, and the excess before it is what a switch to the arm costs
+(docs/ENGINE.md, "`auto`: `ar`'s warm-up").
 """
 from __future__ import annotations
 
@@ -64,7 +64,6 @@ def main() -> None:
 
     tree_decoder.TreeDecoder.step = timed
     auto.AutoPolicy.choose = forced
-    auto._STRETCH = 1  # (no holds: the alternation alone decides)
     settings = dict(temperature=0.2, eos_token_id=[], block_len=args.block_len)
     for method in ("ar", "auto"):  # warm-up
         generate(pair, prompt_ids=prompts[0], method=method, max_new_tokens=16, **settings)

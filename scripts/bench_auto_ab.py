@@ -4,15 +4,10 @@ each variant with its own policy learning over the same prompts, interleaved per
 
     python scripts/bench_auto_ab.py                                   # aging of the estimates (auto._AGE)
     python scripts/bench_auto_ab.py --switch depth-prior              # the depth prior of the acceptance
-    python scripts/bench_auto_ab.py --switch positions --dtype bfloat16
     python scripts/bench_auto_ab.py --dtype bfloat16 --prompts 20     # 20 GSM8K + 20 HumanEval (default)
 
 ``--switch age``: "before" is ``auto._AGE = 1`` (estimates do not age), "after" the current value.
 ``--switch depth-prior``: "before" is ``auto._PRIOR_DEPTH_TRIALS = 1e-9`` (the rule before the prior).
-``--switch positions``: "before" is ``auto._WARMING = ()``, the rule before positions (``auto._WARM``): ar's
-seconds are its mean over all its iterations, its switching cost is estimated from a switch-in and the
-next iteration only and spread over a hold (``auto._HOLD``), a trial of ar is one iteration, and ar has
-a ceiling like every arm.
 """
 import argparse
 
@@ -22,12 +17,7 @@ import gbv
 from gbv.data import load_prompts
 from gbv.engine import auto
 
-# switch -> list of (object, attribute, value before); "after" is each attribute's current value
-SWITCHES = {
-    "age": [(auto, "_AGE", 1.0)],
-    "depth-prior": [(auto, "_PRIOR_DEPTH_TRIALS", 1e-9)],
-    "positions": [(auto, "_WARMING", ())],
-}
+SWITCHES = {"age": ("_AGE", 1.0), "depth-prior": ("_PRIOR_DEPTH_TRIALS", 1e-9)}
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--switch", choices=sorted(SWITCHES), default="age")
@@ -35,22 +25,14 @@ parser.add_argument("--dtype", default="float32")
 parser.add_argument("--prompts", type=int, default=20, help="GSM8K and HumanEval prompts each")
 parser.add_argument("--temperature", default="0.2,1.0")
 args = parser.parse_args()
-settings = SWITCHES[args.switch]
-variants = {"before": [value for _, _, value in settings],
-            "after": [getattr(owner, name) for owner, name, _ in settings]}
-
-
-def apply(variant: str) -> None:
-    for (owner, name, _), value in zip(settings, variants[variant]):
-        setattr(owner, name, value)
-
+name, off = SWITCHES[args.switch]
+variants = {"before": off, "after": getattr(auto, name)}
 
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled", dtype=args.dtype)
 prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
 gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_tokens=8, eos_token_id=[])
-names = ", ".join(name for _, name, _ in settings)
-print(f"`auto` with {names} as before the change (before) and now (after), {args.dtype}\n")
+print(f"`auto` with auto.{name} = {variants['before']} (before) and {variants['after']} (after), {args.dtype}\n")
 print("| T | ar tok/s | BV L=2 / ar | auto before / ar | auto after / ar | after / before |")
 print("|---|---:|---:|---:|---:|---:|")
 for temperature in [float(t) for t in args.temperature.split(",")]:
@@ -60,7 +42,7 @@ for temperature in [float(t) for t in args.temperature.split(",")]:
     for seed, prompt in enumerate(prompts):
         for row in (rows if seed % 2 == 0 else rows[::-1]):
             if row in variants:
-                apply(row)
+                setattr(auto, name, variants[row])
                 auto._POLICIES[pair.target] = stores[row]
             method = row if row in ("ar", "block") else "auto"
             out = gbv.generate(pair, prompt=prompt, method=method, block_len=2, num_paths=1, temperature=temperature,
@@ -71,4 +53,4 @@ for temperature in [float(t) for t in args.temperature.split(",")]:
     print(f"| {temperature} | {rate['ar']:.1f} | {rate['block'] / rate['ar']:.3f}x | "
           f"{rate['before'] / rate['ar']:.3f}x | {rate['after'] / rate['ar']:.3f}x | "
           f"{rate['after'] / rate['before']:.3f} |", flush=True)
-apply("after")
+setattr(auto, name, variants["after"])

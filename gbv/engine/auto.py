@@ -93,40 +93,6 @@ _SWITCH_PAIRS = 4.0  # weight, in pairs, of the prior "no switching cost" of an 
 # (A record cost ~25 us in the engine, cold, against ~4 us warm; 76 us of policy work an iteration
 # was 1.8% of a float32 BV iteration, ~3% of a bfloat16 one.)
 _HOLD = 8
-# ar's cost right after another arm (or a prefill) takes several iterations to settle, not one. On the
-# bundled pair in bfloat16, when the target's 15.7 MB of weights fit the L3 beside what else runs
-# there, an ar step took 1.0 ms right after BV L = 2 iterations, then 0.95, 0.94, 0.92, 0.85, 0.72,
-# 0.70 and 0.65 ms, and 0.57-0.70 from the ninth step on (fixed ar rows after a prefill alike), while a
-# BV L = 2 iteration settled at once (2.6, then 1.7-1.8 ms; scripts/auto_warmup.py). With only the target
-# running, its weights win the L3 back step by step; every speculative arm runs both models, so
-# switching among them does not change what the L3 holds. Estimated from a switch-in and the next
-# iteration (pair_cost), ar's switching cost was 0.05 ms instead of ~1.5, and its seconds were those of
-# its warm-up: in the twenty-second session's bf16 table (T = 0.2) auto rated ar at 1,071 tokens/s while
-# it made 1,466 as a fixed row, and ran BV arms at 0.90x ar where ar beat every speculative row. So, for
-# ar only:
-# - an iteration has a position: how many iterations of ar ran right before it (0 after another arm or
-#   a prefill). ar's steady seconds are its mean over positions >= _WARM once it has had any (else its
-#   mean as before), and its switching cost the sum over positions 0 .. _WARM - 1 of (the position's
-#   mean - the steady seconds), each shrunk towards 0 by _WARM_PRIOR observations;
-# - that cost is spread over a hold (_HOLD) when choosing, as any switching cost, except right after a
-#   prefill: there every arm starts cold (ar's steps settle as they do after BV, BV's first iteration
-#   costs what it costs after ar), and ar is charged its pair cost only, as every arm. So at each
-#   prompt's start ar is chosen if it runs fastest once settled; within a prompt, switching to it pays
-#   only for a large gain (~30% here). Measured alternatives (bench_auto_ab.py --switch positions,
-#   bf16, before -> after): every switching cost spread over 32 or 64 iterations: auto ran ar for a
-#   third of its iterations where BV L = 3 was 3-17% faster (0.96x, 0.96x at T = 0.2, 1); no arm
-#   charged after a prefill: auto spread its iterations over BV L = 2, 3, 4 and 6 (0.97x, 0.94x);
-# - a trial of ar that is not the leader runs _STRETCH iterations (the decoder holds it): a one-step
-#   trial only ever measured its first, slowest position, and ar stayed under its ceiling for good;
-# - ar has no ceiling (see choose): measured once in a slow moment (1.5 ms a step against 1.0 ms a
-#   few minutes later, bf16), it was left out for the rest of the run.
-# Speculative arms keep the pair cost: their warm-up is one iteration, and the same rule for them
-# (positions for every arm, costs over 32 iterations) cost 1-5% in bfloat16 where ar did not lead
-# (4 A/B runs): their few steady positions were noisier than their means.
-_WARMING = ("ar",)  # the methods this holds for
-_WARM = 8
-_WARM_PRIOR = 2.0
-_STRETCH = _WARM + 2
 
 
 @dataclass(frozen=True)
@@ -192,16 +158,6 @@ class AutoPolicy:
         self.previous: int | None = None
         self._switch_in: tuple[int, float] | None = None
         self._switch_factor = [1.0] * len(arms)
-        self._prefill_factor = [1.0] * len(arms)  # the same with the pair cost (after a prefill; see _WARM)
-        # Positions (see _WARM): the position of the last recorded iteration; per arm (kept for ar only),
-        # decayed sums of seconds and counts at each position below _WARM, and at positions >= _WARM
-        # (the steady sums).
-        self.position = 0
-        self.warming = [arm.method in _WARMING for arm in arms]
-        self.position_seconds = [[0.0] * _WARM for _ in arms]
-        self.position_trials = [[0.0] * _WARM for _ in arms]
-        self.steady_seconds = [0.0] * len(arms)
-        self.steady_trials = [0.0] * len(arms)
         for index, arm in enumerate(self.arms):
             if arm.method != "ar":
                 family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
@@ -223,7 +179,7 @@ class AutoPolicy:
         """Seconds per iteration: the arm's own mean, shrunk towards the line ``a + b L`` fitted to the
         means of its family (one draft forward per depth, a target pass that grows with the nodes),
         so that two slow first trials (a cold cache, a busy moment) do not bury an arm for good."""
-        own = self.own_seconds(index)
+        own = self.seconds[index] / self.trials[index]
         arm = self.arms[index]
         if arm.method == "ar":
             return own
@@ -235,19 +191,12 @@ class AutoPolicy:
             return own
         return (self.trials[index] * own + _PRIOR_TRIALS * fitted) / (self.trials[index] + _PRIOR_TRIALS)
 
-    def own_seconds(self, index: int) -> float:
-        """The arm's own mean seconds per iteration: for ar, over its steady positions (>= ``_WARM``) once
-        it has run that long; else over all its iterations (a switch-in counted less its pair cost)."""
-        if self.steady_trials[index] > 0.0:
-            return self.steady_seconds[index] / self.steady_trials[index]
-        return self.seconds[index] / self.trials[index]
-
     def _cost_line(self, method: str, num_paths: int) -> tuple[float, float] | None:
         """``(a, b)`` of the weighted least-squares line ``seconds = a + b L`` over the tried arms of a
         family (None with fewer than two block lengths). Cached until the next :meth:`record`."""
         family = (method, num_paths)
         if family not in self._lines:  # (dropped by record when the family runs)
-            points = [(a.block_len, self.own_seconds(i), self.trials[i]) for i, a in enumerate(self.arms)
+            points = [(a.block_len, self.seconds[i] / self.trials[i], self.trials[i]) for i, a in enumerate(self.arms)
                       if (a.method, a.num_paths) == family and self.trials[i] > 0]
             weight = sum(w for _, _, w in points)
             mean_l = sum(w * length for length, _, w in points) / weight
@@ -286,55 +235,35 @@ class AutoPolicy:
         if ceiling is None:
             arm = self.arms[index]
             if self.trials[index] > 0:
-                least = self.own_seconds(index)
+                least = self.seconds[index] / self.trials[index]
             else:
-                least = max((self.own_seconds(j) for j, other in enumerate(self.arms)
+                least = max((self.seconds[j] / self.trials[j] for j, other in enumerate(self.arms)
                              if other.method != "ar" and self.trials[j] > 0 and other.num_paths <= arm.num_paths
                              and other.block_len <= arm.block_len), default=0.0)
             ceiling = self._ceilings[index] = (arm.block_len + 1) / least if least > 0 else math.inf
         return ceiling
 
-    def pair_cost(self, index: int) -> float:
-        """Seconds an iteration of arm ``index`` costs more right after another arm than the next one
-        (at least 0), shrunk towards 0 by ``_SWITCH_PAIRS`` pairs: what a switch-in's seconds are
-        counted less of in the arm's sums."""
+    def switch_cost(self, index: int) -> float:
+        """Seconds an iteration of arm ``index`` costs more after another arm than after its own (at
+        least 0), shrunk towards 0 by ``_SWITCH_PAIRS`` pairs."""
         return max(self.switch_sums[index] / (self.switch_pairs[index] + _SWITCH_PAIRS), 0.0)
 
-    def switch_cost(self, index: int) -> float:
-        """Seconds a run of arm ``index`` costs more after another arm than the same run in its steady
-        state (at least 0; see ``_WARM``): for ar once it has steady positions, the sum of its positions'
-        excess over them, each shrunk towards 0 by ``_WARM_PRIOR`` observations; else :meth:`pair_cost`."""
-        if self.steady_trials[index] <= 0.0:
-            return self.pair_cost(index)
-        steady = self.steady_seconds[index] / self.steady_trials[index]
-        excess = 0.0
-        for seconds, trials in zip(self.position_seconds[index], self.position_trials[index]):
-            if trials > 0.0:
-                excess += (seconds / trials - steady) * trials / (trials + _WARM_PRIOR)
-        return max(excess, 0.0)
-
-    def switch_factor(self, index: int, after_prefill: bool = False) -> float:
+    def switch_factor(self, index: int) -> float:
         """What choose() multiplies arm ``index``'s rate by when another arm ran last: its seconds plus
-        its switching cost (its pair cost right after a prefill, see ``_WARM``) over ``_HOLD``
-        iterations, as a factor (1 before it has run)."""
+        its switching cost over ``_HOLD`` iterations, as a factor (1 before it has run)."""
         if self.seconds[index] <= 0.0:
             return 1.0
-        own = self.own_seconds(index)
-        cost = self.pair_cost(index) if after_prefill else self.switch_cost(index)
-        return own / (own + cost / _HOLD)
+        return 1.0 / (1.0 + self.switch_cost(index) * self.trials[index] / (_HOLD * self.seconds[index]))
 
     def choose(self, max_block: int | None = None) -> int:
         """Index of the next arm. ``max_block`` excludes arms with longer blocks (near the end of a
         generation only a short block fits; ``ar`` always fits). An arm other than the one that ran
-        last is rated with its switching cost spread over a hold (``_SWITCH_PAIRS``); right after a
-        prefill, with its pair cost (``_WARM``).
+        last is rated with its switching cost spread over a hold (``_SWITCH_PAIRS``).
 
         An arm whose :meth:`ceiling` is below the rate of the best arm that has finished exploring cannot
         win, so it is not tried (again) while that holds. Why: on a CPU a multi-path trial costs 10-40 ms
         against a 1.4 ms ``ar`` step; exploring every arm twice cost 0.2 s, 14% of a 10-prompt run
-        (bfloat16 bundled pair), where ``ar`` was the best arm all along. ``ar`` itself is never left
-        out: its rate is its ceiling, and one slow stretch (another process on the core) would leave it
-        out for good; UCB with aging retries it, a stretch of ``_STRETCH`` steps a trial."""
+        (bfloat16 bundled pair), where ``ar`` was the best arm all along."""
         # One pass per list, no helper calls on the hot path: where one arm leads, a choice runs every
         # iteration (~2 ms in bfloat16 here), and the plain version cost ~19 us of it over 17 arms.
         if self._pending:
@@ -344,8 +273,7 @@ class AutoPolicy:
             allowed = self._fitting[max_block] = tuple(
                 i for i, arm in enumerate(self.arms) if max_block is None or arm.block_len <= max_block)
         rates, runs, trials = self._rates, self.runs, self.trials
-        previous = self.previous
-        factor = self._switch_factor if previous is not None else self._prefill_factor
+        factor, previous = self._switch_factor, self.previous
         leader, floor = None, 0.0
         for i in allowed:  # the leader: the first best rate among the explored arms, as leader() finds it
             if runs[i] >= _MIN_TRIALS:
@@ -358,9 +286,9 @@ class AutoPolicy:
                     leader, floor = i, rate
         self.last_leader = leader
         candidates, best_rate = [], 0.0
-        ceilings, warming = self._ceilings, self.warming
+        ceilings = self._ceilings
         for i in allowed:
-            if leader is not None and i != leader and not warming[i]:  # (ar has no ceiling: see _WARM)
+            if leader is not None and i != leader:
                 ceiling = ceilings.get(i)
                 if (ceiling if ceiling is not None else self.ceiling(i)) < floor:
                     continue  # cannot win
@@ -412,37 +340,20 @@ class AutoPolicy:
 
     def _record(self, index: int, tokens: int, seconds: float) -> None:
         if self.runs[index] >= _MIN_TRIALS:
-            seconds = min(seconds, _OUTLIER * self.own_seconds(index))
+            seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
         if self._switch_in is not None and self._switch_in[0] == index:  # a switch-in and the next iteration
             self.switch_sums[index] = self.switch_sums[index] * _DECAY + (self._switch_in[1] - seconds)
             self.switch_pairs[index] = self.switch_pairs[index] * _DECAY + 1.0
         self._switch_in = None
-        position = self.position = self.position + 1 if index == self.previous else 0
         if index != self.previous:
             self._switch_in = (index, seconds)
+            seconds = max(seconds - self.switch_cost(index), 0.5 * seconds)
         self.previous = index
-        if self.trials[index] > 0 and self.stamps[index] < self.clock:  # the arm's sums, aged to now
+        if self.trials[index] > 0:  # the arm's sums, aged to now
             age = _aged(self.trials[index], self.clock - self.stamps[index]) / self.trials[index]
             self.tokens[index] *= age
             self.seconds[index] *= age
             self.trials[index] *= age
-            if self.warming[index]:
-                self.steady_seconds[index] *= age
-                self.steady_trials[index] *= age
-                times, counts = self.position_seconds[index], self.position_trials[index]
-                for j in range(_WARM):
-                    times[j] *= age
-                    counts[j] *= age
-        if self.warming[index]:  # ar's raw seconds, by position (see _WARM)
-            if position < _WARM:
-                times, counts = self.position_seconds[index], self.position_trials[index]
-                times[position] = times[position] * _DECAY + seconds
-                counts[position] = counts[position] * _DECAY + 1.0
-            else:
-                self.steady_seconds[index] = self.steady_seconds[index] * _DECAY + seconds
-                self.steady_trials[index] = self.steady_trials[index] * _DECAY + 1.0
-        if position == 0:  # the overall sums count a switch-in less its pair cost, as before
-            seconds = max(seconds - self.pair_cost(index), 0.5 * seconds)
         self.clock += 1
         self.stamps[index] = self.clock
         self.tokens[index] = self.tokens[index] * _DECAY + tokens
@@ -450,7 +361,6 @@ class AutoPolicy:
         self.trials[index] = self.trials[index] * _DECAY + 1.0
         self.runs[index] += 1
         self._switch_factor[index] = self.switch_factor(index)
-        self._prefill_factor[index] = self.switch_factor(index, after_prefill=True)
         arm = self.arms[index]
         if arm.method == "ar":
             self._rates.pop(index, None)
@@ -586,8 +496,6 @@ class AutoDecoder:
             index = policy.choose(block_len)
             if index == policy.last_leader:
                 self._held, self._hold_left = index, _HOLD - 1
-            elif policy.warming[index]:  # a trial of ar: a stretch (see _WARM)
-                self._held, self._hold_left = index, _STRETCH - 1
         base = self.base
         settings = self._settings[index]
         block = settings[3]  # (0 for ar: a plain target step)
