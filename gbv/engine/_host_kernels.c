@@ -34,7 +34,8 @@
  * 1-token step 2.58 -> 1.9 ms, its 5-token pass 4.3 -> 3.9 ms, and a draft step taken between target
  * passes 0.63 -> 0.52 ms. (_MM_HINT_T0 gained only on the 5-token pass; 8, 16, 32 and 64 rows ahead
  * are within the noise of each other.) bfloat16 panels (32-byte rows) are prefetched as many bytes
- * ahead. */
+ * ahead, once per 64-byte line in tiles with an even number of sets (one row of bf16 panels:
+ * 0.36-0.38 -> 0.34-0.36 ms with four sets; a prefetch per panel row issued twice as many). */
 #define PREFETCH_BYTES 1024
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -86,9 +87,10 @@
  * against 12 fused multiply-adds, and the 6-row tile ran at 0.57 of this core's one 8-wide FMA per
  * cycle; unrolled, 0.95.)
  *
- * S (1 or 2) sets of accumulators take the even and odd values of k, and are added at the end: a
- * chain of fused multiply-adds waits on its own latency (5 cycles here), so a tile of one or two rows
- * needs more independent sums than its 2R to keep the FMA units busy. */
+ * S (1, 2 or 4) sets of accumulators take the values of k by k mod S, and are added at the end, in
+ * order of s: a chain of fused multiply-adds waits on its own latency (4-5 cycles on the machines
+ * measured), so a tile of few rows needs more independent sums than its 2R to keep the FMA units
+ * busy. */
 #define DEFINE_TILE(R, S, NAME, WTYPE, LOAD)                                                        \
     __attribute__((target("avx2,fma"))) static void tile_##NAME##_##R(                              \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
@@ -103,7 +105,8 @@
         Py_ssize_t k = 0;                                                                           \
         _Pragma("GCC unroll 2") for (; k + S <= K; k += S) {                                        \
             _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) {                                   \
-                PREFETCH(panel, k + s);                                                             \
+                if (sizeof(WTYPE) == 4 || S % 2 || s % 2 == 0) /* once per 64-byte line */         \
+                    PREFETCH(panel, k + s);                                                         \
                 __m256 w_lo, w_hi;                                                                  \
                 LOAD(panel, k + s, w_lo, w_hi);                                                     \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
@@ -125,21 +128,25 @@
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
             lo[r] = lo_s[0][r];                                                                     \
             hi[r] = hi_s[0][r];                                                                     \
-            if (S == 2) {                                                                           \
-                lo[r] = _mm256_add_ps(lo[r], lo_s[S - 1][r]);                                       \
-                hi[r] = _mm256_add_ps(hi[r], hi_s[S - 1][r]);                                       \
+            _Pragma("GCC unroll 4") for (int s = 1; s < S; s++) {                                   \
+                lo[r] = _mm256_add_ps(lo[r], lo_s[s][r]);                                           \
+                hi[r] = _mm256_add_ps(hi[r], hi_s[s][r]);                                           \
             }                                                                                       \
         }                                                                                           \
         STORE_TILE(R)                                                                               \
     }
 
-/* Sets of sums per tile height (measured: one set for 1 row lost a third of its rate; on the Zen 3
- * machine, whose core runs two 8-wide FMAs a cycle, two sets for 3 rows cut the bundled target's
- * 3-row bfloat16 products from 0.69-0.70 to 0.59-0.60 ms, scripts/bench_host_kernels.py table 1,
- * float32 unchanged: there 3 rows are bound by memory. On the earlier Zen 1 machine they gained
- * nothing.) */
+/* Sets of sums per tile height. The Zen 3 core here runs two 8-wide FMAs a cycle with a latency of 4
+ * (scripts/fma_peak.c: 2.00 FMA/cycle with 10 chains, 1.45 with 6), so a tile needs about 8
+ * independent sums. Measured on the bundled target's products (scripts/bench_host_kernels.py table 1,
+ * the C file of before built beside): one set for 1 row lost a third of its rate (an earlier
+ * machine); two sets for 3 rows cut its bfloat16 products from 0.69-0.70 to 0.59-0.60 ms (no gain on
+ * the earlier Zen 1 machine, nor in float32, where 3 rows are bound by memory); four sets for 1 row
+ * of bfloat16 panels, 0.39-0.42 -> 0.34-0.38 ms (float32 panels, whose one row is bound by memory,
+ * neither gain nor lose: they keep the sets of bf16 panels, so that the two give the same sums, bit for
+ * bit, for the same values). */
 #define DEFINE_TILES(NAME, WTYPE, LOAD)                                                             \
-    DEFINE_TILE(1, 2, NAME, WTYPE, LOAD)                                                            \
+    DEFINE_TILE(1, 4, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(2, 2, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(3, 2, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(4, 1, NAME, WTYPE, LOAD)                                                            \
