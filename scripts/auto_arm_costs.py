@@ -37,17 +37,17 @@ def main(argv: list[str] | None = None) -> None:
                + load_prompts("humaneval", args.prompts)]
     arms = collections.defaultdict(lambda: [0, 0, 0.0])  # label -> iterations, tokens, seconds
     recording = [True]
-    record = auto.AutoPolicy.record
+    record = auto.AutoPolicy._record  # (every record goes through it, deferred or not)
 
-    def counted(self, index, tokens, seconds):
+    def counted(self, index, tokens, seconds, *rest):
         if recording[0]:
             entry = arms[self.arms[index].label]
             entry[0] += 1
             entry[1] += tokens
             entry[2] += seconds
-        return record(self, index, tokens, seconds)
+        return record(self, index, tokens, seconds, *rest)
 
-    auto.AutoPolicy.record = counted
+    auto.AutoPolicy._record = counted
     generate(pair, prompt_ids=prompts[0], method="ar", max_new_tokens=16, eos_token_id=[])  # warm-up
     print(f"{args.dtype}, T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} tokens each\n")
     print("| pass | method | tokens/s | auto / ar | prefill s | draft s | target s | verify s | other s |")

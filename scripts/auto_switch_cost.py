@@ -33,18 +33,18 @@ def main(argv: list[str] | None = None) -> None:
     ids = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
            + load_prompts("humaneval", args.prompts)]
     log = []
-    record = auto.AutoPolicy.record
+    record = auto.AutoPolicy._record  # (every record goes through it, deferred or not)
 
-    def logged(self, index, tokens, seconds):
+    def logged(self, index, tokens, seconds, *rest):
         log.append((self.arms[index].label, index == self.previous, seconds))
-        return record(self, index, tokens, seconds)
+        return record(self, index, tokens, seconds, *rest)
 
-    auto.AutoPolicy.record = logged
+    auto.AutoPolicy._record = logged
     for temperature in (0.2, 1.0):
         for seed, prompt_ids in enumerate(ids):
             generate(pair, prompt_ids=prompt_ids, method="auto", temperature=temperature, max_new_tokens=128,
                      eos_token_id=[], seed=seed)
-    auto.AutoPolicy.record = record
+    auto.AutoPolicy._record = record
     pairs, kinds = {}, {}
     for (first, first_same, first_s), (second, second_same, second_s) in zip(log, log[1:]):
         if first == second and not first_same and second_same:

@@ -64,6 +64,7 @@ def main() -> None:
 
     tree_decoder.TreeDecoder.step = timed
     auto.AutoPolicy.choose = forced
+    auto._STRETCH = 1  # (the forced choice makes its own stretches, one choice a step)
     settings = dict(temperature=0.2, eos_token_id=[], block_len=args.block_len)
     for method in ("ar", "auto"):  # warm-up
         generate(pair, prompt_ids=prompts[0], method=method, max_new_tokens=16, **settings)

@@ -8,8 +8,17 @@ each variant with its own policy learning over the same prompts, interleaved per
 
 ``--switch age``: "before" is ``auto._AGE = 1`` (estimates do not age), "after" the current value.
 ``--switch depth-prior``: "before" is ``auto._PRIOR_DEPTH_TRIALS = 1e-9`` (the rule before the prior).
+``--switch stretch``: "before" is ``auto._STRETCH = 1`` (ar tried and recorded one step at a time).
+``--switch horizon``: "before" is ``auto._HORIZON = 16`` (switching costs spread over 16 tokens).
+``--before REV``: "before" is ``gbv/engine/auto.py`` as of git revision REV (loaded beside the
+installed one; its policies its own), "after" the working tree's (``--switch`` is then ignored):
+
+    python scripts/bench_auto_ab.py --before HEAD --dtype bfloat16
 """
 import argparse
+import subprocess
+import sys
+import types
 
 import torch
 
@@ -17,22 +26,36 @@ import gbv
 from gbv.data import load_prompts
 from gbv.engine import auto
 
-SWITCHES = {"age": ("_AGE", 1.0), "depth-prior": ("_PRIOR_DEPTH_TRIALS", 1e-9)}
+SWITCHES = {"age": ("_AGE", 1.0), "depth-prior": ("_PRIOR_DEPTH_TRIALS", 1e-9), "stretch": ("_STRETCH", 1),
+            "horizon": ("_HORIZON", 16.0)}
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--switch", choices=sorted(SWITCHES), default="age")
 parser.add_argument("--dtype", default="float32")
 parser.add_argument("--prompts", type=int, default=20, help="GSM8K and HumanEval prompts each")
 parser.add_argument("--temperature", default="0.2,1.0")
+parser.add_argument("--before", help="a git revision: its auto.py against the working tree's")
 args = parser.parse_args()
 name, off = SWITCHES[args.switch]
 variants = {"before": off, "after": getattr(auto, name)}
+modules = {"before": auto, "after": auto}
+if args.before:
+    source = subprocess.run(["git", "show", f"{args.before}:gbv/engine/auto.py"], capture_output=True, text=True,
+                            check=True).stdout
+    old = types.ModuleType("gbv.engine.auto_before")
+    sys.modules[old.__name__] = old  # (dataclasses look their module up)
+    exec(compile(source, f"gbv/engine/auto.py@{args.before}", "exec"), old.__dict__)
+    modules["before"] = old
+    name, variants = None, {"before": None, "after": None}
 
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled", dtype=args.dtype)
 prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
 gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_tokens=8, eos_token_id=[])
-print(f"`auto` with auto.{name} = {variants['before']} (before) and {variants['after']} (after), {args.dtype}\n")
+if name is None:
+    print(f"`auto` of {args.before} (before) and of the working tree (after), {args.dtype}\n")
+else:
+    print(f"`auto` with auto.{name} = {variants['before']} (before) and {variants['after']} (after), {args.dtype}\n")
 print("| T | ar tok/s | BV L=2 / ar | auto before / ar | auto after / ar | after / before |")
 print("|---|---:|---:|---:|---:|---:|")
 for temperature in [float(t) for t in args.temperature.split(",")]:
@@ -42,8 +65,10 @@ for temperature in [float(t) for t in args.temperature.split(",")]:
     for seed, prompt in enumerate(prompts):
         for row in (rows if seed % 2 == 0 else rows[::-1]):
             if row in variants:
-                setattr(auto, name, variants[row])
-                auto._POLICIES[pair.target] = stores[row]
+                gbv.engine.auto = modules[row]  # (what make_decoder imports)
+                if name is not None:
+                    setattr(auto, name, variants[row])
+                    auto._POLICIES[pair.target] = stores[row]
             method = row if row in ("ar", "block") else "auto"
             out = gbv.generate(pair, prompt=prompt, method=method, block_len=2, num_paths=1, temperature=temperature,
                                max_new_tokens=128, eos_token_id=[], seed=seed)
@@ -53,4 +78,6 @@ for temperature in [float(t) for t in args.temperature.split(",")]:
     print(f"| {temperature} | {rate['ar']:.1f} | {rate['block'] / rate['ar']:.3f}x | "
           f"{rate['before'] / rate['ar']:.3f}x | {rate['after'] / rate['ar']:.3f}x | "
           f"{rate['after'] / rate['before']:.3f} |", flush=True)
-setattr(auto, name, variants["after"])
+gbv.engine.auto = auto
+if name is not None:
+    setattr(auto, name, variants["after"])

@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> None:
         generate(pair, prompt_ids=prompts[0], method=method, block_len=max(block_len, 1), max_new_tokens=16, **settings)
     log: list[tuple[str, int, float]] = []
     if args.log_policy:
-        record = auto.AutoPolicy.record
+        record = auto.AutoPolicy._record  # (the one every record goes through, deferred or not)
 
-        def logged(self, index, tokens, seconds):
+        def logged(self, index, tokens, seconds, *rest):
             log.append((self.arms[index].label, tokens, seconds))
-            return record(self, index, tokens, seconds)
+            return record(self, index, tokens, seconds, *rest)
 
-        auto.AutoPolicy.record = logged
+        auto.AutoPolicy._record = logged
     tokens = {row: 0 for row in ROWS}
     seconds = {row: 0.0 for row in ROWS}
     for seed, prompt_ids in enumerate(prompts):
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds[(method, block_len)] += time.perf_counter() - start
             tokens[(method, block_len)] += out.stats.new_tokens
     if args.log_policy:
-        auto.AutoPolicy.record = record
+        auto.AutoPolicy._record = record
     rate = {row: tokens[row] / seconds[row] for row in ROWS}
     best = max((r for r in ROWS if r[0] == "block"), key=rate.get)
     print(f"{args.dtype}, T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, 1 thread")

@@ -81,9 +81,19 @@ _AGE = 0.999
 # arm's seconds are its cost in a run of its own iterations: a switch-in iteration is counted less the
 # arm's switching cost, estimated from pairs of a switch-in iteration and the next one of the same arm
 # (measured at the same machine speed, so a drift of the machine's speed does not leak into it), and
-# that cost, spread over a hold (_HOLD), is added to the seconds of every arm but the one that just
-# ran when choosing: the policy switches only for a gain that pays for the switch.
+# that cost, spread over the next tokens (_HORIZON), is added to the seconds of every arm but the one
+# that just ran when choosing: the policy switches only for a gain that pays for the switch.
 _SWITCH_PAIRS = 4.0  # weight, in pairs, of the prior "no switching cost" of an arm's switching cost
+# The tokens a switching cost is spread over: the generation's remaining tokens, at most this many.
+# Once the policy switches, the arm it switched to runs until another one is rated higher, and the
+# others pay their switching costs: a switch is, in effect, for a good part of the generation. Spread
+# over a hold (_HOLD iterations: 20 tokens of BV L = 2, 8 of ar) as before, ar's warm-up of ~1.5 ms
+# (_STRETCH) cost it ~25% of its rate at every prompt's start, where every arm starts cold, and auto ran
+# BV where ar was 10% faster: in the fake-clock test of tests/engine/test_auto.py ar ran 23% of the
+# iterations with costs over 8 tokens, 64% over 16, 95% over 24, 99% over 32. On the bundled pair in
+# bf16 (scripts/bench_auto_ab.py --switch horizon, after / before, T = 0.2 / 1): 64 tokens against 16,
+# 0.967 / 0.963; 32 against 16, 0.991 / 1.028. Not the whole generation: it may end early (EOS).
+_HORIZON = 32.0
 # Once choose() picks the leader, the decoder runs it this many iterations before choosing again.
 # Why: between forwards that stream tens of MB of weights, the policy's Python runs from a cold cache:
 # a choice cost ~22 us and its record ~9 us in bfloat16 here, against a 2 ms ar step (1.5%). Holding
@@ -93,6 +103,23 @@ _SWITCH_PAIRS = 4.0  # weight, in pairs, of the prior "no switching cost" of an 
 # (A record cost ~25 us in the engine, cold, against ~4 us warm; 76 us of policy work an iteration
 # was 1.8% of a float32 BV iteration, ~3% of a bfloat16 one.)
 _HOLD = 8
+# ar runs in stretches of this many steps: a choice of ar (as the leader or as a trial) runs that many
+# plain steps before the next choice, and the policy counts consecutive ar steps, up to a stretch, as one
+# record for its switching cost (the pairs of _SWITCH_PAIRS; per step, ar's sums are as before). ar's
+# seconds a step are those of its settled stretches, the ones that follow a stretch of ar
+# (AutoPolicy.ar_seconds), and ar explores until it has one (or has run 2 * _MIN_TRIALS stretches). ar
+# also has no ceiling (see choose), and the draft's catch-up after ar is timed apart (AutoDecoder.step).
+# Why: right after another arm or a prefill an ar step takes about eight steps to settle, where a
+# speculative iteration settles after one (on the bundled pair in bfloat16: 0.82, 0.79, 0.75, 0.73, 0.67,
+# 0.63, 0.60, 0.57, then 0.55-0.58 ms, while BV L = 2 went 2.19, then 1.45-1.54 ms;
+# scripts/auto_warmup.py). Not from clock speed: a product that stays in the L2 runs at its full rate
+# after any pause, while the target's 1-row products over its 15.7 MB take ~10 calls to come back to speed
+# after a 5 ms pause, a sleep, or a pass of many rows (docs/ENGINE.md, "`auto`: ar in stretches"). Tried
+# one step at a time, ar only ever measured its first, slowest steps, and its switching cost, estimated
+# from a switch-in step and the next one, was 0.05 ms instead of ~1.5: auto rated ar at 1,298 tokens/s
+# where it ran at ~2,000, and ran BV at 0.86-0.91x ar (bench_auto_vs_block.py, bf16, T = 0.2). ``_STRETCH
+# = 1`` is the rule before (scripts/bench_auto_ab.py --switch stretch).
+_STRETCH = 16
 
 
 @dataclass(frozen=True)
@@ -136,7 +163,7 @@ class AutoPolicy:
         self.tokens = [0.0] * len(arms)  # decayed sums, for the table and arms without a family
         self.seconds = [0.0] * len(arms)
         self.trials = [0.0] * len(arms)  # decayed counts
-        self.runs = [0] * len(arms)  # plain counts
+        self.runs = [0] * len(arms)  # plain counts (of ar: its stretches)
         self.acceptance: dict[tuple[str, int], _Acceptance] = {}
         self._lines: dict[tuple[str, int], tuple[float, float] | None] = {}  # cost lines, per family
         # rate(i) of each arm until an iteration of its family (or of itself, for ar) changes it: a
@@ -146,18 +173,24 @@ class AutoPolicy:
         self._ceilings: dict[int, float] = {}  # ceiling(i), kept until an iteration changes what it depends on
         self._fitting: dict[int | None, tuple[int, ...]] = {}  # max_block -> the arms whose blocks fit
         self.last_leader: int | None = None  # the leader when choose() last ran (AutoDecoder holds it)
-        self._pending: list[tuple[int, int, float]] = []  # deferred records, oldest first (defer)
+        self._pending: list[tuple[int, int, float, float]] = []  # deferred records, oldest first (defer)
         self.clock = 0  # iterations recorded, of every arm
         self.stamps = [0] * len(arms)  # the clock when each arm's sums were last aged
         # Switching costs (see _SWITCH_PAIRS): decayed sums of (switch-in seconds - next seconds) over
         # pairs, per arm; the arm that ran last (None after a prefill: the next iteration is a switch-in);
         # the switch-in iteration waiting for its pair; each arm's rate factor when it is not the last
-        # one, 1 / (1 + cost / (_HOLD * seconds)).
+        # one, 1 / (1 + cost * rate / horizon).
         self.switch_sums = [0.0] * len(arms)
         self.switch_pairs = [0.0] * len(arms)
         self.previous: int | None = None
-        self._switch_in: tuple[int, float] | None = None
-        self._switch_factor = [1.0] * len(arms)
+        self._switch_in: tuple[int, float, int] | None = None  # (arm, seconds, steps)
+        self._switch_costs = [0.0] * len(arms)  # switch_cost(i), kept until arm i runs again
+        self.steady_seconds = [0.0] * len(arms)  # ar's decayed sums over its settled stretches (ar_seconds)
+        self.steady_trials = [0.0] * len(arms)
+        # ar's consecutive steps not yet recorded, [arm, steps, seconds, the arm that ran before them]
+        # (see _STRETCH; ``previous`` is already ar).
+        self._stretch: list | None = None
+        self._speculative = [arm.method != "ar" for arm in arms]
         for index, arm in enumerate(self.arms):
             if arm.method != "ar":
                 family = self.acceptance.setdefault((arm.method, arm.num_paths), _Acceptance())
@@ -179,10 +212,10 @@ class AutoPolicy:
         """Seconds per iteration: the arm's own mean, shrunk towards the line ``a + b L`` fitted to the
         means of its family (one draft forward per depth, a target pass that grows with the nodes),
         so that two slow first trials (a cold cache, a busy moment) do not bury an arm for good."""
-        own = self.seconds[index] / self.trials[index]
         arm = self.arms[index]
         if arm.method == "ar":
-            return own
+            return self.ar_seconds(index)
+        own = self.seconds[index] / self.trials[index]
         line = self._cost_line(arm.method, arm.num_paths)
         if line is None:
             return own
@@ -190,6 +223,14 @@ class AutoPolicy:
         if fitted <= 0.0:
             return own
         return (self.trials[index] * own + _PRIOR_TRIALS * fitted) / (self.trials[index] + _PRIOR_TRIALS)
+
+    def ar_seconds(self, index: int) -> float:
+        """ar's seconds a step: its mean over the stretches that followed a stretch of ar (settled, see
+        ``_STRETCH``) once it has any, else over all its stretches (a switch-in counted less the
+        switching cost)."""
+        if self.steady_trials[index] > 0.0:
+            return self.steady_seconds[index] / self.steady_trials[index]
+        return self.seconds[index] / self.trials[index]
 
     def _cost_line(self, method: str, num_paths: int) -> tuple[float, float] | None:
         """``(a, b)`` of the weighted least-squares line ``seconds = a + b L`` over the tried arms of a
@@ -235,7 +276,7 @@ class AutoPolicy:
         if ceiling is None:
             arm = self.arms[index]
             if self.trials[index] > 0:
-                least = self.seconds[index] / self.trials[index]
+                least = self.ar_seconds(index) if arm.method == "ar" else self.seconds[index] / self.trials[index]
             else:
                 least = max((self.seconds[j] / self.trials[j] for j, other in enumerate(self.arms)
                              if other.method != "ar" and self.trials[j] > 0 and other.num_paths <= arm.num_paths
@@ -244,26 +285,28 @@ class AutoPolicy:
         return ceiling
 
     def switch_cost(self, index: int) -> float:
-        """Seconds an iteration of arm ``index`` costs more after another arm than after its own (at
-        least 0), shrunk towards 0 by ``_SWITCH_PAIRS`` pairs."""
+        """Seconds an iteration of arm ``index`` (a stretch of ar, ``_STRETCH``) costs more after another
+        arm than after its own (at least 0), shrunk towards 0 by ``_SWITCH_PAIRS`` pairs."""
         return max(self.switch_sums[index] / (self.switch_pairs[index] + _SWITCH_PAIRS), 0.0)
 
-    def switch_factor(self, index: int) -> float:
-        """What choose() multiplies arm ``index``'s rate by when another arm ran last: its seconds plus
-        its switching cost over ``_HOLD`` iterations, as a factor (1 before it has run)."""
-        if self.seconds[index] <= 0.0:
-            return 1.0
-        return 1.0 / (1.0 + self.switch_cost(index) * self.trials[index] / (_HOLD * self.seconds[index]))
+    def switch_factor(self, index: int, horizon: float) -> float:
+        """What choose() multiplies arm ``index``'s rate by when another arm ran last: its switching cost
+        spread over the next ``horizon`` tokens (``_HORIZON``), as a factor (1 before it has run)."""
+        rate = self.rate(index)
+        return 1.0 / (1.0 + self.switch_cost(index) * rate / horizon)
 
     def choose(self, max_block: int | None = None) -> int:
         """Index of the next arm. ``max_block`` excludes arms with longer blocks (near the end of a
-        generation only a short block fits; ``ar`` always fits). An arm other than the one that ran
-        last is rated with its switching cost spread over a hold (``_SWITCH_PAIRS``).
+        generation only a short block fits; ``ar`` always fits); it is also the generation's remaining
+        tokens less one (the decoder passes it every step), over which an arm other than the one that
+        ran last is rated with its switching cost spread (at most ``_HORIZON`` tokens; ``_SWITCH_PAIRS``).
 
-        An arm whose :meth:`ceiling` is below the rate of the best arm that has finished exploring cannot
-        win, so it is not tried (again) while that holds. Why: on a CPU a multi-path trial costs 10-40 ms
-        against a 1.4 ms ``ar`` step; exploring every arm twice cost 0.2 s, 14% of a 10-prompt run
-        (bfloat16 bundled pair), where ``ar`` was the best arm all along."""
+        A speculative arm whose :meth:`ceiling` is below the rate of the best arm that has finished
+        exploring cannot win, so it is not tried (again) while that holds. Why: on a CPU a multi-path
+        trial costs 10-40 ms against a 1.4 ms ``ar`` step; exploring every arm twice cost 0.2 s, 14% of a
+        10-prompt run (bfloat16 bundled pair), where ``ar`` was the best arm all along. ``ar`` has no
+        ceiling: measured in a slow moment (its cost depends on what ran before it, ``_STRETCH``), it was
+        left out for good; UCB with aging retries it, a stretch a trial."""
         # One pass per list, no helper calls on the hot path: where one arm leads, a choice runs every
         # iteration (~2 ms in bfloat16 here), and the plain version cost ~19 us of it over 17 arms.
         if self._pending:
@@ -273,7 +316,8 @@ class AutoPolicy:
             allowed = self._fitting[max_block] = tuple(
                 i for i, arm in enumerate(self.arms) if max_block is None or arm.block_len <= max_block)
         rates, runs, trials = self._rates, self.runs, self.trials
-        factor, previous = self._switch_factor, self.previous
+        costs, previous = self._switch_costs, self.previous
+        horizon = _HORIZON if max_block is None or max_block >= _HORIZON else max_block + 1.0
         leader, floor = None, 0.0
         for i in allowed:  # the leader: the first best rate among the explored arms, as leader() finds it
             if runs[i] >= _MIN_TRIALS:
@@ -281,24 +325,25 @@ class AutoPolicy:
                 if rate is None:
                     rate = self._rate(i)
                 if i != previous:
-                    rate *= factor[i]
+                    rate /= 1.0 + costs[i] * rate / horizon
                 if leader is None or rate > floor:
                     leader, floor = i, rate
         self.last_leader = leader
         candidates, best_rate = [], 0.0
-        ceilings = self._ceilings
+        ceilings, speculative = self._ceilings, self._speculative
         for i in allowed:
-            if leader is not None and i != leader:
+            if leader is not None and i != leader and speculative[i]:  # (ar has none: see _STRETCH)
                 ceiling = ceilings.get(i)
                 if (ceiling if ceiling is not None else self.ceiling(i)) < floor:
                     continue  # cannot win
-            if runs[i] < _MIN_TRIALS:
-                return i
+            if runs[i] < _MIN_TRIALS or (runs[i] < 2 * _MIN_TRIALS and not speculative[i]
+                                         and self.steady_trials[i] == 0.0):
+                return i  # (ar explores until a stretch follows one of its own, or twice as long: ar_seconds)
             rate = rates.get(i)
             if rate is None:
                 rate = self._rate(i)
             if i != previous:
-                rate *= factor[i]
+                rate /= 1.0 + costs[i] * rate / horizon
             candidates.append((i, rate))
             best_rate = rate if rate > best_rate else best_rate
         clock, stamps = self.clock, self.stamps
@@ -318,49 +363,85 @@ class AutoPolicy:
         explored = [i for i in range(len(self.arms)) if self.runs[i] >= _MIN_TRIALS]
         return max(explored, key=self._rate) if explored else None
 
-    def record(self, index: int, tokens: int, seconds: float) -> None:
+    def record(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
         """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``
         (counted as at most ``_OUTLIER`` times the arm's mean, once it has run ``_MIN_TRIALS`` times;
-        an iteration after another arm or a prefill less the arm's switching cost, _SWITCH_PAIRS).
-        Deferred records are applied first."""
+        an iteration after another arm or a prefill less the arm's switching cost, _SWITCH_PAIRS), after
+        ``switching`` seconds of work that only a switch to it needed (the draft's catch-up after ar:
+        part of its switching cost, not of its seconds). Deferred records are applied first."""
         if self._pending:
             self.flush()
-        self._record(index, tokens, seconds)
+        self._record(index, tokens, seconds, switching)
 
-    def defer(self, index: int, tokens: int, seconds: float) -> None:
+    def defer(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
         """:meth:`record`, applied later: by the next :meth:`choose`, :meth:`record`, :meth:`flush`,
         :meth:`leader`, :meth:`best` or :meth:`table`, in order (see ``_HOLD``)."""
-        self._pending.append((index, tokens, seconds))
+        self._pending.append((index, tokens, seconds, switching))
 
     def flush(self) -> None:
         """Apply the deferred records, oldest first."""
         pending, self._pending = self._pending, []
-        for index, tokens, seconds in pending:
-            self._record(index, tokens, seconds)
+        for index, tokens, seconds, switching in pending:
+            self._record(index, tokens, seconds, switching)
 
-    def _record(self, index: int, tokens: int, seconds: float) -> None:
+    def close_stretch(self) -> None:
+        """Record ar's steps since its last record now, as a stretch of their number (a generation
+        ended: the next one starts after a prefill)."""
+        if self._stretch is not None:
+            index, steps, seconds, after = self._stretch
+            self._stretch = None
+            self._record_run(index, steps, steps, seconds, after)
+
+    def _record(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
         if self.runs[index] >= _MIN_TRIALS:
             seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
-        if self._switch_in is not None and self._switch_in[0] == index:  # a switch-in and the next iteration
-            self.switch_sums[index] = self.switch_sums[index] * _DECAY + (self._switch_in[1] - seconds)
+        if self.arms[index].method == "ar":  # a step of a stretch (see _STRETCH)
+            stretch = self._stretch
+            if stretch is None or stretch[0] != index:
+                self.close_stretch()
+                stretch = self._stretch = [index, 0, 0.0, self.previous]
+                self.previous = index
+            stretch[1] += 1
+            stretch[2] += seconds
+            if stretch[1] >= _STRETCH:
+                self.close_stretch()
+            return
+        self.close_stretch()
+        self._record_run(index, 1, tokens, seconds, self.previous, switching)
+
+    def _record_run(self, index: int, steps: int, tokens: int, seconds: float, after: int | None,
+                    switching: float = 0.0) -> None:
+        """Record ``steps`` consecutive iterations of arm ``index`` (more than one only for ar) that
+        committed ``tokens`` in ``seconds`` in all, right after arm ``after`` (None: a prefill), after
+        ``switching`` seconds of work for the switch (see :meth:`record`)."""
+        if self._switch_in is not None and self._switch_in[0] == index:  # a switch-in and the next run
+            _, first_seconds, first_steps = self._switch_in  # (the excess over this run's seconds a step)
+            self.switch_sums[index] = self.switch_sums[index] * _DECAY + (first_seconds - first_steps * seconds / steps)
             self.switch_pairs[index] = self.switch_pairs[index] * _DECAY + 1.0
         self._switch_in = None
-        if index != self.previous:
-            self._switch_in = (index, seconds)
-            seconds = max(seconds - self.switch_cost(index), 0.5 * seconds)
+        if index != after:
+            self._switch_in = (index, seconds + switching, steps)
+            # (its own seconds never count the switching work: at most ``seconds``)
+            seconds = min(seconds, max(seconds + switching - self.switch_cost(index), 0.5 * seconds))
         self.previous = index
         if self.trials[index] > 0:  # the arm's sums, aged to now
             age = _aged(self.trials[index], self.clock - self.stamps[index]) / self.trials[index]
             self.tokens[index] *= age
             self.seconds[index] *= age
             self.trials[index] *= age
-        self.clock += 1
+            self.steady_seconds[index] *= age
+            self.steady_trials[index] *= age
+        self.clock += steps
         self.stamps[index] = self.clock
-        self.tokens[index] = self.tokens[index] * _DECAY + tokens
-        self.seconds[index] = self.seconds[index] * _DECAY + max(seconds, 1e-9)
-        self.trials[index] = self.trials[index] * _DECAY + 1.0
+        decay = _DECAY ** steps  # (each step counts as one observation, as before)
+        self.tokens[index] = self.tokens[index] * decay + tokens
+        self.seconds[index] = self.seconds[index] * decay + max(seconds, 1e-9)
+        self.trials[index] = self.trials[index] * decay + steps
+        if index == after and not self._speculative[index]:  # a settled stretch of ar (see ar_seconds)
+            self.steady_seconds[index] = self.steady_seconds[index] * decay + seconds
+            self.steady_trials[index] = self.steady_trials[index] * decay + steps
         self.runs[index] += 1
-        self._switch_factor[index] = self.switch_factor(index)
+        self._switch_costs[index] = self.switch_cost(index)
         arm = self.arms[index]
         if arm.method == "ar":
             self._rates.pop(index, None)
@@ -464,6 +545,7 @@ class AutoDecoder:
         # to (None: its own method; an ar iteration leaves the settings as they are).
         self._settings = [method_settings(arm.method, arm.num_paths, arm.block_len) for arm in policy.arms]
         self._applied: int | None = None
+        self._catch_up = getattr(base, "catch_up_draft", None)  # (the tree engine's; the HF path feeds the lag itself)
         max_block = max(arm.block_len for arm in policy.arms)
         base.stats = GenerationStats(method=AUTO, num_paths=max(arm.num_paths for arm in policy.arms),
                                      block_len=max_block, depth_accept_counts=[0] * max_block)
@@ -477,6 +559,7 @@ class AutoDecoder:
 
     def prefill(self, prompt_ids) -> None:
         self.policy.flush()  # (the last generation's deferred records come before the prefill)
+        self.policy.close_stretch()
         self.policy.previous = None  # the first iteration after a prefill is a switch-in (_SWITCH_PAIRS)
         # Where ar leads (a CPU in bfloat16, a draft far from the target), the draft is fed the prompt
         # only if a speculative arm runs at all (the tree engine: catch_up_draft); else at once, as before.
@@ -494,26 +577,36 @@ class AutoDecoder:
             self._hold_left -= 1
         else:
             index = policy.choose(block_len)
-            if index == policy.last_leader:
+            if policy.arms[index].method == "ar":  # a stretch (see _STRETCH); as the leader, at least a hold
+                self._held, self._hold_left = index, max(_STRETCH, _HOLD if index == policy.last_leader else 1) - 1
+            elif index == policy.last_leader:
                 self._held, self._hold_left = index, _HOLD - 1
         base = self.base
         settings = self._settings[index]
         block = settings[3]  # (0 for ar: a plain target step)
+        switching = 0.0
         if block and base.draft_len < self.prompt_len - 1:
             # A deferred prompt is fed to the draft outside the arm's clock: it is the prefill, which
             # no arm was ever charged (charged to the arm, +10 ms on the bundled pair put BV L = 2, the
-            # best arm in float32, under its ceiling for good). The tokens of plain steps since the
-            # draft last ran are fed inside the clock, as before: a cost of switching to speculation,
-            # which the policy should see (uncharged, near-tied arms were tried too often: auto fell
-            # to 0.94x ar in bfloat16, where ar is the best arm).
+            # best arm in float32, under its ceiling for good).
             base.catch_up_draft(self.prompt_len - 1)
+        if block and self._catch_up is not None and len(base.tokens) - base.draft_len > 2:
+            # The tokens of plain steps since the draft last ran (after a BV iteration it lags by at
+            # most the pending token and one more): fed first and timed apart, as a cost of switching
+            # to speculation, which the policy should see (uncharged, near-tied arms were tried too
+            # often: auto fell to 0.94x ar in bfloat16, where ar is the best arm), but not in the arm's
+            # own seconds: after a stretch of ar (_STRETCH) the catch-up of ~50 tokens put BV's first
+            # trial at 2-3x its cost, and BV under its ceiling for good.
+            switch_start = time.perf_counter()
+            self._catch_up(len(base.tokens) - 1)
+            switching = time.perf_counter() - switch_start
         start = time.perf_counter()
         if block and index != self._applied:
             base.method, base.verifier, base.num_paths, base.block_len = settings
             self._applied = index
         new = base.step(block)
         # The step ended by reading its tokens back to the host, so the device work is done.
-        policy.defer(index, len(new), time.perf_counter() - start)
+        policy.defer(index, len(new), time.perf_counter() - start, switching)
         label = policy.arms[index].label
         arms = base.stats.auto_arms
         arms[label] = arms.get(label, 0) + 1
