@@ -596,7 +596,8 @@ class AutoDecoder:
             # to speculation, which the policy should see (uncharged, near-tied arms were tried too
             # often: auto fell to 0.94x ar in bfloat16, where ar is the best arm), but not in the arm's
             # own seconds: after a stretch of ar (_STRETCH) the catch-up of ~50 tokens put BV's first
-            # trial at 2-3x its cost, and BV under its ceiling for good.
+            # trial at 2-3x its cost, and BV under its ceiling for good. (No device sync here: on a GPU
+            # what the catch-up leaves running finishes inside the step's clock, as before.)
             switch_start = time.perf_counter()
             self._catch_up(len(base.tokens) - 1)
             switching = time.perf_counter() - switch_start
