@@ -385,8 +385,8 @@ class AutoPolicy:
             self._record(index, tokens, seconds, switching)
 
     def close_stretch(self) -> None:
-        """Record ar's steps since its last record now, as a stretch of their number (a generation
-        ended: the next one starts after a prefill)."""
+        """Record ar's steps not yet recorded now, as a stretch of their number: another arm runs, or a
+        generation ended (the next one starts after a prefill)."""
         if self._stretch is not None:
             index, steps, seconds, after = self._stretch
             self._stretch = None
@@ -395,7 +395,7 @@ class AutoPolicy:
     def _record(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
         if self.runs[index] >= _MIN_TRIALS:
             seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
-        if self.arms[index].method == "ar":  # a step of a stretch (see _STRETCH)
+        if not self._speculative[index]:  # a step of ar's stretch (see _STRETCH)
             stretch = self._stretch
             if stretch is None or stretch[0] != index:
                 self.close_stretch()
