@@ -39,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gbv.engine.cache import cache_keyword  # noqa: E402  (after the path: runs from a checkout)
+
 
 def load(dir_, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
@@ -60,7 +62,7 @@ def decode_step_ms(model, prefix: int, repeats: int, warmup: int = 10) -> float:
     times = []
     for i in range(warmup + repeats):
         t = time.perf_counter()
-        model(input_ids=nxt, cache=cache, use_cache=True)
+        model(input_ids=nxt, **{cache_keyword(model): cache}, use_cache=True)
         dt = time.perf_counter() - t
         cache.crop(-1)
         if i >= warmup:

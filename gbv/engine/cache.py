@@ -11,6 +11,8 @@ window, quantized, ...) goes through the cache's own API (``batch_repeat_interle
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
@@ -25,6 +27,24 @@ def new_cache(model) -> Cache:
         raise GbvError(f"model {type(model).__name__} uses a KV cache that cannot be cropped; "
                        "speculative decoding needs to roll back rejected tokens")
     return cache
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``cache`` in recent
+    transformers 5 releases (5.25 here), ``past_key_values`` in earlier ones (5.17 on the GPU machine),
+    where a ``cache=`` would fall into ``**kwargs`` unread and every forward would see only the tokens
+    fed to it, with no error. Read off the forward's signature once per model class."""
+    kind = type(model)
+    if kind not in _CACHE_KEYWORDS:
+        try:
+            names = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):  # no inspectable signature: the current name
+            names = {"cache": None}
+        _CACHE_KEYWORDS[kind] = "cache" if "cache" in names or "past_key_values" not in names else "past_key_values"
+    return _CACHE_KEYWORDS[kind]
 
 
 def _plain(layer) -> bool:

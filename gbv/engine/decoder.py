@@ -97,6 +97,8 @@ class Decoder(DecoderState):
         self.draft = draft
         self.target_cache = kv.new_cache(target)
         self.draft_cache = kv.new_cache(draft) if self.verifier is not None else None
+        self._target_kw = kv.cache_keyword(target)  # ``cache`` or ``past_key_values``: transformers' version
+        self._draft_kw = kv.cache_keyword(draft) if draft is not None else "cache"
 
     def _ids(self, ids: Sequence[int] | torch.Tensor, rows: int = 1) -> torch.Tensor:
         tensor = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
@@ -105,9 +107,9 @@ class Decoder(DecoderState):
     def _feed_prompt(self, head: list[int]) -> None:
         if head:
             ids = self._ids(head)
-            self.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1)
+            self.target(input_ids=ids, **{self._target_kw: self.target_cache}, use_cache=True, logits_to_keep=1)
             if self.draft_cache is not None and not self.defer_draft:
-                self.draft(input_ids=ids, cache=self.draft_cache, use_cache=True, logits_to_keep=1)
+                self.draft(input_ids=ids, **{self._draft_kw: self.draft_cache}, use_cache=True, logits_to_keep=1)
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration; returns the newly committed tokens (the last one is the new pending token).
@@ -126,7 +128,8 @@ class Decoder(DecoderState):
         q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
         greedy = self.draft_sampling.greedy
         for i in range(block):
-            logits = self.draft(input_ids=feed, cache=self.draft_cache, use_cache=True, logits_to_keep=1).logits
+            logits = self.draft(input_ids=feed, **{self._draft_kw: self.draft_cache}, use_cache=True,
+                                logits_to_keep=1).logits
             q_i = process_logits(logits[:, -1, :self.vocab], self.draft_sampling)
             x_i = sample(q_i, self.generator, greedy)
             q[:, i] = q_i
@@ -139,7 +142,7 @@ class Decoder(DecoderState):
         # 2. score every path in one target forward.
         kv.replicate(self.target_cache, rows)
         pending = self._ids(self.tokens[-1:], rows)
-        logits = self.target(input_ids=torch.cat([pending, drafted], dim=1), cache=self.target_cache,
+        logits = self.target(input_ids=torch.cat([pending, drafted], dim=1), **{self._target_kw: self.target_cache},
                              use_cache=True).logits
         p = process_logits(logits[..., :self.vocab], self.target_sampling)
         stats.target_calls += 1
@@ -163,7 +166,8 @@ class Decoder(DecoderState):
 
     def _target_step(self) -> list[int]:
         start = time.perf_counter()
-        logits = self.target(input_ids=self._ids(self.tokens[-1:]), cache=self.target_cache, use_cache=True).logits
+        logits = self.target(input_ids=self._ids(self.tokens[-1:]), **{self._target_kw: self.target_cache},
+                             use_cache=True).logits
         probs = process_logits(logits[0, -1, :self.vocab], self.target_sampling)
         token = int(sample(probs[None], self.generator, self.target_sampling.greedy)[0])
         self.stats.target_calls += 1

@@ -9,6 +9,7 @@ Nothing is downloaded unless ``allow_download=True``.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,14 +27,24 @@ _DTYPES = {
 
 @dataclass
 class ModelPair:
-    """A target model, a draft model (None for target-only ``ar`` decoding), and their tokenizer."""
+    """A target model, a draft model (None for target-only ``ar`` decoding), and their tokenizer.
+    ``device`` defaults to where the target's weights are ("cpu" for a model without any)."""
 
     target: Any
     draft: Any = None
     tokenizer: Any = None
-    device: str = "cpu"
+    device: str | None = None
     dtype: torch.dtype | None = None
     names: tuple[str, str] = field(default=("target", "draft"))
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            # Not a fixed "cpu": a pair built from models already on a GPU must decode there (the
+            # decoder puts its token tensors and its generator on ``pair.device``).
+            tensors = (itertools.chain(self.target.parameters(), self.target.buffers())
+                       if isinstance(self.target, torch.nn.Module) else iter(()))
+            first = next(tensors, None)
+            self.device = "cpu" if first is None else str(first.device)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

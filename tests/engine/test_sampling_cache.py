@@ -75,17 +75,17 @@ def test_replicate_select_crop(arch):
     prompt = [1, 2, 3, 4, 5]
     cache = kv.new_cache(target)
     with torch.no_grad():
-        target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        target(input_ids=torch.tensor([prompt]), **{kv.cache_keyword(target): cache}, use_cache=True)
         kv.replicate(cache, 3)
         rows = torch.tensor([[6, 7, 8], [9, 10, 11], [12, 13, 14]])
-        batched = target(input_ids=rows, cache=cache, use_cache=True).logits
+        batched = target(input_ids=rows, **{kv.cache_keyword(target): cache}, use_cache=True).logits
         assert kv.cache_length(cache) == 8
         for k in range(3):
             fresh = target(input_ids=torch.tensor([prompt + rows[k].tolist()])).logits[0, -3:]
             torch.testing.assert_close(batched[k], fresh, atol=1e-4, rtol=0)
         kv.select_row(cache, 1)
         kv.crop(cache, 6)  # prompt + 9
-        nxt = target(input_ids=torch.tensor([[20]]), cache=cache, use_cache=True).logits[0, -1]
+        nxt = target(input_ids=torch.tensor([[20]]), **{kv.cache_keyword(target): cache}, use_cache=True).logits[0, -1]
         fresh = target(input_ids=torch.tensor([prompt + [9, 20]])).logits[0, -1]
         torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
         assert kv.cache_length(cache) == 7
@@ -105,13 +105,13 @@ def test_api_fallback_layers():
     cache.layers = [OtherLayer() for _ in cache.layers]
     prompt = [1, 2, 3, 4]
     with torch.no_grad():
-        target(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        target(input_ids=torch.tensor([prompt]), **{kv.cache_keyword(target): cache}, use_cache=True)
         kv.replicate(cache, 2)
-        target(input_ids=torch.tensor([[5, 6], [7, 8]]), cache=cache, use_cache=True)
+        target(input_ids=torch.tensor([[5, 6], [7, 8]]), **{kv.cache_keyword(target): cache}, use_cache=True)
         kv.select_row(cache, 1)
         kv.crop(cache, 5)
         assert cache.layers[0].keys.shape[0] == 1 and kv.cache_length(cache) == 5
-        nxt = target(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True).logits[0, -1]
+        nxt = target(input_ids=torch.tensor([[9]]), **{kv.cache_keyword(target): cache}, use_cache=True).logits[0, -1]
         fresh = target(input_ids=torch.tensor([prompt + [7, 9]])).logits[0, -1]
     torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
 
@@ -158,3 +158,22 @@ def test_torchrandom_sample_on_the_host_draws_what_draw_rows_draws():
         got = rng.sample(dist)
         assert got == expected, (trial, u, got, expected)
         assert float(dist[got]) > 0.0
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    """transformers renamed ``past_key_values`` to ``cache``; a forward that only knows the old name
+    would swallow ``cache=`` into ``**kwargs`` and decode without its cache, silently."""
+    from gbv.engine.cache import cache_keyword
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=True, **kwargs):
+            return input_ids
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=True, **kwargs):
+            return input_ids
+
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"
+    target, _ = hf_pair("llama", vocab=32)
+    assert cache_keyword(target) in ("cache", "past_key_values")
