@@ -3,6 +3,7 @@ downloaded) and ``TableLM``, a fast toy LM whose context lives in a real transfo
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -15,6 +16,11 @@ except ImportError:  # pragma: no cover - older transformers
     Qwen3Config = Qwen3ForCausalLM = None
 
 NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# Where ``hf_pair`` puts its models: the CPU in the suite; ``GBV_TEST_DEVICE=cuda`` runs the tests built on
+# it (greedy equality with Hugging Face, the chi-square law of the tree engine) on a GPU
+# (scripts/gpu_check.sh).
+TEST_DEVICE = torch.device(os.environ.get("GBV_TEST_DEVICE", "cpu"))
 
 
 class TableLM(torch.nn.Module):
@@ -99,10 +105,10 @@ if Qwen3ForCausalLM is not None:
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):
-    """A random target and a smaller random draft of one architecture, in eval mode."""
+    """A random target and a smaller random draft of one architecture, in eval mode, on ``TEST_DEVICE``."""
     torch.manual_seed(seed)
-    target = ARCHITECTURES[arch](vocab, *target_size).eval()
-    draft = ARCHITECTURES[arch](vocab, *draft_size).eval()
+    target = ARCHITECTURES[arch](vocab, *target_size).eval().to(TEST_DEVICE)
+    draft = ARCHITECTURES[arch](vocab, *draft_size).eval().to(TEST_DEVICE)
     return target, draft
 
 

@@ -8,6 +8,7 @@ import torch
 
 import gbv
 import gbv.engine.generate as engine
+from gbv.engine.cache import cache_keyword
 from gbv.engine.decoder import engine_for
 from gbv.engine.generate import Generation, all_methods, generate, shared_vocab
 from gbv.engine.tree_decoder import TreeDecoder
@@ -25,7 +26,7 @@ def greedy_reference(model, prompt, steps):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
@@ -58,7 +59,7 @@ def test_greedy_equals_target_argmax_every_method(arch):
 
 
 def test_greedy_equals_hf_generate(llama_pair):
-    prompt = torch.tensor([PROMPT])
+    prompt = torch.tensor([PROMPT], device=llama_pair.target.device)
     with torch.no_grad():
         hf = llama_pair.target.generate(prompt, do_sample=False, max_new_tokens=10, min_new_tokens=10,
                                         pad_token_id=0)[0, len(PROMPT):].tolist()
@@ -93,7 +94,7 @@ def test_same_seed_same_tokens_different_seed_differs():
 
 def _next_logits_fresh(model, tokens):
     with torch.no_grad():
-        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+        return model(input_ids=torch.tensor([tokens], device=model.device)).logits[0, -1]
 
 
 def _cached_next_logits(dec, which: str, tokens: list[int]) -> torch.Tensor:
@@ -106,7 +107,8 @@ def _cached_next_logits(dec, which: str, tokens: list[int]) -> torch.Tensor:
             return dec._chain(model, cache, tokens[start:], start)
         model, cache = (dec.target, dec.target_cache) if which == "target" else (dec.draft, dec.draft_cache)
         assert cache.get_seq_length() == start
-        return model(input_ids=torch.tensor([tokens[start:]]), cache=cache, use_cache=True).logits[0, -1]
+        return model(input_ids=torch.tensor([tokens[start:]], device=model.device), **{cache_keyword(model): cache},
+                     use_cache=True).logits[0, -1]
 
 
 def _check_caches_after_generation(monkeypatch, arch, method, settings, engine_kind):

@@ -36,9 +36,10 @@ def exact_law(model, sampling: SamplingConfig, vocab: int) -> dict[tuple[int, ..
     """P(x1, x2, x3 | PROMPT) under the target's processed distributions, for all vocab^3 sequences."""
     pairs = torch.tensor(list(itertools.product(range(vocab), repeat=2)))
     inputs = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+    inputs = inputs.to(next(model.parameters(), torch.empty(0)).device)
     with torch.no_grad():
         logits = model(input_ids=inputs).logits[:, -NEW:, :vocab]
-    probs = process_logits(logits, sampling).double()  # (V^2, 3, V)
+    probs = process_logits(logits, sampling).double().cpu()  # (V^2, 3, V)
     law = {}
     for row, (a, b) in enumerate(pairs.tolist()):
         for c in range(vocab):
