@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gbv.engine.decoder import AR, set_method
+from gbv.engine.decoder import AR, host_copies, host_random, set_method, verifies_on_host
 from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample, sample_into
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import build_tree
@@ -45,6 +45,7 @@ class BatchRow:
     draft_sampling: SamplingConfig
     generator: torch.Generator
     rng: TorchRandom
+    verify_rng: TorchRandom | None = None  # the verifier's, where it runs on the host (else rng)
     verifier: object = None
     draft_len: int = 0
     stats: GenerationStats = field(default=None)
@@ -78,7 +79,8 @@ class BatchTreeDecoder:
         generator.manual_seed(seed)
         row = BatchRow(tokens=list(prompt_ids), method=method, num_paths=num_paths, block_len=block_len,
                        target_sampling=target_sampling, draft_sampling=draft_sampling, generator=generator,
-                       rng=TorchRandom(generator))
+                       rng=TorchRandom(generator),
+                       verify_rng=host_random(seed) if verifies_on_host(self.device) else None)
         set_method(row, method, num_paths, block_len)
         row.stats = GenerationStats(method=method, num_paths=row.num_paths, block_len=row.block_len,
                                     depth_accept_counts=[0] * row.block_len, prompt_tokens=len(row.tokens))
@@ -237,7 +239,10 @@ class BatchTreeDecoder:
                 continue
             k = tips_k[b]
             p_nodes = process_logits(logits[b, :tree.num_nodes, :self.vocab], row.target_sampling)
-            result = row.verifier(drafted[b, :k, :block[b]], qs[b], p_nodes[tree.path_nodes], row.rng)
+            inputs = (drafted[b, :k, :block[b]], qs[b], p_nodes[tree.path_nodes])
+            if row.verify_rng is not None:  # verifies_on_host: one read of the three, a host generator
+                inputs = host_copies(*inputs)
+            result = row.verifier(*inputs, row.rng if row.verify_rng is None else row.verify_rng)
             path, tau = result.path, result.accepted_len
             stats.draft_steps += block[b]
             stats.tree_calls += 1

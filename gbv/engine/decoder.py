@@ -6,6 +6,7 @@ tokens. :func:`gbv.engine.generate.stream_generate` drives it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -35,6 +36,39 @@ def set_method(decoder, method: str, num_paths: int, block_len: int) -> None:
                                                                                               block_len)
 
 
+def verifies_on_host(device: torch.device | str) -> bool:
+    """Whether decoders on ``device`` verify on the host: off the CPU, unless ``GBV_VERIFY_ON_DEVICE=1``.
+
+    Then each verify call copies its inputs to the host after one synchronisation
+    (:func:`host_copies`) and runs the verifier's host form with a host generator (the decoder's
+    ``verify_rng``). Why: on an H200 the device forms launch hundreds of small kernels; at K = 4,
+    L = 8, V = 32k a call took 21 ms (SpecTr), 16 ms (Traversal), 14 ms (gbv-adaptive), 7 ms
+    (SpecInfer), 2.2 ms (GBV), 0.9 ms (BV), where the host forms, reading the same CUDA tensors row
+    by row, took 0.3-1.9 ms (docs/ENGINE.md, "The first GPU run"). The device forms stay, tested
+    and one variable away, for batched verification on the device."""
+    return torch.device(device).type != "cpu" and os.environ.get("GBV_VERIFY_ON_DEVICE", "0") != "1"
+
+
+def host_copies(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the host, after one synchronisation: non-blocking copies (into pinned memory on
+    CUDA), then one wait for the stream, where ``.cpu()`` each would wait once per tensor. Host
+    tensors are returned as they are."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    device = next(t.device for t in tensors if t.device.type != "cpu")
+    if device.type != "cuda":
+        return tuple(t.cpu() for t in tensors)
+    copies = tuple(t.to("cpu", non_blocking=True) for t in tensors)
+    torch.cuda.current_stream(device).synchronize()  # the copies are read only after this
+    return copies
+
+
+def host_random(seed: int) -> TorchRandom:
+    """The verifier's host random source for a decoder seeded with ``seed``: a CPU generator on a seed
+    derived from it (not ``seed`` itself, which on the CPU would replay the drafts' own stream)."""
+    return TorchRandom(seed=(seed * 0x9E3779B97F4A7C15 + 0x5EED) % 2**63)
+
+
 class DecoderState:
     """What both decoders keep for one sequence: the method's settings (:func:`set_method`), the
     sampling configs, the seeded generator and its random source, the committed ``tokens``, the
@@ -50,6 +84,12 @@ class DecoderState:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.rng = TorchRandom(self.generator)
+        # The verifier's random source: the decoder's own on the CPU; a host generator where the
+        # verifier runs on the host for a device's models (verifies_on_host), so that its coins
+        # and draws read nothing back from the device. (Its own stream: the law needs the verifier's
+        # coins independent of the drafts, which a separate generator gives.)
+        self.verify_on_host = verifies_on_host(self.device)
+        self.verify_rng = host_random(seed) if self.verify_on_host else self.rng
         self.tokens: list[int] = []
         self.draft_len = 0
         # Set: the prompt's prefill leaves the draft unfed (AutoDecoder sets it); the first speculative
@@ -71,8 +111,11 @@ class DecoderState:
         return time.perf_counter()
 
     def verify(self, drafted, q, p, since: float):
-        """Run the verifier, time it from ``since`` and record the accepted length; the result."""
-        result = self.verifier(drafted, q, p, self.rng)
+        """Run the verifier (on the host where :func:`verifies_on_host`), time it from ``since`` and
+        record the accepted length; the result."""
+        if self.verify_on_host:
+            drafted, q, p = host_copies(drafted, q, p)
+        result = self.verifier(drafted, q, p, self.verify_rng)
         self.stats.time_verify += self._clock() - since
         self.stats.record_accept(result.accepted_len)
         return result

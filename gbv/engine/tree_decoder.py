@@ -170,6 +170,8 @@ class TreeDecoder(DecoderState):
         # 2. target: the trie of the paths in one forward over the shared prefix.
         # the one read of the drafts (the trie is built on the host); one path was read as it was drawn
         paths = [path] if path is not None else drafted.tolist()
+        if self.verify_on_host:  # the verifier reads the drafts on the host: build them there, not copy back
+            drafted = torch.tensor(paths)
         if rows == 1:
             # One path is a chain: node i (depth i) in slot committed + i, the causal rule its mask, p its
             # logits as they come (building the trie and its mask cost ~0.2 ms here, for nothing).
