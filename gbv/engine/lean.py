@@ -109,8 +109,8 @@ class KVCache:
         batch row ``row`` (an int, or one row per pair), in every layer. The source is read whole before
         the destination is written. Where the host forward has made numpy views of this cache
         (:meth:`arrays`: the CPU), through them, from the callers' lists: 16 torch index ops cost ~200
-        us after a forward here, numpy's ~60-100 us. Elsewhere lists become tensors on the device (a
-        copy there, no host read)."""
+        us after a forward here, numpy's ~60-100 us. Elsewhere lists become tensors on the device (one
+        copy there for all of them, no host read)."""
         if self._arrays is not None:
             src_h, dst_h, row_h = (np.asarray(index.numpy() if isinstance(index, Tensor) else index)
                                    for index in (src, dst, row))
@@ -119,9 +119,14 @@ class KVCache:
                     array[row_h, :, dst_h] = array[row_h, :, src_h]  # (the right side is a copy)
             return
         device = self.keys[0].device
-        src, dst = (torch.as_tensor(index, dtype=torch.long, device=device) for index in (src, dst))
-        if not isinstance(row, int):
-            row = torch.as_tensor(row, dtype=torch.long, device=device)
+        if any(isinstance(index, Tensor) for index in (src, dst, row)):
+            src, dst = (torch.as_tensor(index, dtype=torch.long, device=device) for index in (src, dst))
+            if not isinstance(row, int):
+                row = torch.as_tensor(row, dtype=torch.long, device=device)
+        elif isinstance(row, int):  # lists: one copy of them all (a copy from host memory waits for the device)
+            src, dst = torch.tensor([list(src), list(dst)], dtype=torch.long, device=device)
+        else:
+            src, dst, row = torch.tensor([list(src), list(dst), list(row)], dtype=torch.long, device=device)
         for store in (self.keys, self.values):
             for tensor in store:
                 tensor[row, :, dst] = tensor[row, :, src]

@@ -39,8 +39,9 @@ class TokenTree:
 
 def build_tree(root_token: int, paths: list[list[int]], device: torch.device | str = "cpu") -> TokenTree:
     """Merge ``paths`` (K lists of L tokens, already on the host) under ``root_token``. Built on the
-    host with numpy and handed over as tensors (one copy each off the CPU): the same trie as torch
-    code, which took ~240 us for K = 3, L = 8 here (a dozen small indexing ops)."""
+    host with numpy and handed over as tensors (views on the CPU; one copy for all four elsewhere,
+    :func:`packed_to`): the same trie as torch code, which took ~240 us for K = 3, L = 8 here (a
+    dozen small indexing ops)."""
     node_tokens = [root_token]
     parents = [0]
     depths = [0]
@@ -64,16 +65,28 @@ def build_tree(root_token: int, paths: list[list[int]], device: torch.device | s
     ancestors = np.eye(n, dtype=bool)
     for node in range(1, n):
         ancestors[node] |= ancestors[parents[node]]
-    return TokenTree(tokens=_tensor(np.array(node_tokens, dtype=np.int64), device),
-                     depth=_tensor(np.array(depths, dtype=np.int64), device),
-                     path_nodes=_tensor(np.array(path_nodes, dtype=np.int64), device),
-                     path_nodes_list=path_nodes, ancestors=_tensor(ancestors, device))
+    arrays = (np.array(node_tokens, dtype=np.int64), np.array(depths, dtype=np.int64),
+              np.array(path_nodes, dtype=np.int64), ancestors)
+    if torch.device(device).type == "cpu":
+        tokens, depth, nodes, ancestors_t = (torch.from_numpy(a) for a in arrays)  # views, no copy
+    else:
+        tokens, depth, nodes, ancestors_t = packed_to(arrays, device)
+    return TokenTree(tokens=tokens, depth=depth, path_nodes=nodes, path_nodes_list=path_nodes, ancestors=ancestors_t)
 
 
-def _tensor(array: np.ndarray, device: torch.device | str) -> Tensor:
-    """A host array as a tensor on ``device`` (no copy on the CPU)."""
-    tensor = torch.from_numpy(array)
-    return tensor if torch.device(device).type == "cpu" else tensor.to(device)
+def packed_to(arrays: tuple[np.ndarray, ...], device: torch.device | str) -> list[Tensor]:
+    """Integer or boolean host arrays as tensors on ``device`` with one copy: packed into one int64
+    buffer, copied, and cut into views there (booleans made bool again, one small kernel). Why: a
+    copy from pageable host memory synchronises with the device, so four copies were four waits per
+    iteration (the first GPU run counted them: docs/ENGINE.md, "The first GPU run")."""
+    flat = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays])
+    packed = torch.from_numpy(flat).to(device)
+    out, offset = [], 0
+    for a in arrays:
+        view = packed[offset:offset + a.size].view(a.shape)
+        out.append(view.bool() if a.dtype == np.bool_ else view)
+        offset += a.size
+    return out
 
 
 def prefix_then(tree_mask: Tensor, prefix_len: int) -> Tensor:

@@ -40,18 +40,21 @@ def test_build_tree_merges_shared_prefixes():
     assert mask.shape == (1, 1, 8, 11) and bool(mask[..., :3].all())
 
 
+@pytest.mark.parametrize("views", [True, False], ids=["numpy-views", "tensor-path"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype):
+def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype, views):
     """KVCache.move through the host forward's numpy views (the CPU) moves what torch indexing moves:
     one row (a commit whose accepted nodes sit apart), several rows (a batch), overlapping source and
-    destination slots (the source read whole first), lists or tensors as indices."""
+    destination slots (the source read whole first), lists or tensors as indices. So does its tensor
+    path (what a GPU runs: lists packed into one index tensor, one copy)."""
     gen = torch.Generator().manual_seed(4)
     cache = lean_module.KVCache(2, 2, 3, 8, 16, dtype, "cpu")  # layers, rows, kv heads, head dim, slots
     for store in (cache.keys, cache.values):
         for tensor in store:
             tensor.copy_(torch.randn(tensor.shape, generator=gen).to(dtype))
     expected = [t.clone() for t in cache.keys + cache.values]
-    cache.arrays()  # what the host forward does before any commit
+    if views:
+        cache.arrays()  # what the host forward does before any commit
 
     def torch_move(src, dst, row):
         index = lambda ids: torch.as_tensor(ids, dtype=torch.long)  # noqa: E731
@@ -284,3 +287,18 @@ def test_shared_prefixes_are_scored_once(llama_toy):
     hot = generate(llama_toy, prompt_ids=[1, 2], method="gbv", num_paths=4, block_len=3, temperature=3.0,
                    max_new_tokens=40, eos_token_id=[], seed=0).stats
     assert hot.mean_tree_nodes > stats.mean_tree_nodes
+
+
+def test_packed_to_gives_the_arrays_back():
+    """What build_tree hands a GPU (one copy of the four arrays, cut into views there), forced on the
+    CPU: the same values, shapes and dtypes as the arrays."""
+    import numpy as np
+
+    from gbv.engine.tree import packed_to
+
+    arrays = (np.array([7, 3, 9], dtype=np.int64), np.zeros((0,), dtype=np.int64),
+              np.arange(6, dtype=np.int64).reshape(2, 3), np.eye(3, dtype=bool) | np.eye(3, k=-1, dtype=bool))
+    out = packed_to(arrays, "cpu")
+    assert [t.dtype for t in out] == [torch.long, torch.long, torch.long, torch.bool]
+    for tensor, array in zip(out, arrays):
+        assert tensor.shape == array.shape and np.array_equal(tensor.numpy(), array)
