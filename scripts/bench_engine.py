@@ -206,7 +206,10 @@ def bench(args) -> dict:
     for dtype in args.dtype.split(","):
         pair = load_pair("bundled", dtype=dtype, device=args.device)
         ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
+        start = time.perf_counter()
         report["results"][dtype] = {"micro": micro(pair, args.repeats), "temperatures": {}}
+        if args.row_times:
+            print(f"  {dtype}: micro-measurements {time.perf_counter() - start:.2f} s", file=sys.stderr)
         rows = rows_for(not args.no_hf)
         for temperature in [float(t) for t in args.temperature.split(",")]:
             totals = {label: [] for label, *_ in rows}
@@ -220,6 +223,8 @@ def bench(args) -> dict:
                         result = run_ours(pair, prompt_ids, method, k, length, args.max_new_tokens, temperature,
                                           index)
                     totals[label].append(result)
+                    if args.row_times:
+                        print(f"    {label}: {result['seconds']:.2f} s", file=sys.stderr)
                 print(f"  {dtype} T={temperature}: prompt {index + 1}/{len(ids)}", file=sys.stderr)
             report["results"][dtype]["temperatures"][str(temperature)] = totals
     return report
@@ -282,6 +287,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each micro-measurement")
+    parser.add_argument("--row-times", action="store_true",
+                        help="print each row's seconds per prompt to stderr (to find a slow row on a new device)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     parser.add_argument("--out", default=None, help="write the markdown table here (and FILE.json)")
     args = parser.parse_args()

@@ -13,7 +13,9 @@ is steadier on a busy machine. Methods whose module does not import (yet) are sk
 ``gbv-device``, ``gbv-adaptive-device``, ``specinfer-device``, ``spectr-device`` and ``traversal-device``
 are the device forms (``verify_*_on_device`` in :mod:`gbv.verify`: what those methods run on a GPU,
 tensor code, one host read); ``specinfer-host``, ``spectr-host`` and ``traversal-host`` their host forms
-(what they run on CPU tensors), so that a GPU run times both. ``--device cuda`` runs everything on a
+(what they run on CPU tensors), so that a GPU run times both; and off the CPU ``METHOD-via-host``,
+what the engine runs there: the inputs copied to the host in one synchronisation, then the method
+with a host generator (``gbv.engine.decoder.verifies_on_host``). ``--device cuda`` runs everything on a
 GPU (the clock is read after a device synchronisation).
 Every configuration also times one ``torch.softmax`` over ``p`` (the (K, L+1, V) tensor) on the same
 instances in the same process, and reports each method's mean as a multiple of its mean (the
@@ -33,6 +35,7 @@ import time
 
 import torch
 
+from gbv.engine.decoder import host_copies
 from gbv.verify import METHODS, TorchRandom, get_verifier
 from gbv.verify.gbv import verify_gbv_on_device
 from gbv.verify.gbv_adaptive import verify_gbv_adaptive_on_device
@@ -49,6 +52,16 @@ EXTRA_FORMS = {"gbv-device": verify_gbv_on_device, "gbv-adaptive-device": verify
                # forms' ops.
                "specinfer-host": verify_specinfer_on_host, "spectr-host": verify_spectr_on_host,
                "traversal-host": verify_traversal_on_host}
+
+
+def via_host(verifier):
+    """What a decoder runs off the CPU (``gbv.engine.decoder.verifies_on_host``): the inputs copied to
+    the host after one synchronisation, then the verifier (its host form) with a host generator."""
+    host_rng = TorchRandom(seed=0)
+
+    def run(tokens, q, p, rng):
+        return verifier(*host_copies(tokens, q, p), host_rng)
+    return run
 
 
 def make_inputs(vocab: int, num_paths: int, block_len: int, seed: int
@@ -99,8 +112,9 @@ def percentile(values: list[float], frac: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=[*METHODS, *EXTRA_FORMS],
-                        help="default: all of gbv.verify.METHODS and " + ", ".join(EXTRA_FORMS))
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="default: all of gbv.verify.METHODS and " + ", ".join(EXTRA_FORMS) + "; off the "
+                        "CPU also METHOD-via-host for each method (what the engine runs there)")
     parser.add_argument("--vocab", nargs="+", type=int, default=[32000, 128000])
     parser.add_argument("--paths", nargs="+", type=int, default=[1, 4], help="K values")
     parser.add_argument("--block-len", type=int, default=8, help="L")
@@ -126,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         from gbv.verify import common
         common.compiled_kernels = None
 
+    if args.methods is None:
+        args.methods = [*METHODS, *EXTRA_FORMS] + ([f"{m}-via-host" for m in METHODS] if args.device != "cpu" else [])
     verifiers, notes = {}, []
     for name in args.methods:
         try:
+            if name.endswith("-via-host"):
+                verifiers[name] = via_host(get_verifier(name.removesuffix("-via-host")))
+                continue
             verifiers[name] = EXTRA_FORMS[name] if name in EXTRA_FORMS else get_verifier(name)
         except (ImportError, AttributeError, ValueError) as exc:
             notes.append(f"- `{name}` skipped: {type(exc).__name__}: {exc}")

@@ -9,9 +9,11 @@
 #                 `generate` for every architecture and method, every method sampling on every
 #                 architecture, and the chi-square law of the engine (test_law_hf_llama);
 #   greedy.txt    greedy decoding of the bundled pair on CUDA against the CPU, every method;
-#   syncs.txt     host synchronisations per iteration, as torch.cuda.set_sync_debug_mode sees them;
+#   syncs.txt     host synchronisations per iteration, as torch.cuda.set_sync_debug_mode sees them,
+#                 verifying on the host (the default off the CPU) and on the device;
+#   verify-where.txt  tokens/s verifying on the host against the device forms (GBV_VERIFY_ON_DEVICE=1);
 #   engine-float32.md, engine-bfloat16.md   scripts/bench_engine.py on CUDA (PROMPTS + PROMPTS prompts,
-#                 default 2, 128 tokens, T = 0.2 and 1);
+#                 default 2, in float32; 1 + 1 in bfloat16, with each row's time; 128 tokens, T = 0.2 and 1);
 #   verifiers.md  scripts/bench_verifiers.py --device cuda (one verify call per method, V = 32k and 128k).
 # GBV_CHECK_DEVICE=cpu runs the same parts on the CPU (a dry run of this script where no GPU is).
 set -uo pipefail
@@ -67,37 +69,75 @@ for method in all_methods():
           f"{b.stats.tokens_per_second:.0f} tokens/s on {device}")
 PY
 
-part syncs 120 python3 - "$device" <<'PY'
-# Host synchronisations per iteration on CUDA, as torch itself sees them (warn mode warns at each one).
-import sys, warnings, torch, gbv
+part syncs 150 python3 - "$device" <<'PY'
+# Host synchronisations per iteration on CUDA, as torch itself sees them (warn mode warns at each one,
+# device-to-host reads and host-to-device copies of pageable memory alike), with the verifier on the host
+# (the default off the CPU) and on the device (GBV_VERIFY_ON_DEVICE=1), and the lines that synchronise most.
+import collections, os, sys, warnings, torch, gbv
 device = sys.argv[1]
 pair = gbv.load_pair("bundled", device=device)
 prompt = "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\nAnswer:"
+for where in ("host", "device"):
+    os.environ["GBV_VERIFY_ON_DEVICE"] = "1" if where == "device" else "0"
+    for temperature in (1.0, 0.2):
+        gbv.generate(pair, prompt=prompt, method="block", block_len=4, max_new_tokens=16, eos_token_id=[])
+        for method, k, length in (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("gbv", 3, 8),
+                                  ("gbv-adaptive", 3, 4), ("specinfer", 3, 4), ("spectr", 3, 4), ("traversal", 3, 4),
+                                  ("auto", 0, 0)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("warn")
+                shape = dict(num_paths=k, block_len=length) if k else {}
+                out = gbv.generate(pair, prompt=prompt, method=method, max_new_tokens=64, temperature=temperature,
+                                   eos_token_id=[], seed=0, **shape)
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            calls = out.stats.target_calls
+            lines = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in syncs).most_common(4)
+            print(f"verify on {where}, T={temperature} {method} K={k} L={length}: {len(syncs)} synchronisations over "
+                  f"{calls} iterations ({len(syncs) / max(1, calls):.1f} per iteration), "
+                  f"{out.stats.new_tokens / max(1, calls):.2f} tokens per iteration; most at {lines}")
+os.environ.pop("GBV_VERIFY_ON_DEVICE")
+PY
+
+part verify-where 150 python3 - "$device" <<'PY'
+# The verifier on the host (the default off the CPU) against its device form (GBV_VERIFY_ON_DEVICE=1):
+# tokens/s of whole generations, both settings alternating in one process, 2 rounds x 2 prompts (on the CPU
+# both run the same code: a dry run's ratios show the noise).
+import os, sys, gbv
+device = sys.argv[1]
+pair = gbv.load_pair("bundled", device=device)
+prompts = ["Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\nAnswer:",
+           "def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+rows = (("block", 1, 4), ("gbv", 3, 4), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("specinfer", 3, 4), ("spectr", 3, 4),
+        ("traversal", 3, 4))
 for temperature in (1.0, 0.2):
-    gbv.generate(pair, prompt=prompt, method="block", block_len=4, max_new_tokens=16, eos_token_id=[])
-    for method, k, length in (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("gbv", 3, 8), ("gbv-adaptive", 3, 4),
-                              ("specinfer", 3, 4), ("spectr", 3, 4), ("traversal", 3, 4), ("auto", 0, 0)):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode("warn")
-            shape = dict(num_paths=k, block_len=length) if k else {}
-            out = gbv.generate(pair, prompt=prompt, method=method, max_new_tokens=64, temperature=temperature,
-                               eos_token_id=[], seed=0, **shape)
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode(0)
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
-        calls = out.stats.target_calls
-        print(f"T={temperature} {method} K={k} L={length}: {syncs} synchronisations over {calls} iterations "
-              f"({syncs / max(1, calls):.1f} per iteration), {out.stats.new_tokens / max(1, calls):.2f} tokens "
-              f"per iteration")
+    seconds, tokens = {}, {}
+    gbv.generate(pair, prompt=prompts[0], method="gbv", num_paths=2, block_len=2, max_new_tokens=16, eos_token_id=[])
+    for round_ in range(2):  # each generation's two settings back to back, so that drift hits both alike
+        for method, k, length in rows:
+            for seed, prompt in enumerate(prompts):
+                for where in ("host", "device")[::1 if round_ % 2 == 0 else -1]:  # either one first
+                    os.environ["GBV_VERIFY_ON_DEVICE"] = "1" if where == "device" else "0"
+                    out = gbv.generate(pair, prompt=prompt, method=method, num_paths=k, block_len=length,
+                                       temperature=temperature, max_new_tokens=128, eos_token_id=[], seed=seed)
+                    key = (method, k, length, where)
+                    seconds[key] = seconds.get(key, 0.0) + out.stats.time_total
+                    tokens[key] = tokens.get(key, 0) + out.stats.new_tokens
+    for method, k, length in rows:
+        host, dev = (tokens[(method, k, length, w)] / seconds[(method, k, length, w)] for w in ("host", "device"))
+        print(f"T={temperature} {method} K={k} L={length}: {host:.1f} tokens/s verifying on the host, "
+              f"{dev:.1f} on the device: {host / dev:.2f}x")
+os.environ.pop("GBV_VERIFY_ON_DEVICE")
 PY
 
 part verifiers 90 python3 scripts/bench_verifiers.py --device "$device" --vocab 32000 128000 --paths 1 4 \
   --instances 10 --out "$out/verifiers.md"
 
-for dtype in bfloat16 float32; do
-  part "engine-$dtype" 170 python3 scripts/bench_engine.py --prompts "$prompts" --max-new-tokens 128 \
-    --temperature 0.2,1.0 --dtype "$dtype" --device "$device" --out "$out/engine-$dtype.md"
-done
-
+# float32 first: bfloat16 timed out at 170 s in the first GPU run (one prompt done; the row times say where).
+part engine-float32 170 python3 scripts/bench_engine.py --prompts "$prompts" --max-new-tokens 128 \
+  --temperature 0.2,1.0 --dtype float32 --device "$device" --out "$out/engine-float32.md"
+part engine-bfloat16 170 python3 scripts/bench_engine.py --prompts 1 --max-new-tokens 128 --row-times \
+  --temperature 0.2,1.0 --dtype bfloat16 --device "$device" --out "$out/engine-bfloat16.md"
