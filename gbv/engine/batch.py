@@ -226,6 +226,19 @@ class BatchTreeDecoder:
         d_moves: tuple[list[int], list[int], list[int]] = ([], [], [])
         for b, src, dst in chain_moves:
             _extend(d_moves, b, src, dst)
+
+        def verify_inputs(b: int) -> tuple[Tensor, Tensor, Tensor]:
+            """Row b's (K, L) drafts, (K, L, V) q and (K, L+1, V) p."""
+            p_nodes = process_logits(logits[b, :trees[b].num_nodes, :self.vocab], rows[b].target_sampling)
+            return drafted[b, :tips_k[b], :block[b]], qs[b], p_nodes[trees[b].path_nodes]
+
+        # Rows that verify on the host (verifies_on_host: off the CPU) have all their inputs copied in
+        # one read; the others compute theirs when they come (one row's p at a time).
+        on_host = [b for b in range(n) if trees[b] is not None and drafting[b] and rows[b].verify_rng is not None]
+        copied: dict[int, tuple[Tensor, ...]] = {}
+        if on_host:
+            flat = host_copies(*(t for b in on_host for t in verify_inputs(b)))
+            copied = {b: flat[3 * i:3 * i + 3] for i, b in enumerate(on_host)}
         for b, (row, tree) in enumerate(zip(rows, trees)):
             if tree is None:
                 continue
@@ -237,11 +250,7 @@ class BatchTreeDecoder:
                 row.tokens.append(token)
                 out[id(row)] = [token]
                 continue
-            k = tips_k[b]
-            p_nodes = process_logits(logits[b, :tree.num_nodes, :self.vocab], row.target_sampling)
-            inputs = (drafted[b, :k, :block[b]], qs[b], p_nodes[tree.path_nodes])
-            if row.verify_rng is not None:  # verifies_on_host: one read of the three, a host generator
-                inputs = host_copies(*inputs)
+            inputs = copied[b] if b in copied else verify_inputs(b)
             result = row.verifier(*inputs, row.rng if row.verify_rng is None else row.verify_rng)
             path, tau = result.path, result.accepted_len
             stats.draft_steps += block[b]

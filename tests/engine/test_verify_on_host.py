@@ -93,3 +93,12 @@ def test_every_decoder_hands_the_verifier_host_tensors_and_its_own_generator(on_
     batch.step({id(row): 3 for row in rows})
     assert len(seen) == 2 and all(row.verify_rng is not None and row.verify_rng is not row.rng for row in rows)
     assert {id(s[3]) for s in seen} == {id(row.verify_rng) for row in rows}
+
+
+def test_batch_row_law_with_the_verifier_on_a_host_generator(on_host):
+    """test_batch's law of one ``auto`` row among rows of other prompts, lengths and methods, with every
+    row's verifier on its host generator and all rows' inputs copied in one read (the batch path)."""
+    import test_batch
+    from engine_toy import sharp_llama_pair
+
+    test_batch.test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods(sharp_llama_pair())
