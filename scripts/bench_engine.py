@@ -240,6 +240,10 @@ def markdown(report: dict) -> str:
              f"{args['max_new_tokens']} --temperature {args['temperature']} --dtype {args['dtype']}`; "
              f"{2 * args['prompts']} prompts ({args['prompts']} GSM8K + {args['prompts']} HumanEval), "
              f"{args['threads']} thread(s), EOS off.", ""]
+    if args.get("device", "cpu") != "cpu":
+        lines += [f"On {args['device']} the phase clocks are read without a synchronisation (the engine profiles "
+                  "only on the CPU), so the draft+target share counts the time to launch those phases' work, "
+                  "not the device's time.", ""]
     for dtype, res in report["results"].items():
         m = res["micro"]
         lines += [f"**{dtype}**: draft forward {m['draft_step_ms']:.2f} ms; target 1-token step "
