@@ -59,7 +59,7 @@ def test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods(llama_toy):
     others = [([3, 1, 4, 1], "traversal", 3, 3), ([2], "ar", 1, 1), ([0, 0, 1, 2, 3, 4, 0], "gbv", 2, 2)]
     runs = 600
     counts: dict[tuple[int, ...], int] = {}
-    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, "cpu", 4)
+    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, llama_toy.device, 4)
     rows = BatchRows(llama_toy, batch)
     for seed in range(runs):
         jobs = [(prepare_job(llama_toy, PROMPT, method="auto", max_new_tokens=NEW,
@@ -83,7 +83,7 @@ def test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods(llama_toy):
 
 
 def test_batch_rows_cancel_frees_the_row(llama_toy):
-    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, "cpu", 2)
+    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, llama_toy.device, 2)
     rows = BatchRows(llama_toy, batch)
     rows.add("a", prepare_job(llama_toy, [1, 2], method="block", block_len=2, max_new_tokens=50), emit=True)
     rows.add("b", prepare_job(llama_toy, [3], method="block", block_len=2, max_new_tokens=5), emit=True)
