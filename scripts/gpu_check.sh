@@ -13,6 +13,7 @@
 #   syncs.txt     host synchronisations per iteration, as torch.cuda.set_sync_debug_mode sees them,
 #                 verifying on the host (the default off the CPU) and on the device;
 #   verify-where.txt  tokens/s verifying on the host against the device forms (GBV_VERIFY_ON_DEVICE=1);
+#   norm.txt      the lean forward's 4-kernel RMS norm against torch.rms_norm (fused on CUDA?);
 #   engine-float32.md, engine-bfloat16.md   scripts/bench_engine.py on CUDA (PROMPTS + PROMPTS prompts,
 #                 default 2, in float32; 1 + 1 in bfloat16, with each row's time; 128 tokens, T = 0.2 and 1);
 #   verifiers.md  scripts/bench_verifiers.py --device cuda (one verify call per method, V = 32k and 128k).
@@ -133,6 +134,44 @@ for temperature in (1.0, 0.2):
         print(f"T={temperature} {method} K={k} L={length}: {host:.1f} tokens/s verifying on the host, "
               f"{dev:.1f} on the device: {host / dev:.2f}x")
 os.environ.pop("GBV_VERIFY_ON_DEVICE")
+PY
+
+part norm 60 python3 - "$device" <<'PY'
+# The engine is launch-bound on a GPU (about 150 kernels per step of the bundled target; the first run).
+# Its RMS norm is 4 kernels (vector_norm, addcmul, rsqrt, mul: the fastest form on the CPU); is
+# torch.rms_norm one fused kernel here? Time per call, kernels per call, and the largest difference.
+import sys, time, torch
+from gbv.engine.lean import _rms_norm
+device = sys.argv[1]
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+def kernels(fn):
+    if device != "cuda":
+        return "-"
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+for dtype in (torch.float32, torch.bfloat16):
+    for rows in (1, 25):
+        x = torch.randn(1, rows, 256, device=device, dtype=dtype)
+        w = torch.randn(256, device=device, dtype=dtype)
+        forms = {"lean _rms_norm": lambda: _rms_norm(x, w, 1e-5),
+                 "torch.rms_norm": lambda: torch.rms_norm(x, (256,), w, 1e-5)}
+        for name, fn in forms.items():
+            for _ in range(20):
+                fn()
+            sync()
+            start = time.perf_counter()
+            for _ in range(500):
+                fn()
+            sync()
+            us = (time.perf_counter() - start) / 500 * 1e6
+            print(f"{dtype} {rows} rows, {name}: {us:.1f} us a call, {kernels(fn)} kernels")
+        gap = (forms["lean _rms_norm"]().float() - forms["torch.rms_norm"]().float()).abs().max().item()
+        print(f"{dtype} {rows} rows: largest difference {gap:.3g}")
 PY
 
 part verifiers 90 python3 scripts/bench_verifiers.py --device "$device" --vocab 32000 128000 --paths 1 4 \
