@@ -18,7 +18,9 @@
 #   engine-float32.md, engine-bfloat16.md   scripts/bench_engine.py on CUDA (PROMPTS + PROMPTS prompts,
 #                 default 2, in float32; 1 + 1 in bfloat16, with each row's time; 128 tokens, T = 0.2 and 1);
 #   verifiers.md  scripts/bench_verifiers.py --device cuda (one verify call per method, V = 32k and 128k).
-# GBV_CHECK_DEVICE=cpu runs the same parts on the CPU (a dry run of this script where no GPU is).
+# GBV_CHECK_DEVICE=cpu runs the same parts on the CPU (a dry run of this script where no GPU is; about 4
+# minutes on the 2-core CPU machines). On a GPU plan about 8 minutes: the first run (H200) took 490 s
+# with the parts then, the bfloat16 table hitting its limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_check}
