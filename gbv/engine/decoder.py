@@ -43,7 +43,7 @@ def verifies_on_host(device: torch.device | str) -> bool:
     (:func:`host_copies`) and runs the verifier's host form with a host generator (the decoder's
     ``verify_rng``). Why: on an H200 the device forms launch hundreds of small kernels; at K = 4,
     L = 8, V = 32k a call took 21 ms (SpecTr), 16 ms (Traversal), 14 ms (gbv-adaptive), 7 ms
-    (SpecInfer), 2.2 ms (GBV), 0.9 ms (BV), where the host forms, reading the same CUDA tensors row
+    (SpecInfer), 2.1 ms (GBV), 0.9 ms (BV), where the host forms, reading the same CUDA tensors row
     by row, took 0.3-1.9 ms (docs/ENGINE.md, "The first GPU run"). The device forms stay, tested
     and one variable away, for batched verification on the device."""
     return torch.device(device).type != "cpu" and os.environ.get("GBV_VERIFY_ON_DEVICE", "0") != "1"
