@@ -8,7 +8,8 @@
 #                 GBV_TEST_DEVICE=cuda: greedy equality with the target's argmax and with
 #                 `generate` for every architecture and method, every method sampling on every
 #                 architecture, the chi-square law of the engine (test_law_hf_llama) and of the
-#                 verifier on the host, as it runs off the CPU (test_verify_on_host.py, a batch row);
+#                 verifier on the host, as it runs off the CPU (test_verify_on_host.py, a batch row),
+#                 the tree pass against plain sequences and the tree engine's law;
 #   greedy.txt    greedy decoding of the bundled pair on CUDA against the CPU, every method;
 #   syncs.txt     host synchronisations per iteration, as torch.cuda.set_sync_debug_mode sees them,
 #                 verifying on the host (the default off the CPU) and on the device;
@@ -56,10 +57,13 @@ import gbv.engine.host_kernels as hk, gbv.verify.common as vc
 print("host kernels unavailable:", hk.host_kernels_unavailable())
 PY
 
-part tests 150 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cacheprovider -n 4 \
+part tests 200 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cacheprovider -n 4 \
   tests/engine/test_engine.py tests/engine/test_exactness.py tests/engine/test_verify_on_host.py \
   tests/engine/test_batch.py::test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods \
-  -k "greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch"
+  tests/engine/test_tree.py::test_tree_pass_logits_equal_plain_sequences \
+  tests/engine/test_tree.py::test_one_query_without_a_mask_attends_exactly_its_prefix \
+  "tests/engine/test_tree.py::test_tree_engine_law[gbv]" "tests/engine/test_tree.py::test_tree_engine_law[traversal]" \
+  -k "greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
 
 part greedy 120 python3 - "$device" <<'PY'
 import sys, gbv

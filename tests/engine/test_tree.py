@@ -71,24 +71,27 @@ def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype, views):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tree_pass_logits_equal_plain_sequences(arch):
-    """Every node of a tree scored over a cached prefix has the logits of prefix + its own path."""
+    """Every node of a tree scored over a cached prefix has the logits of prefix + its own path. (On
+    the models' device: with GBV_TEST_DEVICE=cuda the trie goes up as one packed copy.)"""
     if arch not in ARCHITECTURES:
         pytest.skip("no Qwen3 in this transformers")
     target, _ = hf_pair(arch, vocab=32, seed=1)
+    dev = target.device
     assert lean_unsupported_reason(target) is None
     lean = LeanCausalLM(target)
     prefix = [3, 1, 4, 1, 5]
     paths = [[9, 2, 6], [9, 2, 7], [8, 8, 8]]
-    tree = build_tree(prefix[-1], paths)
+    tree = build_tree(prefix[-1], paths, dev)
     with torch.inference_mode():
         cache = lean.new_cache(1, 4)  # too small on purpose: the cache grows
-        lean.forward(torch.tensor([prefix[:-1]]), torch.arange(4)[None], 0, cache, None, causal=True)
+        lean.forward(torch.tensor([prefix[:-1]], device=dev), torch.arange(4, device=dev)[None], 0, cache, None,
+                     causal=True)
         logits = lean.forward(tree.tokens[None], (4 + tree.depth)[None], 4, cache, prefix_then(tree.ancestors, 4))[0]
         for k, path in enumerate(paths):
-            full = target(input_ids=torch.tensor([prefix + path])).logits[0, len(prefix) - 1:]
+            full = target(input_ids=torch.tensor([prefix + path], device=dev)).logits[0, len(prefix) - 1:]
             torch.testing.assert_close(logits[tree.path_nodes[k]], full, atol=1e-5, rtol=0)
         # The check can fail: laid out as one flat causal sequence, nodes also see their cousins.
-        flat = torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
+        flat = torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool, device=dev).tril()
         wrong = lean.forward(tree.tokens[None], (4 + tree.depth)[None], 4, cache, prefix_then(flat, 4))[0]
         assert (wrong - logits).abs().max() > 1e-3
 
@@ -98,23 +101,27 @@ def test_one_query_without_a_mask_attends_exactly_its_prefix():
     ``0 .. start`` and nothing after, even when the later slots hold garbage from rolled-back drafts;
     its logits are those of the plain sequence, and those of the same step with an explicit mask."""
     target, _ = hf_pair("llama", vocab=32, seed=3)
+    dev = target.device
     lean = LeanCausalLM(target)
     prefix = [3, 1, 4, 1, 5, 9, 2]
+    last, position = torch.tensor([prefix[-1:]], device=dev), torch.tensor([[6]], device=dev)
     with torch.inference_mode():
         cache = lean.new_cache(1, 16)
-        lean.forward(torch.tensor([prefix[:-1]]), torch.arange(6)[None], 0, cache, None, causal=True)
+        lean.forward(torch.tensor([prefix[:-1]], device=dev), torch.arange(6, device=dev)[None], 0, cache, None,
+                     causal=True)
         for layer in range(len(cache.keys)):  # rejected drafts leave stale entries after the prefix
             cache.keys[layer][:, :, 7:] = 50.0
             cache.values[layer][:, :, 7:] = -50.0
-        step = lean.forward(torch.tensor([prefix[-1:]]), torch.tensor([[6]]), 6, cache, None, causal=True)[0, -1]
-        masked = lean.forward(torch.tensor([prefix[-1:]]), torch.tensor([[6]]), 6, cache,
-                              torch.ones(1, 1, 1, 7, dtype=torch.bool))[0, -1]
+        step = lean.forward(last, position, 6, cache, None, causal=True)[0, -1]
+        masked = lean.forward(last, position, 6, cache,
+                              torch.ones(1, 1, 1, 7, dtype=torch.bool, device=dev))[0, -1]
         assert torch.equal(step, masked)
-        torch.testing.assert_close(step, target(input_ids=torch.tensor([prefix])).logits[0, -1], atol=1e-5, rtol=0)
+        plain = target(input_ids=torch.tensor([prefix], device=dev)).logits[0, -1]
+        torch.testing.assert_close(step, plain, atol=1e-5, rtol=0)
         # The check can fail: the same garbage in one attended slot changes the logits.
         cache.keys[0][:, :, 3] = 50.0
         cache.values[0][:, :, 3] = -50.0
-        spoiled = lean.forward(torch.tensor([prefix[-1:]]), torch.tensor([[6]]), 6, cache, None, causal=True)[0, -1]
+        spoiled = lean.forward(last, position, 6, cache, None, causal=True)[0, -1]
         assert (spoiled - step).abs().max() > 1e-2
 
 
