@@ -72,21 +72,22 @@ def test_replicate_select_crop(arch):
     """Prefill, replicate to 3 rows, feed a different continuation per row, keep row 1, crop: the
     cache then equals a fresh forward of the kept prefix."""
     target, _ = hf_pair(arch, vocab=32)
+    ids = lambda rows: torch.tensor(rows, device=target.device)  # noqa: E731  (GBV_TEST_DEVICE)
     prompt = [1, 2, 3, 4, 5]
     cache = kv.new_cache(target)
     with torch.no_grad():
-        target(input_ids=torch.tensor([prompt]), **{kv.cache_keyword(target): cache}, use_cache=True)
+        target(input_ids=ids([prompt]), **{kv.cache_keyword(target): cache}, use_cache=True)
         kv.replicate(cache, 3)
-        rows = torch.tensor([[6, 7, 8], [9, 10, 11], [12, 13, 14]])
+        rows = ids([[6, 7, 8], [9, 10, 11], [12, 13, 14]])
         batched = target(input_ids=rows, **{kv.cache_keyword(target): cache}, use_cache=True).logits
         assert kv.cache_length(cache) == 8
         for k in range(3):
-            fresh = target(input_ids=torch.tensor([prompt + rows[k].tolist()])).logits[0, -3:]
+            fresh = target(input_ids=ids([prompt + rows[k].tolist()])).logits[0, -3:]
             torch.testing.assert_close(batched[k], fresh, atol=1e-4, rtol=0)
         kv.select_row(cache, 1)
         kv.crop(cache, 6)  # prompt + 9
-        nxt = target(input_ids=torch.tensor([[20]]), **{kv.cache_keyword(target): cache}, use_cache=True).logits[0, -1]
-        fresh = target(input_ids=torch.tensor([prompt + [9, 20]])).logits[0, -1]
+        nxt = target(input_ids=ids([[20]]), **{kv.cache_keyword(target): cache}, use_cache=True).logits[0, -1]
+        fresh = target(input_ids=ids([prompt + [9, 20]])).logits[0, -1]
         torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
         assert kv.cache_length(cache) == 7
         kv.crop(cache, 10)  # longer than the cache: no-op
@@ -101,18 +102,19 @@ def test_api_fallback_layers():
         pass
 
     target, _ = hf_pair("llama", vocab=32)
+    ids = lambda rows: torch.tensor(rows, device=target.device)  # noqa: E731  (GBV_TEST_DEVICE)
     cache = kv.new_cache(target)
     cache.layers = [OtherLayer() for _ in cache.layers]
     prompt = [1, 2, 3, 4]
     with torch.no_grad():
-        target(input_ids=torch.tensor([prompt]), **{kv.cache_keyword(target): cache}, use_cache=True)
+        target(input_ids=ids([prompt]), **{kv.cache_keyword(target): cache}, use_cache=True)
         kv.replicate(cache, 2)
-        target(input_ids=torch.tensor([[5, 6], [7, 8]]), **{kv.cache_keyword(target): cache}, use_cache=True)
+        target(input_ids=ids([[5, 6], [7, 8]]), **{kv.cache_keyword(target): cache}, use_cache=True)
         kv.select_row(cache, 1)
         kv.crop(cache, 5)
         assert cache.layers[0].keys.shape[0] == 1 and kv.cache_length(cache) == 5
-        nxt = target(input_ids=torch.tensor([[9]]), **{kv.cache_keyword(target): cache}, use_cache=True).logits[0, -1]
-        fresh = target(input_ids=torch.tensor([prompt + [7, 9]])).logits[0, -1]
+        nxt = target(input_ids=ids([[9]]), **{kv.cache_keyword(target): cache}, use_cache=True).logits[0, -1]
+        fresh = target(input_ids=ids([prompt + [7, 9]])).logits[0, -1]
     torch.testing.assert_close(nxt, fresh, atol=1e-4, rtol=0)
 
 
