@@ -45,7 +45,7 @@ class BatchRow:
     draft_sampling: SamplingConfig
     generator: torch.Generator
     rng: TorchRandom
-    verify_rng: TorchRandom | None = None  # the verifier's, where it runs on the host (else rng)
+    verify_rng: TorchRandom  # the verifier's: rng, or a host generator where it runs on the host
     verifier: object = None
     draft_len: int = 0
     stats: GenerationStats = field(default=None)
@@ -62,6 +62,7 @@ class BatchTreeDecoder:
         self.vocab = vocab
         self.device = torch.device(device)
         self.max_rows = max_rows
+        self.verify_on_host = verifies_on_host(self.device)  # each row's verifier then has a host generator
         self.rows: list[BatchRow] = []
         self.target_cache = self.target.new_cache(max_rows, _ROOM)
         self.draft_cache = self.draft.new_cache(max_rows, _ROOM) if self.draft is not None else None
@@ -77,10 +78,10 @@ class BatchTreeDecoder:
             raise ValueError(f"method {method!r} needs a draft model")
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
+        rng = TorchRandom(generator)
         row = BatchRow(tokens=list(prompt_ids), method=method, num_paths=num_paths, block_len=block_len,
                        target_sampling=target_sampling, draft_sampling=draft_sampling, generator=generator,
-                       rng=TorchRandom(generator),
-                       verify_rng=host_random(seed) if verifies_on_host(self.device) else None)
+                       rng=rng, verify_rng=host_random(seed) if self.verify_on_host else rng)
         set_method(row, method, num_paths, block_len)
         row.stats = GenerationStats(method=method, num_paths=row.num_paths, block_len=row.block_len,
                                     depth_accept_counts=[0] * row.block_len, prompt_tokens=len(row.tokens))
@@ -232,9 +233,9 @@ class BatchTreeDecoder:
             p_nodes = process_logits(logits[b, :trees[b].num_nodes, :self.vocab], rows[b].target_sampling)
             return drafted[b, :tips_k[b], :block[b]], qs[b], p_nodes[trees[b].path_nodes]
 
-        # Rows that verify on the host (verifies_on_host: off the CPU) have all their inputs copied in
-        # one read; the others compute theirs when they come (one row's p at a time).
-        on_host = [b for b in range(n) if trees[b] is not None and drafting[b] and rows[b].verify_rng is not None]
+        # Off the CPU (verifies_on_host) every verifying row's inputs are copied to the host in one read;
+        # on the CPU each row computes its own when it comes (one row's p at a time).
+        on_host = [b for b in range(n) if trees[b] is not None and drafting[b]] if self.verify_on_host else []
         copied: dict[int, tuple[Tensor, ...]] = {}
         if on_host:
             flat = host_copies(*(t for b in on_host for t in verify_inputs(b)))
@@ -251,7 +252,7 @@ class BatchTreeDecoder:
                 out[id(row)] = [token]
                 continue
             inputs = copied[b] if b in copied else verify_inputs(b)
-            result = row.verifier(*inputs, row.rng if row.verify_rng is None else row.verify_rng)
+            result = row.verifier(*inputs, row.verify_rng)
             path, tau = result.path, result.accepted_len
             stats.draft_steps += block[b]
             stats.tree_calls += 1
