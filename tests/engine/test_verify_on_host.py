@@ -14,10 +14,9 @@ import gbv.engine.decoder as engine_decoder
 from gbv.engine.batch import BatchTreeDecoder
 from gbv.engine.decoder import host_copies, verifies_on_host
 from gbv.engine.sampling import SamplingConfig
-from gbv.models.loading import ModelPair
 from gbv.verify import TorchRandom, get_verifier
 
-from engine_toy import TEST_DEVICE, hf_pair
+from engine_toy import TEST_DEVICE, hf_pair, sharp_llama_pair
 from test_exactness import RUNS, check, toy_pair  # noqa: F401  (toy_pair: a fixture)
 
 
@@ -46,16 +45,8 @@ def test_law_with_the_verifier_on_a_host_generator(toy_pair, on_host, method):  
     assert stat < threshold, f"{method}: chi2 {stat:.1f} >= {threshold:.1f}"
 
 
-def _llama_pair() -> ModelPair:
-    target, draft = hf_pair("llama", vocab=4, seed=3)
-    with torch.no_grad():  # as test_exactness.test_law_hf_llama: a law far from uniform
-        for model, scale in ((target, 40.0), (draft, 25.0)):
-            model.lm_head.weight.mul_(scale)
-    return ModelPair(target, draft)
-
-
 def test_law_on_the_tree_engine_with_the_verifier_on_a_host_generator(on_host):
-    stat, threshold = check(_llama_pair(), 800, 1.0, method="gbv", num_paths=3, block_len=2)
+    stat, threshold = check(sharp_llama_pair(), 800, 1.0, method="gbv", num_paths=3, block_len=2)
     assert stat < threshold, f"chi2 {stat:.1f} >= {threshold:.1f}"
 
 
@@ -65,7 +56,7 @@ def test_negative_control_verifier_replaying_the_drafts_stream(on_host, monkeypa
     on the tree engine (whose draws take their uniforms from the same kind of source) the coins
     replay the uniforms the draws used, and the law breaks."""
     monkeypatch.setattr(engine_decoder, "host_random", lambda seed: TorchRandom(seed=seed))
-    stat, threshold = check(_llama_pair(), 800, 1.0, method="token", num_paths=1, block_len=2)
+    stat, threshold = check(sharp_llama_pair(), 800, 1.0, method="token", num_paths=1, block_len=2)
     assert stat > threshold, f"broken variant not detected: chi2 {stat:.1f} < {threshold:.1f}"
 
 
@@ -100,6 +91,5 @@ def test_batch_row_law_with_the_verifier_on_a_host_generator(on_host):
     """test_batch's law of one ``auto`` row among rows of other prompts, lengths and methods, with every
     row's verifier on its host generator and all rows' inputs copied in one read (the batch path)."""
     import test_batch
-    from engine_toy import sharp_llama_pair
 
     test_batch.test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods(sharp_llama_pair())
