@@ -64,8 +64,8 @@ class BatchTreeDecoder:
         self.max_rows = max_rows
         self.verify_on_host = verifies_on_host(self.device)  # each row's verifier then has a host generator
         self.rows: list[BatchRow] = []
-        self.target_cache = self.target.new_cache(max_rows, _ROOM)
-        self.draft_cache = self.draft.new_cache(max_rows, _ROOM) if self.draft is not None else None
+        self.target_cache = self.target.new_cache(max_rows, _ROOM, owner=self)
+        self.draft_cache = self.draft.new_cache(max_rows, _ROOM, owner=self) if self.draft is not None else None
 
     # ------------------------------------------------------------------------------ rows
     @torch.inference_mode()

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from gbv.engine.host_kernels import host_kernels_unavailable
 from gbv.engine.sampling import SamplingConfig, host_samples
+from gbv.engine.static_steps import StaticSteps, steps_mode
 from gbv.verify.common import TorchRandom
 from gbv.engine.lean_host import PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_unsupported_reason
 
@@ -76,6 +77,8 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._arrays = None  # numpy views of the tensors (CPU only; see arrays)
+        # Static forward steps over these tensors (CUDA graphs: gbv.engine.static_steps), by shape.
+        self.steps: dict = {}
 
     def arrays(self) -> tuple[list, list]:
         """numpy views (B, kv_heads, capacity, head_dim) of every layer's keys and values (CPU only:
@@ -102,6 +105,7 @@ class KVCache:
                 new[:, :, :old.shape[2]] = old
                 store[layer] = new
         self._arrays = None
+        self.steps = {}  # (they wrote and read the old tensors)
 
     def move(self, src: Sequence[int] | Tensor, dst: Sequence[int] | Tensor, row: int | Sequence[int] | Tensor = 0
              ) -> None:
@@ -447,12 +451,24 @@ class LeanCausalLM:
         self.cache_dtype = self.dtype
         if self.bf16_in_float32 and self.host_forward is not None and self.host_forward.attention_off is None:
             self.cache_dtype = torch.bfloat16
+        # Forwards of up to MAX_QUERIES queries as CUDA graphs, replayed (gbv.engine.static_steps); None
+        # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
+        mode = steps_mode(self.device)
+        self.steps = None if mode is None else StaticSteps(capture=mode == "graph")
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of a forward, in order (for measuring their share of its time)."""
         return [m for layer in self.layers for m in layer.matrices()] + [self.lm_head]
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
+    def new_cache(self, batch: int, capacity: int, owner=None) -> KVCache:
+        """A cache of ``batch`` rows and at least ``capacity`` slots. Given an ``owner`` (a decoder) where
+        static steps run (CUDA graphs), one from this model's pool, lent to ``owner`` while it lives, so
+        that the graphs recorded over it serve the next generation too."""
+        if owner is not None and self.steps is not None:
+            return self.steps.cache(self, batch, capacity, owner)
+        return self.plain_cache(batch, capacity)
+
+    def plain_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.cache_dtype,
                        self.device)
 
@@ -582,18 +598,34 @@ class LeanCausalLM:
         if self.host_forward is not None and self.host_forward.takes(batch, n):
             return self.host_forward(tokens.numpy(), positions.numpy(), start, cache, mask, causal, last_only,
                                      first_row)
+        if self.steps is not None:  # (CUDA: a graph of this call's shape, replayed)
+            step = self.steps.get(self, cache, batch, n, mask is not None, causal, last_only, first_row, start)
+            if step is not None:
+                return step(tokens, positions, start, mask, cache)
         end = start + n
         if end > cache.capacity:
             cache.grow(end)
         cos, sin = self._rotary(positions, end)  # invariant: every position < end (positions <= slots)
-        if self.interleaved:
-            rot = cos[:, :, None]  # (B, N, 1, D/2) complex
-        else:
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, D)
         # The hidden states are 2D, (B * N, hidden), between the attention blocks: every product is one
         # mm / addmm call on them (a 3D input costs matmul's dispatch and two views, ~7 us a product).
         hidden = torch.embedding(self.embed, tokens.reshape(-1))  # (F.embedding's checks cost per call)
         mask, use_causal = attention_mask(mask, causal, start, n, tokens.device)
+        hidden = self._layers(hidden, batch, n, cos, sin, cache, first_row, start, None, mask, use_causal)
+        return self._head(hidden, batch, n, last_only)
+
+    def _layers(self, hidden: Tensor, batch: int, n: int, cos: Tensor, sin: Tensor | None, cache: KVCache,
+                first_row: int, start: int, slots: Tensor | None, mask: Tensor | None, use_causal: bool) -> Tensor:
+        """The decoder layers over ``hidden`` (B * N, hidden). ``cos``, ``sin``: the rotary tables at the
+        queries' positions (interleaved: the complex rotation and None). Keys and values go to slots
+        ``start ..`` and attention reads slots ``.. start + N`` (``slots`` None); or, given ``slots``
+        ((N,) long, on the device), to those slots, attention reading every slot of the cache under
+        ``mask`` ((B or 1, 1, N, capacity) bool): the form of :mod:`gbv.engine.static_steps`, whose
+        shapes do not depend on ``start``."""
+        end = start + n
+        if self.interleaved:
+            rot = cos[:, :, None]  # (B, N, 1, D/2) complex
+        else:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, D)
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
@@ -613,9 +645,13 @@ class LeanCausalLM:
             if first_row or batch != keys.shape[0]:  # (a slice is a call: only when it selects)
                 keys = keys[first_row:first_row + batch]
                 values = values[first_row:first_row + batch]
-            keys[:, :, start:end] = k  # (rounded to the cache's dtype, if it is another)
-            values[:, :, start:end] = v
-            keys, values = keys[:, :, :end], values[:, :, :end]
+            if slots is None:
+                keys[:, :, start:end] = k  # (rounded to the cache's dtype, if it is another)
+                values[:, :, start:end] = v
+                keys, values = keys[:, :, :end], values[:, :, :end]
+            else:
+                keys.index_copy_(2, slots, k.to(keys.dtype))
+                values.index_copy_(2, slots, v.to(values.dtype))
             if keys.dtype != q.dtype:  # a bfloat16 cache of a model run in float32 (cache_dtype)
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
             attn = F.scaled_dot_product_attention(
@@ -625,6 +661,10 @@ class LeanCausalLM:
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(x)
             hidden = layer.down.add_to(hidden, layer.act(gate) * up)
+        return hidden
+
+    def _head(self, hidden: Tensor, batch: int, n: int, last_only: bool) -> Tensor:
+        """The final norm and the LM head: (B, N, V) logits (N = 1 with ``last_only``)."""
         if last_only:
             hidden = hidden.view(batch, n, -1)[:, -1] if n > 1 else hidden
         hidden = _rms_norm(hidden, self.norm, self.norm_eps)

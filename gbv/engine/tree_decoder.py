@@ -73,9 +73,9 @@ class TreeDecoder(DecoderState):
     def _feed_prompt(self, head: list[int]) -> None:
         """Allocate both caches (prompt + room, growing later) and feed the prompt but its last token."""
         capacity = len(head) + 1 + _INITIAL_ROOM + self.num_paths * (self.block_len + 1)
-        self.target_cache = self.target.new_cache(1, capacity)
+        self.target_cache = self.target.new_cache(1, capacity, owner=self)
         if self.draft is not None:
-            self.draft_cache = self.draft.new_cache(1, capacity)
+            self.draft_cache = self.draft.new_cache(1, capacity, owner=self)
         if head:
             self._chain(self.target, self.target_cache, head, 0)
             if self.draft is not None and not self.defer_draft:

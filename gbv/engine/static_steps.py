@@ -1,0 +1,175 @@
+"""Lean forwards of a fixed shape over a fixed cache, replayed as CUDA graphs.
+
+Why: on a GPU the engine's small models are launch-bound. In the first H200 run a 1-token step of the
+bundled target cost 2.09 ms, 5.07x its matrix multiplies, at 12-13 GB/s of 3,665: about 150 kernels,
+each launched from Python. A CUDA graph records one forward's kernels once; a replay launches them
+all in one call.
+
+A graph fixes the shape and the address of every tensor it touches. So a :class:`StaticStep`:
+
+- reads its inputs from buffers of its own (tokens, positions, the slots it writes, the tree mask),
+  copied in before each replay (device-to-device copies: nothing is read back);
+- writes keys and values with ``index_copy_`` at slots held on the device, and attends every slot of
+  the cache under a mask (slots after a query's own, or off its tree path, masked out), so that one
+  graph serves every ``start``. A masked slot weighs exactly 0, so the result is the eager forward's
+  up to summation order;
+- is keyed by (rows, first row, queries, masked, last only) and kept on its cache (``KVCache.steps``),
+  which drops them when it grows (new tensors).
+
+Caches are pooled per model (:meth:`StaticSteps.cache`, capacities rounded up to a power of two) and
+lent to one decoder at a time, so that the graphs of one generation serve the next; a step's output is
+copied out of the graph's memory (the graphs of a model share one memory pool).
+
+``GBV_CUDA_GRAPHS=0`` turns this off (the eager forward, for before/after measurements);
+``GBV_CUDA_GRAPHS=static`` runs the same buffers and code without capturing, on any device (how the
+CPU tests check everything here but the capture itself).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import torch
+from torch import Tensor
+
+# Calls with more queries than this (a prompt's chain) run eagerly: a graph per prompt length would
+# be captured once and never replayed.
+MAX_QUERIES = 64
+# Steps kept per cache (one per shape seen); past this many, new shapes run eagerly.
+MAX_STEPS_PER_CACHE = 128
+# Caches pooled per model; past this many at once, new ones are plain (their graphs die with them).
+MAX_POOLED = 4
+# Pooled capacities are powers of two of at least this many slots.
+MIN_CAPACITY = 1024
+
+
+def steps_mode(device: torch.device) -> str | None:
+    """``"graph"`` on CUDA (the default), ``"static"`` under ``GBV_CUDA_GRAPHS=static`` (no capture,
+    any device), None elsewhere or under ``GBV_CUDA_GRAPHS=0``."""
+    setting = os.environ.get("GBV_CUDA_GRAPHS", "1")
+    if setting == "static":
+        return "static"
+    if setting != "0" and device.type == "cuda":
+        return "graph"
+    return None
+
+
+class StaticSteps:
+    """The static steps and pooled caches of one lean model; ``capture``: record CUDA graphs."""
+
+    def __init__(self, capture: bool) -> None:
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._caches: list[list] = []  # [cache, weak reference to its borrower or None]
+        self.captures = 0  # graphs recorded, and the seconds spent recording them (warm-up included)
+        self.capture_seconds = 0.0
+
+    def cache(self, lean, batch: int, capacity: int, owner) -> "KVCache":  # noqa: F821
+        """A cache of ``batch`` rows and at least ``capacity`` slots lent to ``owner`` while it lives:
+        the smallest free pooled one, else a new one (pooled while there is room)."""
+        capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
+        free = [entry for entry in self._caches
+                if entry[0].keys[0].shape[0] == batch and entry[0].capacity >= capacity
+                and (entry[1] is None or entry[1]() is None)]
+        if free:
+            entry = min(free, key=lambda e: e[0].capacity)
+            entry[1] = weakref.ref(owner)
+            return entry[0]
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            cache = lean.plain_cache(batch, capacity)
+        if len(self._caches) < MAX_POOLED:
+            self._caches.append([cache, weakref.ref(owner)])
+        return cache
+
+    def get(self, lean, cache, batch: int, n: int, masked: bool, causal: bool, last_only: bool, first_row: int,
+            start: int) -> "StaticStep | None":
+        """The step for this call's shape (made on first use), or None where the call runs eagerly."""
+        if n > MAX_QUERIES or (not masked and n > 1 and not causal):
+            return None  # (the second: an error the eager forward reports)
+        if start + n > cache.capacity:
+            cache.grow(start + n)  # (drops the cache's steps: its tensors are new)
+        key = (batch, first_row, n, masked, last_only)
+        step = cache.steps.get(key)
+        if step is None:
+            if len(cache.steps) >= MAX_STEPS_PER_CACHE:
+                return None
+            step = cache.steps[key] = StaticStep(lean, cache, batch, first_row, n, masked, last_only, self)
+        return step
+
+
+class StaticStep:
+    """One forward shape over one cache: ``batch`` rows from ``first_row``, ``n`` queries, a tree mask
+    or not (then each query attends every slot up to its own), all logits or the last query's."""
+
+    def __init__(self, lean, cache, batch: int, first_row: int, n: int, masked: bool, last_only: bool,
+                 owner: StaticSteps) -> None:
+        self.lean, self.owner = lean, owner
+        self.batch, self.first_row, self.n, self.last_only = batch, first_row, n, last_only
+        capacity = cache.capacity
+        lean.ensure_rotary(capacity)
+        # The graph reads the rotary tables as they are now: keep them alive should they be regrown.
+        self.tables = (lean._cos, lean._sin, lean._rot)
+        device = lean.device
+        with torch.inference_mode(False):
+            self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+            self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
+            self.slots = torch.zeros(n, dtype=torch.long, device=device)
+            self.columns = torch.arange(capacity, device=device)
+            self.mask = torch.zeros(batch, 1, n, capacity, dtype=torch.bool, device=device) if masked else None
+        self.graph = None
+        self.output = None
+        self.calls = 0
+
+    def _run(self, cache) -> Tensor:
+        """The forward over the buffers: (B, N or 1, V) logits."""
+        lean, batch, n = self.lean, self.batch, self.n
+        cos, sin = lean._rotary(self.positions, self.columns.shape[0])
+        hidden = torch.embedding(lean.embed, self.tokens.reshape(-1))
+        mask = self.mask
+        if mask is None:  # query i attends every slot up to its own: the prefix, and the chain causally
+            mask = (self.columns[None, :] <= self.slots[:, None])[None, None]
+        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, self.slots, mask, False)
+        return lean._head(hidden, batch, n, self.last_only)
+
+    def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:
+        """``LeanCausalLM.forward`` of (B, N) ``tokens`` at ``positions`` written from slot ``start``
+        under ``mask`` ((B or 1, 1, N, start + N) bool, or None); a new (B, N or 1, V) tensor."""
+        n = self.n
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.slots.copy_(self.columns[start:start + n])
+        if self.mask is not None:
+            width = start + n
+            self.mask[..., :width].copy_(mask)
+            self.mask[..., width:].zero_()
+        self.calls += 1
+        if not self.owner.capture or (self.graph is None and self.calls < 2):
+            return self._run(cache)  # (a shape is recorded at its second call: a prompt's chain runs once)
+        if self.graph is None:
+            self._capture(cache)
+        self.graph.replay()
+        return self.output.clone()  # (a later graph of this model may reuse the output's memory)
+
+    def _capture(self, cache) -> None:
+        """Record the forward as a CUDA graph. A warm-up on a side stream first (lazy initialisation
+        must not happen while capturing); it runs the real call, writing the same keys and values the
+        replay writes again. Without ``torch.cuda.graph``'s ``gc.collect()`` per capture (tens of ms)."""
+        began = time.perf_counter()
+        device = self.lean.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._run(cache)
+            torch.cuda.synchronize(device)  # (as torch.cuda.graph does: nothing in flight while recording)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(self.owner.pool)
+            try:
+                self.output = self._run(cache)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = graph
+        self.owner.captures += 1
+        self.owner.capture_seconds += time.perf_counter() - began

@@ -1,0 +1,184 @@
+"""Static steps (gbv/engine/static_steps.py): the lean forward over fixed buffers and the whole cache,
+as CUDA graphs record it. On the CPU they run without capturing (``GBV_CUDA_GRAPHS=static``): the same
+buffers and code, so everything but the recording is checked here; under ``GBV_TEST_DEVICE=cuda``
+(scripts/gpu_check.sh) the same tests record and replay graphs."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import gbv.engine.static_steps as static_steps
+from gbv.engine.generate import all_methods, generate
+from gbv.engine.lean import LeanCausalLM
+from gbv.engine.tree import prefix_then
+from gbv.models.loading import ModelPair
+
+from engine_toy import TEST_DEVICE, hf_pair
+
+CAPTURE = TEST_DEVICE.type == "cuda"
+MODE = "graph" if CAPTURE else "static"
+
+
+def _eager_and_static(model):
+    """Two lean views of ``model`` on the torch path: eager, and through static steps."""
+    eager, static = LeanCausalLM(model), LeanCausalLM(model)
+    for lean in (eager, static):
+        lean.host_forward = None
+    eager.steps = None
+    static.steps = static_steps.StaticSteps(capture=CAPTURE)
+    return eager, static
+
+
+def _tree_mask(n: int, prefix: int, gen: torch.Generator) -> torch.Tensor:
+    parents = [0] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
+    ancestors = torch.eye(n, dtype=torch.bool)
+    for node in range(1, n):
+        ancestors[node] |= ancestors[parents[node]]
+    return prefix_then(ancestors, prefix).to(TEST_DEVICE)
+
+
+def _calls(gen: torch.Generator, vocab: int):
+    """(tokens, positions, start, mask, causal, last_only) of a decoding-like sequence of forwards:
+    a prompt chain, single queries, chains after a prefix, tree passes; shapes repeat, so steps are
+    reused (and, on CUDA, recorded at their second call and replayed)."""
+    def ids(n):
+        return torch.randint(0, vocab, (1, n), generator=gen).to(TEST_DEVICE)
+
+    def at(start, n):
+        return torch.arange(start, start + n, device=TEST_DEVICE)[None]
+
+    calls = [(ids(6), at(0, 6), 0, None, True, True)]
+    start = 6
+    for round_ in range(3):
+        calls.append((ids(1), at(start, 1), start, None, False, False))
+        calls.append((ids(3), at(start + 1, 3), start + 1, None, True, round_ % 2 == 0))
+        mask = _tree_mask(5, start + 4, gen)
+        depth = mask[0, 0, :, start + 4:].sum(-1) - 1
+        calls.append((ids(5), (start + 4 + depth)[None], start + 4, mask, False, False))
+        start += 4 + 2  # a committed path of two nodes; the rest is dead and overwritten later
+    return calls, start + 5
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.float32),
+                                        ("llama", torch.bfloat16)])
+def test_static_steps_equal_the_eager_forward(arch, dtype):
+    """Logits and every cache entry written agree with the eager forward, through a cache that grows
+    on the way (its steps dropped and made again). llama: grouped-query attention, interleaved
+    rotation in float32; qwen3: q/k norms; bfloat16: the cos/sin rotation."""
+    target, _ = hf_pair(arch, vocab=40, seed=3, target_size=(64, 2))
+    target = target.to(device=TEST_DEVICE, dtype=dtype)
+    eager, static = _eager_and_static(target)
+    caches = [lean.plain_cache(1, 8) for lean in (eager, static)]  # small on purpose: both grow
+    calls, end = _calls(torch.Generator().manual_seed(1), 40)
+    atol = 2e-5 if dtype == torch.float32 else 3e-2
+    with torch.inference_mode():
+        for tokens, positions, start, mask, causal, last_only in calls:
+            outs = [lean.forward(tokens, positions, start, cache, mask, causal=causal, last_only=last_only)
+                    for lean, cache in zip((eager, static), caches)]
+            torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=0)
+    for layer in range(len(eager.layers)):
+        for store in ("keys", "values"):
+            a, b = (getattr(cache, store)[layer][:, :, :end].float() for cache in caches)
+            torch.testing.assert_close(b, a, atol=atol, rtol=0)
+    assert caches[1].capacity > 8 and caches[1].steps  # it grew, and the steps were made again after
+    assert set(caches[1].steps) <= {(1, 0, c[0].shape[1], c[3] is not None, c[5]) for c in calls}
+    if CAPTURE:
+        assert static.steps.captures > 0
+
+
+def test_batch_rows_through_static_steps():
+    """Two of three batch rows (first_row 1), a tree mask per row: as the eager forward."""
+    target, _ = hf_pair("llama", vocab=40, seed=4, target_size=(64, 2))
+    eager, static = _eager_and_static(target.to(TEST_DEVICE))
+    caches = [lean.plain_cache(3, 32) for lean in (eager, static)]
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 40, (2, 7), generator=gen).to(TEST_DEVICE)
+    with torch.inference_mode():
+        for lean, cache in zip((eager, static), caches):
+            lean.forward(prompt, torch.arange(7, device=TEST_DEVICE).expand(2, 7), 0, cache, None, causal=True,
+                         first_row=1)
+        for start in (7, 11, 15):  # the same shape three times: made, (recorded,) replayed
+            mask = torch.cat([_tree_mask(4, start, gen) for _ in range(2)])
+            depth = mask[:, 0, :, start:].sum(-1) - 1
+            tokens = torch.randint(0, 40, (2, 4), generator=gen).to(TEST_DEVICE)
+            outs = [lean.forward(tokens, start + depth, start, cache, mask, first_row=1)
+                    for lean, cache in zip((eager, static), caches)]
+            torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+    assert list(caches[1].steps) == [(2, 1, 7, False, False), (2, 1, 4, True, False)]
+
+
+def test_a_step_writing_the_wrong_slots_is_caught(monkeypatch):
+    """Negative control: a step whose slots are off by one gives other logits than the eager forward,
+    and the comparison above sees it."""
+    target, _ = hf_pair("llama", vocab=40, seed=3, target_size=(64, 2))
+    eager, static = _eager_and_static(target.to(TEST_DEVICE))
+    original = static_steps.StaticStep.__call__
+
+    def off_by_one(self, tokens, positions, start, mask, cache):
+        if mask is None and self.n == 1 and start > 0:
+            start -= 1  # writes the query's keys over the previous slot, attends one slot fewer
+        return original(self, tokens, positions, start, mask, cache)
+
+    monkeypatch.setattr(static_steps.StaticStep, "__call__", off_by_one)
+    caches = [lean.plain_cache(1, 64) for lean in (eager, static)]
+    calls, _ = _calls(torch.Generator().manual_seed(1), 40)
+    gaps = []
+    with torch.inference_mode():
+        for tokens, positions, start, mask, causal, last_only in calls:
+            outs = [lean.forward(tokens, positions, start, cache, mask, causal=causal, last_only=last_only)
+                    for lean, cache in zip((eager, static), caches)]
+            gaps.append((outs[1] - outs[0]).abs().max().item())
+    assert max(gaps) > 1e-2
+
+
+def test_pooled_caches_are_lent_to_one_owner_at_a_time():
+    """A live owner keeps its cache; a dead owner's cache is lent again (the smallest that fits), its
+    steps with it; capacities are powers of two of at least MIN_CAPACITY slots."""
+    target, _ = hf_pair("llama", vocab=40, seed=3, target_size=(64, 2))
+    lean = LeanCausalLM(target)
+    lean.steps = static_steps.StaticSteps(capture=False)
+
+    class Owner:
+        pass
+
+    first, second = Owner(), Owner()
+    a = lean.new_cache(1, 100, owner=first)
+    b = lean.new_cache(1, 100, owner=second)
+    assert a is not b and a.capacity == b.capacity == static_steps.MIN_CAPACITY
+    a.steps["marker"] = object()
+    del first
+    gc.collect()
+    third = Owner()
+    assert lean.new_cache(1, 600, owner=third) is a and "marker" in a.steps  # lent again, steps kept
+    assert lean.new_cache(1, static_steps.MIN_CAPACITY + 1, owner=Owner()).capacity == 2 * static_steps.MIN_CAPACITY
+    assert lean.new_cache(2, 10, owner=Owner()).keys[0].shape[0] == 2  # another batch size: another cache
+    assert lean.new_cache(1, 10) not in (a, b)  # no owner: a plain cache of its own
+    assert lean.new_cache(1, 10).capacity == 10
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_through_static_steps_equals_eager(monkeypatch, temperature):
+    """Every method, greedy and sampled with one seed, gives the same tokens through static steps (on a
+    GPU: CUDA graphs) as through the eager forward; twice over, the second generation on the pooled
+    caches and steps of the first."""
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")  # (on the CPU: the torch path, where the steps run)
+    outputs = {}
+    for mode in ("0", MODE):
+        monkeypatch.setenv("GBV_CUDA_GRAPHS", mode)
+        target, draft = hf_pair("llama", vocab=40, seed=6)  # new models: new lean views, which read the mode
+        pair = ModelPair(target=target.to(TEST_DEVICE), draft=draft.to(TEST_DEVICE), tokenizer=None)
+        for method in all_methods():
+            if method == "auto":  # (its choices follow measured times: runs differ; tests/engine/test_auto.py)
+                continue
+            for repeat in range(2):
+                out = generate(pair, prompt_ids=[1, 2, 3, 4], method=method, num_paths=3, block_len=4,
+                               temperature=temperature, max_new_tokens=24, eos_token_id=[], seed=repeat)
+                outputs.setdefault((method, repeat), []).append(out.token_ids)
+        if mode != "0":
+            from gbv.engine.tree_decoder import lean_model
+            assert lean_model(pair.target).steps is not None and lean_model(pair.target).steps._caches
+    for key, (eager, static) in outputs.items():
+        assert static == eager, key
