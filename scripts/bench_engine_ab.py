@@ -58,7 +58,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lean_before = load_before(args.before, "gbv/engine/lean.py", "lean_before")
+    # (before static steps, new_cache took no owner: the working tree's decoders pass one)
+    lean_before = load_before(args.before, "gbv/engine/lean.py", "lean_before",
+                              {"def new_cache(self, batch: int, capacity: int) ->":
+                               "def new_cache(self, batch: int, capacity: int, owner=None) ->"})
     draw_before = load_before(args.before, "gbv/verify/common.py", "common_before").draw_rows
     draw_after = common.draw_rows
     block_before = load_before(args.before, "gbv/verify/block.py", "block_before")

@@ -65,6 +65,7 @@ class StaticSteps:
         self._caches: list[list] = []  # [cache, weak reference to its borrower or None]
         self.captures = 0  # graphs recorded, and the seconds spent recording them (warm-up included)
         self.capture_seconds = 0.0
+        self.stream = None  # the side stream that records (one: each stream gets its own cuBLAS workspace)
 
     def cache(self, lean, batch: int, capacity: int, owner) -> "KVCache":  # noqa: F821
         """A cache of ``batch`` rows and at least ``capacity`` slots lent to ``owner`` while it lives:
@@ -158,7 +159,9 @@ class StaticStep:
         replay writes again. Without ``torch.cuda.graph``'s ``gc.collect()`` per capture (tens of ms)."""
         began = time.perf_counter()
         device = self.lean.device
-        stream = torch.cuda.Stream(device)
+        if self.owner.stream is None:
+            self.owner.stream = torch.cuda.Stream(device)
+        stream = self.owner.stream
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self._run(cache)

@@ -1,0 +1,150 @@
+"""CUDA graphs (gbv/engine/static_steps.py) against the eager lean forward, in one process, bundled pair.
+
+    python scripts/bench_cuda_graphs.py                    # on a GPU: float32, 2 + 2 prompts, 128 tokens
+    python scripts/bench_cuda_graphs.py --device cpu       # a dry run: static steps without capture
+
+1. One step of each bundled model after a 64-token prefix (1 query; 25 tree nodes for the target): eager
+   against replayed, and the target's matrix multiplies alone, recorded as one graph (their time
+   without launch overhead: the floor of a step), so the step's multiple of them; the bandwidth the
+   1-token step achieves (weight bytes / step time).
+2. Whole generations, graphs on and off alternating per prompt (drift hits both alike): pooled
+   tokens/s of each row, its ratio to the eager forward, and to ``ar`` with graphs.
+3. The graphs recorded and the seconds spent recording them (first uses; a server pays them once).
+Medians over repeats; on a GPU every clock is read after a device synchronisation.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import gbv
+from gbv.data import load_prompts
+from gbv.engine.static_steps import StaticSteps
+from gbv.engine.tree_decoder import lean_model
+
+ROWS = (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 4), ("gbv", 3, 8),
+        ("gbv-adaptive", 3, 4), ("specinfer", 3, 4), ("traversal", 3, 4), ("auto", 0, 0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per data set (GSM8K, HumanEval)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", default="0.2,1.0")
+    parser.add_argument("--repeats", type=int, default=200, help="step timings per median")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    pair = gbv.load_pair("bundled", device=args.device, dtype=getattr(torch, args.dtype))
+    views = {name: lean_model(model) for name, model in (("target", pair.target), ("draft", pair.draft))}
+    steps = {name: lean.steps or StaticSteps(capture=False) for name, lean in views.items()}
+
+    def graphs(on: bool) -> None:
+        for name, lean in views.items():
+            lean.steps = steps[name] if on else None
+
+    class Owner:  # a borrower of pooled caches
+        pass
+
+    def timed(fn, repeats: int) -> float:
+        """Median ms of ``fn`` over ``repeats`` calls, in 10 batches."""
+        fn()
+        times = []
+        for _ in range(10):
+            sync()
+            began = time.perf_counter()
+            for _ in range(max(1, repeats // 10)):
+                fn()
+            sync()
+            times.append((time.perf_counter() - began) * 1e3 / max(1, repeats // 10))
+        return statistics.median(times)
+
+    # 1. Steps.
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {args.dtype}, "
+          f"torch {torch.__version__}")
+    owner = Owner()
+    with torch.inference_mode():
+        for name, lean in views.items():
+            cache = lean.new_cache(1, 512, owner=owner)
+            lean.forward(torch.arange(64, device=device)[None] % 50, torch.arange(64, device=device)[None], 0, cache,
+                         None, causal=True)
+            one, at = torch.tensor([[7]], device=device), torch.tensor([[64]], device=device)
+            nodes = 25
+            tree = torch.tril(torch.ones(nodes, nodes, dtype=torch.bool, device=device))  # (a chain's mask)
+            mask = torch.cat([torch.ones(nodes, 64, dtype=torch.bool, device=device), tree], 1)[None, None]
+            many, where = torch.full((1, nodes), 7, device=device), torch.arange(64, 64 + nodes, device=device)[None]
+            result = {}
+            for on in (False, True):
+                graphs(on)
+                result[on, 1] = timed(lambda: lean.forward(one, at, 64, cache, None), args.repeats)
+                result[on, nodes] = timed(lambda: lean.forward(many, where, 64, cache, mask), args.repeats)
+            floor = ""
+            if device.type == "cuda":
+                x = {m: torch.randn(1, m.in_features, device=device, dtype=lean.dtype) for m in lean.matrices()}
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for m in lean.matrices():  # (warm-up on the recording stream: its cuBLAS workspace)
+                        m(x[m])
+                    sync()
+                    graph.capture_begin()
+                    for m in lean.matrices():
+                        m(x[m])
+                    graph.capture_end()
+                torch.cuda.current_stream(device).wait_stream(stream)
+                sync()
+                matmul_ms = timed(graph.replay, args.repeats)
+                weight_bytes = sum(p.numel() * p.element_size() for p in lean.model.parameters())
+                floor = (f"; its matrix multiplies alone {matmul_ms:.3f} ms (graph), so the replayed step is "
+                         f"{result[True, 1] / matmul_ms:.2f}x them; {weight_bytes / 1e6:.1f} MB of weights at "
+                         f"{weight_bytes / result[True, 1] / 1e6:.0f} GB/s")
+            print(f"{name} 1-token step: eager {result[False, 1]:.3f} ms, graph {result[True, 1]:.3f} ms "
+                  f"({result[False, 1] / result[True, 1]:.2f}x){floor}")
+            print(f"{name} {nodes}-node pass: eager {result[False, nodes]:.3f} ms, graph {result[True, nodes]:.3f} "
+                  f"ms ({result[False, nodes] / result[True, nodes]:.2f}x); {result[True, nodes] / result[True, 1]:.2f}x"
+                  f" the 1-token step")
+    del owner
+
+    # 2. Generations.
+    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    for temperature in (float(t) for t in args.temperature.split(",")):
+        seconds: dict = {}
+        tokens: dict = {}
+        for index, prompt in enumerate(prompts):
+            for method, k, length in ROWS:
+                for on in ((True, False) if index % 2 == 0 else (False, True)):
+                    graphs(on)
+                    shape = dict(num_paths=k, block_len=length) if k else {}
+                    sync()
+                    began = time.perf_counter()
+                    out = gbv.generate(pair, prompt=prompt, method=method, temperature=temperature,
+                                       max_new_tokens=args.max_new_tokens, eos_token_id=[], seed=index, **shape)
+                    sync()
+                    key = (method, k, length, on)
+                    seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - began
+                    tokens[key] = tokens.get(key, 0) + out.stats.new_tokens
+        ar = tokens["ar", 1, 1, True] / seconds["ar", 1, 1, True]
+        print(f"\nT={temperature}: {len(prompts)} prompts x {args.max_new_tokens} tokens, pooled tokens/s")
+        print("| row | eager tok/s | graphs tok/s | graphs/eager | graphs vs ar (graphs) |")
+        print("|---|---:|---:|---:|---:|")
+        for method, k, length in ROWS:
+            eager, graphed = (tokens[method, k, length, on] / seconds[method, k, length, on] for on in (False, True))
+            label = method if not k or method == "ar" else f"{method} K={k} L={length}"
+            print(f"| {label} | {eager:.0f} | {graphed:.0f} | {graphed / eager:.2f}x | {graphed / ar:.2f}x |")
+        sys.stdout.flush()
+
+    # 3. Recording.
+    for name in views:
+        print(f"{name}: {steps[name].captures} graphs recorded in {steps[name].capture_seconds:.2f} s in all")
+
+
+if __name__ == "__main__":
+    main()
