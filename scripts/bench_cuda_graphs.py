@@ -113,6 +113,45 @@ def main() -> None:
                   f" the 1-token step")
     del owner
 
+    # 1b. Variants of the replayed steps (fresh caches: graphs recorded anew), and each one's kernels.
+    import gbv.engine.lean as lean_module
+    import gbv.engine.static_steps as static_steps
+    defaults = lean_module.FUSED_NORM_ON_CUDA, static_steps.FEW_QUERY_ATTENTION
+    graphs(True)
+    with torch.inference_mode():
+        for fused, few in ((False, False), (True, False), (False, True), (True, True)):
+            lean_module.FUSED_NORM_ON_CUDA, static_steps.FEW_QUERY_ATTENTION = fused, few
+            line = []
+            for name, lean in views.items():
+                cache = lean.plain_cache(1, 1024)
+                lean.forward(torch.arange(64, device=device)[None] % 50, torch.arange(64, device=device)[None], 0,
+                             cache, None, causal=True)
+                one, at = torch.tensor([[7]], device=device), torch.tensor([[64]], device=device)
+                many, where = torch.full((1, 25), 7, device=device), torch.arange(64, 89, device=device)[None]
+                mask = torch.cat([torch.ones(25, 64, dtype=torch.bool, device=device),
+                                  torch.tril(torch.ones(25, 25, dtype=torch.bool, device=device))], 1)[None, None]
+                step_ms = timed(lambda: lean.forward(one, at, 64, cache, None), args.repeats)
+                pass_ms = timed(lambda: lean.forward(many, where, 64, cache, mask), args.repeats)
+                kernels = ""
+                if device.type == "cuda":  # the kernels of one step, run unrecorded (the same kernels)
+                    from torch.profiler import ProfilerActivity, profile
+                    lean.steps.capture = False
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        lean.forward(one, at, 64, cache, None)
+                        sync()
+                    lean.steps.capture = True
+                    spent: dict = {}
+                    for e in prof.events():
+                        if e.device_type == torch.autograd.DeviceType.CUDA:
+                            count, us = spent.get(e.name, (0, 0.0))
+                            spent[e.name] = (count + 1, us + e.time_range.elapsed_us())
+                    top = sorted(spent.items(), key=lambda item: -item[1][1])[:8]
+                    kernels = (f"; {sum(c for c, _ in spent.values())} kernels, {sum(u for _, u in spent.values()):.0f} us "
+                               f"of kernel time: " + ", ".join(f"{k[:90]} x{c} {u:.0f}us" for k, (c, u) in top))
+                line.append(f"{name} step {step_ms:.3f} ms, 25-node pass {pass_ms:.3f} ms{kernels}")
+            print(f"fused norm {fused}, few-query attention {few}: " + " | ".join(line))
+    lean_module.FUSED_NORM_ON_CUDA, static_steps.FEW_QUERY_ATTENTION = defaults
+
     # 2. Generations.
     prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
     for temperature in (float(t) for t in args.temperature.split(",")):

@@ -142,14 +142,22 @@ class KVCache:
                 tensor[dst, :, :length] = tensor[src, :, :length]
 
 
+# On CUDA, the norms as ``torch.rms_norm`` (see _rms_norm); a switch for measuring (bench_cuda_graphs.py).
+FUSED_NORM_ON_CUDA = True
+
+
 def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale (``weight`` None: the
     scale was folded into the next matrix, see :func:`_fold_norm_weight`).
 
-    Why not ``torch.rms_norm``: on this CPU it runs as about ten small ops (28-50 us for 1-25 rows of
-    256); ``vector_norm``, ``addcmul`` (``eps + |x|^2 / d``), ``rsqrt`` and a multiply take 11-22 us for
-    the same rows, equal to it within a few float32 ulps (``eps`` is a 0-dim tensor on ``x``'s device,
-    cached per value)."""
+    Why not ``torch.rms_norm`` on the CPU: there it runs as about ten small ops (28-50 us for 1-25 rows
+    of 256); ``vector_norm``, ``addcmul`` (``eps + |x|^2 / d``), ``rsqrt`` and a multiply take 11-22 us
+    for the same rows, equal to it within a few float32 ulps (``eps`` is a 0-dim tensor on ``x``'s
+    device, cached per value). On CUDA, where a replayed step (CUDA graphs) costs about its number of
+    kernels, ``torch.rms_norm`` is one kernel (it computes in float32 for half-precision inputs too)."""
+    if FUSED_NORM_ON_CUDA and x.is_cuda:
+        xf = torch.rms_norm(x, (x.shape[-1],), None, eps)
+        return xf if weight is None else weight * xf
     xf = x if x.dtype == torch.float32 else x.float()
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
     xf = xf * torch.rsqrt(torch.addcmul(_eps_tensor(eps, x.device), norm, norm, value=1.0 / x.shape[-1]))
@@ -195,6 +203,28 @@ def _functional(act):
     if type(act) in (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU)):
         return F.silu
     return act
+
+
+def _few_query_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float, kv_heads: int
+                         ) -> Tensor:
+    """``softmax(q k^T * scale + bias) v`` as Hugging Face's eager attention computes it (scores in the
+    model's dtype, the softmax in float32): three kernels, for the few queries of a static step.
+
+    Why not SDPA there: over a static step's whole cache (1,024 slots) CUDA's float32 memory-efficient
+    kernel took 107 us per layer for one query, 80% of a replayed step of the bundled target (H200,
+    scripts/bench_cuda_graphs.py); a batched GEMM, a softmax and a GEMM take a few us each.
+
+    Args: q (B, H, N, D); keys, values (B, kv_heads, S, D); bias (B * kv_heads or 1, groups * N, S),
+    from :meth:`LeanCausalLM.attention_bias`. Returns (B, H, N, D). Query head ``h`` reads kv head
+    ``h // groups``, as Hugging Face's ``repeat_kv``."""
+    batch, heads, n, dim = q.shape
+    groups = heads // kv_heads
+    q = q.reshape(batch * kv_heads, groups * n, dim)
+    scores = torch.baddbmm(bias, q, keys.reshape(batch * kv_heads, -1, dim).transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if probs.dtype != q.dtype:
+        probs = probs.to(q.dtype)
+    return torch.bmm(probs, values.reshape(batch * kv_heads, -1, dim)).view(batch, heads, n, dim)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -614,13 +644,15 @@ class LeanCausalLM:
         return self._head(hidden, batch, n, last_only)
 
     def _layers(self, hidden: Tensor, batch: int, n: int, cos: Tensor, sin: Tensor | None, cache: KVCache,
-                first_row: int, start: int, slots: Tensor | None, mask: Tensor | None, use_causal: bool) -> Tensor:
+                first_row: int, start: int, slots: Tensor | None, mask: Tensor | None, use_causal: bool,
+                bias: Tensor | None = None) -> Tensor:
         """The decoder layers over ``hidden`` (B * N, hidden). ``cos``, ``sin``: the rotary tables at the
         queries' positions (interleaved: the complex rotation and None). Keys and values go to slots
         ``start ..`` and attention reads slots ``.. start + N`` (``slots`` None); or, given ``slots``
         ((N,) long, on the device), to those slots, attention reading every slot of the cache under
         ``mask`` ((B or 1, 1, N, capacity) bool): the form of :mod:`gbv.engine.static_steps`, whose
-        shapes do not depend on ``start``."""
+        shapes do not depend on ``start``. Given ``bias`` (:meth:`attention_bias` of that mask), attention
+        is :func:`_few_query_attention` instead of SDPA."""
         end = start + n
         if self.interleaved:
             rot = cos[:, :, None]  # (B, N, 1, D/2) complex
@@ -654,14 +686,27 @@ class LeanCausalLM:
                 values.index_copy_(2, slots, v.to(values.dtype))
             if keys.dtype != q.dtype:  # a bfloat16 cache of a model run in float32 (cache_dtype)
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=use_causal,
-                scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
+            if bias is not None:
+                attn = _few_query_attention(q, keys, values, bias, layer.scaling, self.kv_heads)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, is_causal=use_causal,
+                    scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
             hidden = layer.o.add_to(residual, attn.transpose(1, 2).reshape(batch * n, -1))
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(x)
             hidden = layer.down.add_to(hidden, layer.act(gate) * up)
         return hidden
+
+    def attention_bias(self, mask: Tensor) -> Tensor:
+        """The additive form of a (B or 1, 1, N, S) bool attention mask (True -> 0, False -> -inf, in the
+        forward's dtype) laid out for :func:`_few_query_attention`: (B * kv_heads or 1, groups * N, S)."""
+        bias = mask.to(self.dtype).log_()
+        rows, _, n, width = bias.shape
+        groups = self.num_heads // self.kv_heads
+        if rows == 1 and groups == 1:
+            return bias.view(1, n, width)  # (broadcast over the kv heads)
+        return bias[:, :, None].expand(rows, self.kv_heads, groups, n, width).reshape(-1, groups * n, width)
 
     def _head(self, hidden: Tensor, batch: int, n: int, last_only: bool) -> Tensor:
         """The final norm and the LM head: (B, N, V) logits (N = 1 with ``last_only``)."""

@@ -43,6 +43,9 @@ MAX_STEPS_PER_CACHE = 128
 MAX_POOLED = 4
 # Pooled capacities are powers of two of at least this many slots.
 MIN_CAPACITY = 1024
+# Attention as three kernels over an additive mask made once per forward (lean._few_query_attention),
+# not SDPA; a switch for measuring (scripts/bench_cuda_graphs.py).
+FEW_QUERY_ATTENTION = True
 
 
 def steps_mode(device: torch.device) -> str | None:
@@ -131,7 +134,8 @@ class StaticStep:
         mask = self.mask
         if mask is None:  # query i attends every slot up to its own: the prefix, and the chain causally
             mask = (self.columns[None, :] <= self.slots[:, None])[None, None]
-        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, self.slots, mask, False)
+        bias = lean.attention_bias(mask) if FEW_QUERY_ATTENTION else None
+        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, self.slots, mask, False, bias)
         return lean._head(hidden, batch, n, self.last_only)
 
     def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:

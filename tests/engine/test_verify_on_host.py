@@ -73,16 +73,18 @@ def test_every_decoder_hands_the_verifier_host_tensors_and_its_own_generator(on_
     target, draft = hf_pair("llama", vocab=32, seed=1)
     dec = engine_decoder.make_decoder(target, draft, "gbv", 3, 3, 32, SamplingConfig(1.0), SamplingConfig(1.0), 5,
                                       target.device)
-    dec.prefill([1, 2, 3])
-    for _ in range(3):
-        dec.step()
+    with torch.inference_mode():  # (as generate runs it: off the CPU the torch forward's outputs would track grads)
+        dec.prefill([1, 2, 3])
+        for _ in range(3):
+            dec.step()
     assert len(seen) == 3 and dec.verify_rng is not dec.rng
     assert all(s[:3] == ("cpu",) * 3 and s[3] is dec.verify_rng for s in seen)
 
     seen.clear()
     batch = BatchTreeDecoder(target, draft, 32, target.device, max_rows=2)
     rows = [batch.add_row([1, 2, 3], "gbv", 3, 3, SamplingConfig(1.0), SamplingConfig(1.0), seed) for seed in (1, 2)]
-    batch.step({id(row): 3 for row in rows})
+    with torch.inference_mode():
+        batch.step({id(row): 3 for row in rows})
     assert len(seen) == 2 and all(row.verify_rng is not None and row.verify_rng is not row.rng for row in rows)
     assert {id(s[3]) for s in seen} == {id(row.verify_rng) for row in rows}
 
