@@ -46,6 +46,9 @@ part() {  # part NAME SECONDS COMMAND...: run one part under a time limit, log t
   local rc=$?
   tail -n 25 "$out/$name.txt"
   echo "== $name: exit $rc after $((SECONDS - start))s"
+  # GBV_CHECK_ARCHIVE=FILE.tgz: everything so far in one file after each part (for the device tool, which
+  # brings back at most 8 files, and what a run cut short had written)
+  [ -z "${GBV_CHECK_ARCHIVE:-}" ] || tar -czf "$GBV_CHECK_ARCHIVE" -C "$out" .
 }
 
 part device 60 python3 - "$device" <<'PY'
@@ -59,9 +62,9 @@ print("host kernels unavailable:", hk.host_kernels_unavailable())
 PY
 
 # CUDA graphs against the eager forward: steps, generations, recording (the engine's default on CUDA).
-part graphs 100 python3 scripts/bench_cuda_graphs.py --device "$device" --prompts "$prompts"
+part graphs 90 python3 scripts/bench_cuda_graphs.py --device "$device" --prompts "$prompts"
 
-part tests 120 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cacheprovider -n 4 \
+part tests 90 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cacheprovider -n 4 \
   tests/engine/test_engine.py tests/engine/test_exactness.py tests/engine/test_verify_on_host.py \
   tests/engine/test_batch.py::test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods \
   tests/engine/test_tree.py::test_tree_pass_logits_equal_plain_sequences \
@@ -70,7 +73,7 @@ part tests 120 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cachepro
   tests/engine/test_sampling_cache.py tests/engine/test_static_steps.py \
   -k "static_steps or wrong_slots or pooled_caches or batch_rows_through or replicate_select_crop or api_fallback_layers or cache_keyword or greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
 
-part greedy 60 python3 - "$device" <<'PY'
+part greedy 40 python3 - "$device" <<'PY'
 import sys, gbv
 from gbv.engine.generate import all_methods
 device = sys.argv[1]
@@ -85,12 +88,12 @@ for method in all_methods():
 PY
 
 # float32 first: bfloat16 timed out at 170 s in the first GPU run (one prompt done; the row times say where).
-part engine-float32 150 python3 scripts/bench_engine.py --prompts "$prompts" --max-new-tokens 128 \
+part engine-float32 130 python3 scripts/bench_engine.py --prompts "$prompts" --max-new-tokens 128 \
   --temperature 0.2,1.0 --dtype float32 --device "$device" --out "$out/engine-float32.md"
-part engine-bfloat16 110 python3 scripts/bench_engine.py --prompts 1 --max-new-tokens 128 --row-times \
+part engine-bfloat16 90 python3 scripts/bench_engine.py --prompts 1 --max-new-tokens 128 --row-times \
   --temperature 0.2,1.0 --dtype bfloat16 --device "$device" --out "$out/engine-bfloat16.md"
 
-part syncs 60 python3 - "$device" <<'PY'
+part syncs 40 python3 - "$device" <<'PY'
 # Host synchronisations per iteration on CUDA, as torch itself sees them (warn mode warns at each one,
 # device-to-host reads and host-to-device copies of pageable memory alike), with the verifier on the host
 # (the default off the CPU) and on the device (GBV_VERIFY_ON_DEVICE=1), and the lines that synchronise most.
@@ -123,7 +126,7 @@ for where in os.environ.get("GBV_CHECK_SYNC_WHERE", "host device").split():
 os.environ.pop("GBV_VERIFY_ON_DEVICE")
 PY
 
-part verify-where 60 python3 - "$device" <<'PY'
+part verify-where 50 python3 - "$device" <<'PY'
 # The verifier on the host (the default off the CPU) against its device form (GBV_VERIFY_ON_DEVICE=1):
 # tokens/s of whole generations, both settings alternating in one process, 2 rounds x 2 prompts (on the CPU
 # both run the same code: a dry run's ratios show the noise).
