@@ -69,6 +69,10 @@ class StaticSteps:
         self.captures = 0  # graphs recorded, and the seconds spent recording them (warm-up included)
         self.capture_seconds = 0.0
         self.stream = None  # the side stream that records (one: each stream gets its own cuBLAS workspace)
+        # The first graph recorded, kept for good: a memory pool is freed with the last graph that uses
+        # it, and recording into a freed pool's handle fails (an internal assert in torch's allocator,
+        # met on an H200 once every graph had died with the caches of a benchmark's micro-measurements).
+        self._anchor = None
 
     def cache(self, lean, batch: int, capacity: int, owner) -> "KVCache":  # noqa: F821
         """A cache of ``batch`` rows and at least ``capacity`` slots lent to ``owner`` while it lives:
@@ -178,5 +182,7 @@ class StaticStep:
                 graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = graph
+        if self.owner._anchor is None:
+            self.owner._anchor = graph
         self.owner.captures += 1
         self.owner.capture_seconds += time.perf_counter() - began
