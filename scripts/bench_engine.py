@@ -142,6 +142,20 @@ def micro(pair, repeats: int) -> dict:
     return _micro(pair, repeats, torch.device(pair.device), {})
 
 
+def _recorded(fn, dev):
+    """``fn``'s kernels recorded as one CUDA graph (warmed up on the recording stream); its replay."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize(dev)
+        graph.capture_begin()
+        fn()
+        graph.capture_end()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    return graph.replay
+
+
 def _micro(pair, repeats: int, dev, out: dict) -> dict:
     def median_ms(fn, inner: int = 50) -> float:
         return _median_ms(fn, repeats, inner, dev)
@@ -187,6 +201,9 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
                         matrix(inputs[matrix.in_features])
 
                 out[f"{name}_matmuls_by"] = "torch"
+                if dev.type == "cuda":  # their device time: recorded as one graph, as the step is replayed
+                    matmuls = _recorded(matmuls, dev)
+                    out[f"{name}_matmuls_by"] = "torch, one CUDA graph"
             # The step and its products timed in alternating rounds, and their ratio taken per round: a
             # change of the machine's speed between two separate medians (one figure of 1.46x in the
             # nineteenth session's bf16 table, 1.03x in the eighteenth's) then moves both alike.
