@@ -10,6 +10,8 @@
 2. Whole generations, graphs on and off alternating per prompt (drift hits both alike): pooled
    tokens/s of each row, its ratio to the eager forward, and to ``ar`` with graphs.
 3. The graphs recorded and the seconds spent recording them (first uses; a server pays them once).
+4. Where a speculative iteration's time goes, graphs on: the decoders' draft / target / verify phase
+   clocks, synchronised (the engine itself reads them unsynchronised off the CPU), and the rest.
 Medians over repeats; on a GPU every clock is read after a device synchronisation.
 """
 from __future__ import annotations
@@ -179,6 +181,47 @@ def main() -> None:
             label = method if not k or method == "ar" else f"{method} K={k} L={length}"
             print(f"| {label} | {eager:.0f} | {graphed:.0f} | {graphed / eager:.2f}x | {graphed / ar:.2f}x |")
         sys.stdout.flush()
+
+    # 4. Where a speculative iteration's time goes: the decoders' phase clocks, synchronised (``profile``;
+    # the engine reads them unsynchronised off the CPU, where a sync would stall the pipeline).
+    from gbv.engine.decoder import make_decoder
+    from gbv.engine.generate import shared_vocab
+    from gbv.engine.sampling import SamplingConfig
+    graphs(True)
+    vocab = shared_vocab(pair.target, pair.draft, pair.tokenizer)
+    print("\nPhases per iteration, ms (synchronised clocks; T = 1; the same prompts):")
+    print("| row | iterations | tokens/iteration | draft | target | verify | other | total |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for method, k, length in (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("gbv", 3, 8), ("traversal", 3, 4)):
+            totals = [0, 0, 0.0, 0.0, 0.0, 0.0]  # iterations, tokens, draft, target, verify, wall
+            for index, prompt in enumerate(prompts):
+                decoder = make_decoder(pair.target, pair.draft, method, k, length, vocab, SamplingConfig(1.0),
+                                       SamplingConfig(1.0), index, device)
+                decoder.profile = True
+                decoder.prefill(pair.tokenizer.encode(prompt))
+                stats = decoder.stats
+                draft0, target0, verify0 = stats.time_draft, stats.time_target, stats.time_verify
+                produced, iterations = 0, 0
+                sync()
+                began = time.perf_counter()
+                while produced < args.max_new_tokens:
+                    produced += len(decoder.step())
+                    iterations += 1
+                sync()
+                totals[0] += iterations
+                totals[1] += produced
+                totals[2] += stats.time_draft - draft0
+                totals[3] += stats.time_target - target0
+                totals[4] += stats.time_verify - verify0
+                totals[5] += time.perf_counter() - began
+            its = totals[0]
+            draft_ms, target_ms, verify_ms, wall_ms = (1e3 * t / its for t in (totals[2], totals[3], totals[4], totals[5]))
+            other_ms = wall_ms - draft_ms - target_ms - verify_ms
+            label = method if method == "ar" else f"{method} K={k} L={length}"
+            print(f"| {label} | {its} | {totals[1] / its:.2f} | {draft_ms:.3f} | {target_ms:.3f} | {verify_ms:.3f} | "
+                  f"{other_ms:.3f} | {wall_ms:.3f} |")
+    sys.stdout.flush()
 
     # 3. Recording.
     for name in views:
