@@ -13,10 +13,10 @@ import torch
 import gbv.engine.static_steps as static_steps
 from gbv.engine.generate import all_methods, generate
 from gbv.engine.lean import LeanCausalLM
-from gbv.engine.tree import prefix_then
 from gbv.models.loading import ModelPair
 
 from engine_toy import TEST_DEVICE, hf_pair
+from test_lean_host import _random_tree_mask
 
 CAPTURE = TEST_DEVICE.type == "cuda"
 MODE = "graph" if CAPTURE else "static"
@@ -33,11 +33,7 @@ def _eager_and_static(model):
 
 
 def _tree_mask(n: int, prefix: int, gen: torch.Generator) -> torch.Tensor:
-    parents = [0] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
-    ancestors = torch.eye(n, dtype=torch.bool)
-    for node in range(1, n):
-        ancestors[node] |= ancestors[parents[node]]
-    return prefix_then(ancestors, prefix).to(TEST_DEVICE)
+    return _random_tree_mask(n, prefix, gen).to(TEST_DEVICE)
 
 
 def _calls(gen: torch.Generator, vocab: int):
