@@ -173,6 +173,11 @@ def test_generation_through_static_steps_equals_eager(monkeypatch, temperature):
                 out = generate(pair, prompt_ids=[1, 2, 3, 4], method=method, num_paths=3, block_len=4,
                                temperature=temperature, max_new_tokens=24, eos_token_id=[], seed=repeat)
                 outputs.setdefault((method, repeat), []).append(out.token_ids)
+            # a batch (the batch decoder's forwards: several rows, per-row masks over shared slots)
+            outs = generate(pair, prompt_ids=[[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]], method=method,
+                            num_paths=3, block_len=4, temperature=temperature, max_new_tokens=16, eos_token_id=[],
+                            seed=7)
+            outputs.setdefault((method, "batch"), []).append([o.token_ids for o in outs])
         if mode != "0":
             from gbv.engine.tree_decoder import lean_model
             assert lean_model(pair.target).steps is not None and lean_model(pair.target).steps._caches
