@@ -28,6 +28,7 @@ CPU tests check everything here but the capture itself).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 
@@ -73,6 +74,9 @@ class StaticSteps:
         # it, and recording into a freed pool's handle fails (an internal assert in torch's allocator,
         # met on an H200 once every graph had died with the caches of a benchmark's micro-measurements).
         self._anchor = None
+        # One step at a time per model: the graphs share one memory pool, so a replay may overwrite the
+        # output of another graph's replay before it is copied out (two threads generating at once).
+        self.lock = threading.Lock()
 
     def cache(self, lean, batch: int, capacity: int, owner) -> "KVCache":  # noqa: F821
         """A cache of ``batch`` rows and at least ``capacity`` slots lent to ``owner`` while it lives:
@@ -145,6 +149,10 @@ class StaticStep:
     def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:
         """``LeanCausalLM.forward`` of (B, N) ``tokens`` at ``positions`` written from slot ``start``
         under ``mask`` ((B or 1, 1, N, start + N) bool, or None); a new (B, N or 1, V) tensor."""
+        with self.owner.lock:  # (the buffers, and the pool's memory between a replay and its copy out)
+            return self._call(tokens, positions, start, mask, cache)
+
+    def _call(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:
         n = self.n
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
@@ -175,7 +183,8 @@ class StaticStep:
             self._run(cache)
             torch.cuda.synchronize(device)  # (as torch.cuda.graph does: nothing in flight while recording)
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(self.owner.pool)
+            # thread_local: what other threads launch meanwhile does not break this recording
+            graph.capture_begin(self.owner.pool, capture_error_mode="thread_local")
             try:
                 self.output = self._run(cache)
             finally:
