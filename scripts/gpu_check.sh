@@ -11,13 +11,12 @@
 #                 `generate` for every architecture and method, every method sampling on every
 #                 architecture, the chi-square law of the engine (test_law_hf_llama) and of the
 #                 verifier on the host, as it runs off the CPU (test_verify_on_host.py, a batch row),
-#                 the tree pass against plain sequences and the tree engine's law;
+#                 the tree pass against plain sequences and the tree engine's law, and the static steps
+#                 (CUDA graphs) against the eager forward (test_static_steps.py);
 #   greedy.txt    greedy decoding of the bundled pair on CUDA against the CPU, every method;
 #   syncs.txt     host synchronisations per iteration, as torch.cuda.set_sync_debug_mode sees them,
 #                 verifying on the host (the default off the CPU) and on the device;
 #   verify-where.txt  tokens/s verifying on the host against the device forms (GBV_VERIFY_ON_DEVICE=1);
-#   kernels.txt   the lean forward's 4-kernel RMS norm against torch.rms_norm (fused on CUDA?), and the
-#                 kernels and time of one step of each bundled model;
 #   engine-float32.md, engine-bfloat16.md   scripts/bench_engine.py on CUDA (PROMPTS + PROMPTS prompts,
 #                 default 2, in float32; 1 + 1 in bfloat16, with each row's time; 128 tokens, T = 0.2 and 1);
 #   verifiers.md  scripts/bench_verifiers.py --device cuda (one verify call per method, V = 32k and 128k).
@@ -161,73 +160,6 @@ for temperature in (1.0, 0.2):
         print(f"T={temperature} {method} K={k} L={length}: {host:.1f} tokens/s verifying on the host, "
               f"{dev:.1f} on the device: {host / dev:.2f}x")
 os.environ.pop("GBV_VERIFY_ON_DEVICE")
-PY
-
-part kernels 90 python3 - "$device" <<'PY'
-# The engine is launch-bound on a GPU (about 150 kernels per step of the bundled target; the first run).
-# Its RMS norm is 4 kernels (vector_norm, addcmul, rsqrt, mul: the fastest form on the CPU); is
-# torch.rms_norm one fused kernel here? Time per call, kernels per call, and the largest difference.
-import sys, time, torch
-from gbv.engine.lean import _rms_norm
-device = sys.argv[1]
-sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-def kernels(fn):
-    if device != "cuda":
-        return "-"
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-for dtype in (torch.float32, torch.bfloat16):
-    for rows in (1, 25):
-        x = torch.randn(1, rows, 256, device=device, dtype=dtype)
-        w = torch.randn(256, device=device, dtype=dtype)
-        forms = {"lean _rms_norm": lambda: _rms_norm(x, w, 1e-5),
-                 "torch.rms_norm": lambda: torch.rms_norm(x, (256,), w, 1e-5)}
-        for name, fn in forms.items():
-            for _ in range(20):
-                fn()
-            sync()
-            start = time.perf_counter()
-            for _ in range(500):
-                fn()
-            sync()
-            us = (time.perf_counter() - start) / 500 * 1e6
-            print(f"{dtype} {rows} rows, {name}: {us:.1f} us a call, {kernels(fn)} kernels")
-        gap = (forms["lean _rms_norm"]().float() - forms["torch.rms_norm"]().float()).abs().max().item()
-        print(f"{dtype} {rows} rows: largest difference {gap:.3g}")
-
-# Kernels per forward of the bundled pair's lean models (what CUDA graphs or fusions would cut).
-import collections, gbv
-from gbv.engine.tree_decoder import lean_model
-pair = gbv.load_pair("bundled", device=device)
-with torch.inference_mode():
-    for name, model in (("target", pair.target), ("draft", pair.draft)):
-        lean = lean_model(model)
-        cache = lean.new_cache(1, 256)
-        lean.forward(torch.arange(64, device=device)[None] % 50, torch.arange(64, device=device)[None], 0, cache, None,
-                     causal=True)
-        one, pos = torch.tensor([[7]], device=device), torch.tensor([[64]], device=device)
-        step = lambda: lean.forward(one, pos, 64, cache, None)  # noqa: E731
-        for _ in range(5):
-            step()
-        if device == "cuda":
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step()
-                sync()
-            names = collections.Counter(e.name for e in prof.events()
-                                        if e.device_type == torch.autograd.DeviceType.CUDA)
-            print(f"{name} 1-token step: {sum(names.values())} kernels; most: {names.most_common(6)}")
-        sync()
-        start = time.perf_counter()
-        for _ in range(100):
-            step()
-        sync()
-        print(f"{name} 1-token step: {(time.perf_counter() - start) * 10:.3f} ms")
 PY
 
 part verifiers 90 python3 scripts/bench_verifiers.py --device "$device" --vocab 32000 128000 --paths 1 4 \
