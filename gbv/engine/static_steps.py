@@ -27,6 +27,7 @@ CPU tests check everything here but the capture itself).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,8 @@ import weakref
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger("gbv")
 
 # Calls with more queries than this (a prompt's chain) run eagerly: a graph per prompt length would
 # be captured once and never replayed.
@@ -165,7 +168,13 @@ class StaticStep:
         if not self.owner.capture or (self.graph is None and self.calls < 2):
             return self._run(cache)  # (a shape is recorded at its second call: a prompt's chain runs once)
         if self.graph is None:
-            self._capture(cache)
+            try:
+                self._capture(cache)
+            except RuntimeError as error:  # (a torch or driver without what recording needs: run eagerly)
+                logger.warning("gbv: recording a CUDA graph failed (%s); this model's forwards run without "
+                               "graphs from now on (GBV_CUDA_GRAPHS=0 skips trying)", str(error).splitlines()[0])
+                self.lean.steps = None
+                return self._run(cache)
         self.graph.replay()
         return self.output.clone()  # (a later graph of this model may reuse the output's memory)
 

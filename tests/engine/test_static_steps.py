@@ -130,6 +130,32 @@ def test_a_step_writing_the_wrong_slots_is_caught(monkeypatch):
     assert max(gaps) > 1e-2
 
 
+def test_a_failed_recording_falls_back_to_the_eager_forward(monkeypatch, caplog):
+    """Where recording a graph fails (an older torch or driver), the call still returns the eager
+    forward's logits, one warning says so, and the model's later forwards run eagerly."""
+    target, _ = hf_pair("llama", vocab=40, seed=3, target_size=(64, 2))
+    eager, static = _eager_and_static(target.to(TEST_DEVICE))
+    static.steps.capture = True  # (on the CPU: as if on CUDA, with a recording that fails)
+
+    def failing(self, cache):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\n(details)")
+
+    monkeypatch.setattr(static_steps.StaticStep, "_capture", failing)
+    caches = [lean.plain_cache(1, 32) for lean in (eager, static)]
+    one, at = torch.tensor([[5]], device=TEST_DEVICE), torch.tensor([[6]], device=TEST_DEVICE)
+    with torch.inference_mode(), caplog.at_level("WARNING", logger="gbv"):
+        for lean, cache in zip((eager, static), caches):
+            lean.forward(torch.arange(6, device=TEST_DEVICE)[None], torch.arange(6, device=TEST_DEVICE)[None], 0, cache,
+                         None, causal=True)
+        for _ in range(3):  # made (run unrecorded), recording fails, eager from then on
+            outs = [lean.forward(one, at, 6, cache, None) for lean, cache in zip((eager, static), caches)]
+            torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+    assert static.steps is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "gbv: recording a CUDA graph failed (CUDA error: operation not permitted when stream is capturing); this "
+        "model's forwards run without graphs from now on (GBV_CUDA_GRAPHS=0 skips trying)") == 1
+
+
 def test_pooled_caches_are_lent_to_one_owner_at_a_time():
     """A live owner keeps its cache; a dead owner's cache is lent again (the smallest that fits), its
     steps with it; capacities are powers of two of at least MIN_CAPACITY slots."""
