@@ -698,15 +698,16 @@ class LeanCausalLM:
             hidden = layer.down.add_to(hidden, layer.act(gate) * up)
         return hidden
 
-    def attention_bias(self, mask: Tensor) -> Tensor:
-        """The additive form of a (B or 1, 1, N, S) bool attention mask (True -> 0, False -> -inf, in the
-        forward's dtype) laid out for :func:`_few_query_attention`: (B * kv_heads or 1, groups * N, S)."""
+    def attention_bias(self, mask: Tensor, batch: int) -> Tensor:
+        """The additive form of a (B or 1, 1, N, S) bool attention mask of ``batch`` = B rows (True -> 0,
+        False -> -inf, in the forward's dtype) laid out for :func:`_few_query_attention`:
+        (B * kv_heads or 1, groups * N, S)."""
         bias = mask.to(self.dtype).log_()
         rows, _, n, width = bias.shape
         groups = self.num_heads // self.kv_heads
         if rows == 1 and groups == 1:
-            return bias.view(1, n, width)  # (broadcast over the kv heads)
-        return bias[:, :, None].expand(rows, self.kv_heads, groups, n, width).reshape(-1, groups * n, width)
+            return bias.view(1, n, width)  # (broadcast over the rows and kv heads)
+        return bias[:, :, None].expand(batch, self.kv_heads, groups, n, width).reshape(-1, groups * n, width)
 
     def _head(self, hidden: Tensor, batch: int, n: int, last_only: bool) -> Tensor:
         """The final norm and the LM head: (B, N, V) logits (N = 1 with ``last_only``)."""

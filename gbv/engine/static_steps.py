@@ -145,7 +145,7 @@ class StaticStep:
         mask = self.mask
         if mask is None:  # query i attends every slot up to its own: the prefix, and the chain causally
             mask = (self.columns[None, :] <= self.slots[:, None])[None, None]
-        bias = lean.attention_bias(mask) if FEW_QUERY_ATTENTION else None
+        bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
         hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, self.slots, mask, False, bias)
         return lean._head(hidden, batch, n, self.last_only)
 

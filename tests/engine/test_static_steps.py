@@ -15,7 +15,9 @@ from gbv.engine.generate import all_methods, generate
 from gbv.engine.lean import LeanCausalLM
 from gbv.models.loading import ModelPair
 
-from engine_toy import TEST_DEVICE, hf_pair
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine_toy import NO_SPECIAL, TEST_DEVICE, hf_pair
 from test_lean_host import _random_tree_mask
 
 CAPTURE = TEST_DEVICE.type == "cuda"
@@ -86,8 +88,13 @@ def test_static_steps_equal_the_eager_forward(arch, dtype):
 
 
 def test_batch_rows_through_static_steps():
-    """Two of three batch rows (first_row 1), a tree mask per row: as the eager forward."""
-    target, _ = hf_pair("llama", vocab=40, seed=4, target_size=(64, 2))
+    """Two of three batch rows (first_row 1), a tree mask per row, then a causal chain of both: as the
+    eager forward, on a Llama of 4 query heads over 2 kv heads (the additive mask laid out per kv head
+    and row)."""
+    torch.manual_seed(4)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                          **NO_SPECIAL)).eval()
     eager, static = _eager_and_static(target.to(TEST_DEVICE))
     caches = [lean.plain_cache(3, 32) for lean in (eager, static)]
     gen = torch.Generator().manual_seed(2)
@@ -103,7 +110,14 @@ def test_batch_rows_through_static_steps():
             outs = [lean.forward(tokens, start + depth, start, cache, mask, first_row=1)
                     for lean, cache in zip((eager, static), caches)]
             torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
-    assert list(caches[1].steps) == [(2, 1, 7, False, False), (2, 1, 4, True, False)]
+        for start in (19, 22):  # a causal chain of both rows (one mask for both), as a prompt's is
+            tokens = torch.randint(0, 40, (2, 3), generator=gen).to(TEST_DEVICE)
+            positions = torch.arange(start, start + 3, device=TEST_DEVICE).expand(2, 3)
+            outs = [lean.forward(tokens, positions, start, cache, None, causal=True, first_row=1)
+                    for lean, cache in zip((eager, static), caches)]
+            torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+    assert list(caches[1].steps) == [(2, 1, 7, False, False), (2, 1, 4, True, False), (2, 1, 3, False, False)]
+    assert static.num_heads == 2 * static.kv_heads == 4
 
 
 def test_a_step_writing_the_wrong_slots_is_caught(monkeypatch):
