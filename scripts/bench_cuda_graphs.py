@@ -17,7 +17,6 @@ Medians over repeats; on a GPU every clock is read after a device synchronisatio
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -27,6 +26,8 @@ import gbv
 from gbv.data import load_prompts
 from gbv.engine.static_steps import StaticSteps
 from gbv.engine.tree_decoder import lean_model
+
+from bench_engine import _median_ms, _recorded  # scripts/ is on the path when run as a script
 
 ROWS = (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 4), ("gbv", 3, 8),
         ("gbv-adaptive", 3, 4), ("specinfer", 3, 4), ("traversal", 3, 4), ("auto", 0, 0))
@@ -46,7 +47,7 @@ def main() -> None:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     pair = gbv.load_pair("bundled", device=args.device, dtype=getattr(torch, args.dtype))
     views = {name: lean_model(model) for name, model in (("target", pair.target), ("draft", pair.draft))}
-    steps = {name: lean.steps or StaticSteps(capture=False) for name, lean in views.items()}
+    steps = {name: lean.steps or StaticSteps(lean, capture=False) for name, lean in views.items()}
 
     def graphs(on: bool) -> None:
         for name, lean in views.items():
@@ -57,16 +58,7 @@ def main() -> None:
 
     def timed(fn, repeats: int) -> float:
         """Median ms of ``fn`` over ``repeats`` calls, in 10 batches."""
-        fn()
-        times = []
-        for _ in range(10):
-            sync()
-            began = time.perf_counter()
-            for _ in range(max(1, repeats // 10)):
-                fn()
-            sync()
-            times.append((time.perf_counter() - began) * 1e3 / max(1, repeats // 10))
-        return statistics.median(times)
+        return _median_ms(fn, 10, max(1, repeats // 10), device)
 
     # 1. Steps.
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {args.dtype}, "
@@ -90,20 +82,12 @@ def main() -> None:
             floor = ""
             if device.type == "cuda":
                 x = {m: torch.randn(1, m.in_features, device=device, dtype=lean.dtype) for m in lean.matrices()}
-                graph = torch.cuda.CUDAGraph()
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for m in lean.matrices():  # (warm-up on the recording stream: its cuBLAS workspace)
-                        m(x[m])
-                    sync()
-                    graph.capture_begin()
+
+                def matmuls():
                     for m in lean.matrices():
                         m(x[m])
-                    graph.capture_end()
-                torch.cuda.current_stream(device).wait_stream(stream)
-                sync()
-                matmul_ms = timed(graph.replay, args.repeats)
+
+                matmul_ms = timed(_recorded(matmuls, device), args.repeats)
                 weight_bytes = sum(p.numel() * p.element_size() for p in lean.model.parameters())
                 floor = (f"; its matrix multiplies alone {matmul_ms:.3f} ms (graph), so the replayed step is "
                          f"{result[True, 1] / matmul_ms:.2f}x them; {weight_bytes / 1e6:.1f} MB of weights at "

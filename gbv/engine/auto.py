@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from gbv.engine.config import AUTO
 from gbv.engine.decoder import method_settings
-from gbv.engine.static_steps import StaticSteps
+from gbv.engine.static_steps import recording_seconds
 from gbv.engine.stats import GenerationStats
 from gbv.verify import METHODS
 # Each observation's weight decays by this factor per later observation of the same arm: the
@@ -549,8 +549,7 @@ class AutoDecoder:
         self._catch_up = getattr(base, "catch_up_draft", None)  # (the tree engine's; the HF path feeds the lag itself)
         # Where forwards are recorded as CUDA graphs (gbv.engine.static_steps), a shape's first uses
         # record it (milliseconds, once per process): not a cost of the arm that happened to meet it.
-        self._static_steps = [steps for steps in (getattr(getattr(base, name, None), "steps", None)
-                                                  for name in ("target", "draft")) if isinstance(steps, StaticSteps)]
+        self._models = (getattr(base, "target", None), getattr(base, "draft", None))
         max_block = max(arm.block_len for arm in policy.arms)
         base.stats = GenerationStats(method=AUTO, num_paths=max(arm.num_paths for arm in policy.arms),
                                      block_len=max_block, depth_accept_counts=[0] * max_block)
@@ -603,25 +602,21 @@ class AutoDecoder:
             # own seconds: after a stretch of ar (_STRETCH) the catch-up of ~50 tokens put BV's first
             # trial at 2-3x its cost, and BV under its ceiling for good. (No device sync here: on a GPU
             # what the catch-up leaves running finishes inside the step's clock, as before.)
-            switch_start, recorded = time.perf_counter(), self._recording_seconds()
+            switch_start, recorded = time.perf_counter(), recording_seconds(self._models)
             self._catch_up(len(base.tokens) - 1)
-            switching = time.perf_counter() - switch_start - (self._recording_seconds() - recorded)
-        start, recorded = time.perf_counter(), self._recording_seconds()
+            switching = time.perf_counter() - switch_start - (recording_seconds(self._models) - recorded)
+        start, recorded = time.perf_counter(), recording_seconds(self._models)
         if block and index != self._applied:
             base.method, base.verifier, base.num_paths, base.block_len = settings
             self._applied = index
         new = base.step(block)
         # The step ended by reading its tokens back to the host, so the device work is done.
-        seconds = time.perf_counter() - start - (self._recording_seconds() - recorded)
+        seconds = time.perf_counter() - start - (recording_seconds(self._models) - recorded)
         policy.defer(index, len(new), seconds, switching)
         label = policy.arms[index].label
         arms = base.stats.auto_arms
         arms[label] = arms.get(label, 0) + 1
         return new
-
-    def _recording_seconds(self) -> float:
-        """Seconds spent recording CUDA graphs so far, by the base decoder's models."""
-        return sum(steps.capture_seconds for steps in self._static_steps) if self._static_steps else 0.0
 
     def truncate(self, length: int) -> None:
         self.base.truncate(length)

@@ -38,6 +38,7 @@ import torch
 from gbv.engine.config import GenerationConfig, all_methods  # noqa: F401 - all_methods re-exported
 from gbv.engine.decoder import engine_for, make_decoder
 from gbv.engine.detokenize import IncrementalText
+from gbv.engine.static_steps import recording_seconds
 from gbv.engine.stats import GenerationStats
 from gbv.errors import GbvError
 
@@ -558,11 +559,12 @@ class BatchRows:
                 policy, index = self._choose_arm(row, step.block, len(entries))
                 chosen.append((row, policy, index))
                 blocks[id(row)] = min(step.block, policy.arms[index].block_len)
-        start, recorded = time.perf_counter(), self._recording_seconds()
+        models = (self.batch.target, self.batch.draft)
+        start, recorded = time.perf_counter(), recording_seconds(models)
         new = self.batch.step(blocks)
         # (the step read its drafts and results back: work is done; CUDA graphs recorded on the way are
         # a once-per-process cost, not the arms', as in AutoDecoder)
-        seconds = time.perf_counter() - start - (self._recording_seconds() - recorded)
+        seconds = time.perf_counter() - start - (recording_seconds(models) - recorded)
         for row, policy, index in chosen:  # each auto row is credited its share of the step
             policy.record(index, len(new[id(row)]), seconds / len(entries))
             label = policy.arms[index].label
@@ -571,11 +573,6 @@ class BatchRows:
         for key, (row, loop, _) in entries:
             events += self._advance(key, row, loop, new[id(row)])
         return events
-
-    def _recording_seconds(self) -> float:
-        """Seconds the batch's models have spent recording CUDA graphs (gbv.engine.static_steps)."""
-        steps = (getattr(model, "steps", None) for model in (self.batch.target, self.batch.draft))
-        return sum(s.capture_seconds for s in steps if s is not None)
 
     def _choose_arm(self, row, max_block: int, batch_rows: int):
         """The arm of an ``auto`` row for this step, from the policy of its settings and of the batch

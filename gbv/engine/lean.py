@@ -484,7 +484,7 @@ class LeanCausalLM:
         # Forwards of up to MAX_QUERIES queries as CUDA graphs, replayed (gbv.engine.static_steps); None
         # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
         mode = steps_mode(self.device)
-        self.steps = None if mode is None else StaticSteps(capture=mode == "graph")
+        self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of a forward, in order (for measuring their share of its time)."""
@@ -495,7 +495,7 @@ class LeanCausalLM:
         static steps run (CUDA graphs), one from this model's pool, lent to ``owner`` while it lives, so
         that the graphs recorded over it serve the next generation too."""
         if owner is not None and self.steps is not None:
-            return self.steps.cache(self, batch, capacity, owner)
+            return self.steps.cache(batch, capacity, owner)
         return self.plain_cache(batch, capacity)
 
     def plain_cache(self, batch: int, capacity: int) -> KVCache:
@@ -629,7 +629,7 @@ class LeanCausalLM:
             return self.host_forward(tokens.numpy(), positions.numpy(), start, cache, mask, causal, last_only,
                                      first_row)
         if self.steps is not None:  # (CUDA: a graph of this call's shape, replayed)
-            step = self.steps.get(self, cache, batch, n, mask is not None, causal, last_only, first_row, start)
+            step = self.steps.get(cache, batch, n, mask is not None, causal, last_only, first_row, start)
             if step is not None:
                 return step(tokens, positions, start, mask, cache)
         end = start + n

@@ -65,13 +65,21 @@ def steps_mode(device: torch.device) -> str | None:
     return None
 
 
-class StaticSteps:
-    """The static steps and pooled caches of one lean model; ``capture``: record CUDA graphs."""
+def recording_seconds(models) -> float:
+    """Seconds the static steps of ``models`` (lean views; any other object counts 0) have spent
+    recording CUDA graphs so far: a once-per-process cost that ``auto`` does not charge to an arm."""
+    return sum(steps.capture_seconds for steps in (getattr(model, "steps", None) for model in models)
+               if isinstance(steps, StaticSteps))
 
-    def __init__(self, capture: bool) -> None:
+
+class StaticSteps:
+    """The static steps and pooled caches of the lean model ``lean``; ``capture``: record CUDA graphs."""
+
+    def __init__(self, lean, capture: bool) -> None:
+        self.lean = lean
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self._caches: list[list] = []  # [cache, weak reference to its borrower or None]
+        self._caches: list[list] = []  # [cache, weak reference to its borrower]
         self.captures = 0  # graphs recorded, and the seconds spent recording them (warm-up included)
         self.capture_seconds = 0.0
         self.stream = None  # the side stream that records (one: each stream gets its own cuBLAS workspace)
@@ -83,24 +91,24 @@ class StaticSteps:
         # output of another graph's replay before it is copied out (two threads generating at once).
         self.lock = threading.Lock()
 
-    def cache(self, lean, batch: int, capacity: int, owner) -> "KVCache":  # noqa: F821
+    def cache(self, batch: int, capacity: int, owner) -> "KVCache":  # noqa: F821
         """A cache of ``batch`` rows and at least ``capacity`` slots lent to ``owner`` while it lives:
         the smallest free pooled one, else a new one (pooled while there is room)."""
         capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
         free = [entry for entry in self._caches
                 if entry[0].keys[0].shape[0] == batch and entry[0].capacity >= capacity
-                and (entry[1] is None or entry[1]() is None)]
+                and entry[1]() is None]
         if free:
             entry = min(free, key=lambda e: e[0].capacity)
             entry[1] = weakref.ref(owner)
             return entry[0]
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            cache = lean.plain_cache(batch, capacity)
+            cache = self.lean.plain_cache(batch, capacity)
         if len(self._caches) < MAX_POOLED:
             self._caches.append([cache, weakref.ref(owner)])
         return cache
 
-    def get(self, lean, cache, batch: int, n: int, masked: bool, causal: bool, last_only: bool, first_row: int,
+    def get(self, cache, batch: int, n: int, masked: bool, causal: bool, last_only: bool, first_row: int,
             start: int) -> "StaticStep | None":
         """The step for this call's shape (made on first use), or None where the call runs eagerly."""
         if n > MAX_QUERIES or (not masked and n > 1 and not causal):
@@ -112,7 +120,7 @@ class StaticSteps:
         if step is None:
             if len(cache.steps) >= MAX_STEPS_PER_CACHE:
                 return None
-            step = cache.steps[key] = StaticStep(lean, cache, batch, first_row, n, masked, last_only, self)
+            step = cache.steps[key] = StaticStep(cache, batch, first_row, n, masked, last_only, self)
         return step
 
 
@@ -120,9 +128,10 @@ class StaticStep:
     """One forward shape over one cache: ``batch`` rows from ``first_row``, ``n`` queries, a tree mask
     or not (then each query attends every slot up to its own), all logits or the last query's."""
 
-    def __init__(self, lean, cache, batch: int, first_row: int, n: int, masked: bool, last_only: bool,
+    def __init__(self, cache, batch: int, first_row: int, n: int, masked: bool, last_only: bool,
                  owner: StaticSteps) -> None:
-        self.lean, self.owner = lean, owner
+        lean = self.lean = owner.lean
+        self.owner = owner
         self.batch, self.first_row, self.n, self.last_only = batch, first_row, n, last_only
         capacity = cache.capacity
         lean.ensure_rotary(capacity)

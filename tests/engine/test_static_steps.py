@@ -30,7 +30,7 @@ def _eager_and_static(model):
     for lean in (eager, static):
         lean.host_forward = None
     eager.steps = None
-    static.steps = static_steps.StaticSteps(capture=CAPTURE)
+    static.steps = static_steps.StaticSteps(static, capture=CAPTURE)
     return eager, static
 
 
@@ -175,7 +175,7 @@ def test_pooled_caches_are_lent_to_one_owner_at_a_time():
     steps with it; capacities are powers of two of at least MIN_CAPACITY slots."""
     target, _ = hf_pair("llama", vocab=40, seed=3, target_size=(64, 2))
     lean = LeanCausalLM(target)
-    lean.steps = static_steps.StaticSteps(capture=False)
+    lean.steps = static_steps.StaticSteps(lean, capture=False)
 
     class Owner:
         pass
