@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from gbv.engine.decoder import AR, host_copies, host_random, set_method, verifies_on_host
-from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample, sample_into
+from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample_at, sample_into_at
+from gbv.engine.static_sampling import draft_uniforms
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import build_tree
 from gbv.engine.tree_decoder import lean_model
@@ -132,6 +133,8 @@ class BatchTreeDecoder:
         drafted = torch.zeros(n, max(width, 1), max(depth_max, 1), dtype=torch.long, device=dev)
         qs: list[Tensor | None] = [None] * n
         tips_k = [0] * n  # paths drafted per row
+        uniforms: list[Tensor | None] = [None] * n  # each drafting row's (block, k, 1), None when greedy
+        host_uniforms = self.draft is not None and self.draft.host_forward is not None
         chain_moves: list[tuple[int, list[int], list[int]]] = []
         tip_base = 0
         if depth_max > 0:
@@ -164,12 +167,15 @@ class BatchTreeDecoder:
                 k = 1 if row.draft_sampling.greedy else row.num_paths
                 tips_k[b] = k
                 qs[b] = torch.empty(k, block[b], self.vocab, dtype=torch.float32, device=dev)
-                if k == 1:  # (as a single sequence draws it: tree_decoder.TreeDecoder.step)
-                    drafted[b, :1, 0] = sample_into(first[b][None], row.draft_sampling, row.rng, qs[b][:, 0])
+                # the row's uniforms, taken as a single sequence takes them (TreeDecoder._draft_paths)
+                uniforms[b] = draft_uniforms(block[b], k, row.draft_sampling, row.rng, host_uniforms)
+                if k == 1:
+                    drafted[b, :1, 0] = sample_into_at(first[b][None], row.draft_sampling, qs[b][:, 0],
+                                                       _depth(uniforms[b], 0))
                     continue
                 q_first = process_logits(first[b], row.draft_sampling)
                 qs[b][:, 0] = q_first
-                drafted[b, :k, 0] = sample(q_first.expand(k, -1), row.generator, row.draft_sampling.greedy)
+                drafted[b, :k, 0] = sample_at(q_first.expand(k, -1), _depth(uniforms[b], 0), row.draft_sampling.greedy)
             # Tip k of a row at depth i sits in slot tip_base + (i-1)*width + k; it sees the row's
             # committed prefix, its chain, and its own path's earlier tips.
             path_of = torch.arange(width, device=dev)
@@ -193,8 +199,8 @@ class BatchTreeDecoder:
                     if not drafting[b] or block[b] <= i:
                         continue
                     k = tips_k[b]
-                    drafted[b, :k, i] = sample_into(logits[b, :k, :self.vocab], row.draft_sampling, row.rng,
-                                                    qs[b][:, i])
+                    drafted[b, :k, i] = sample_into_at(logits[b, :k, :self.vocab], row.draft_sampling, qs[b][:, i],
+                                                       _depth(uniforms[b], i))
         drafted_host = drafted.tolist()  # the one read of the drafts: the tries are built on the host
 
         # 2. target: every row's trie (a lone root for plain steps) in one forward.
@@ -278,6 +284,11 @@ class BatchTreeDecoder:
         if length < len(row.tokens):
             del row.tokens[length:]
             row.draft_len = min(row.draft_len, length - 1)
+
+
+def _depth(uniforms: Tensor | None, depth: int) -> Tensor | None:
+    """The uniforms of one drafting depth, (k, 1), or None (greedy)."""
+    return None if uniforms is None else uniforms[depth]
 
 
 def _extend(moves: tuple[list[int], list[int], list[int]], row: int, src: list[int], dst: list[int]) -> None:

@@ -171,13 +171,22 @@ def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
     if (probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.requires_grad
             or (generator is not None and generator.device.type != "cpu") or host_kernels_unavailable()):
         return None
+    return draw_rows_host_at(probs, torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64))
+
+
+def draw_rows_host_at(probs: Tensor, u: Tensor) -> Tensor | None:
+    """:func:`gbv.verify.common.draw_rows_at` (the uniforms ``u`` (..., 1) float64 given) by the
+    compiled kernel; None where it does not apply (as :func:`draw_rows_host`)."""
+    if (probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.requires_grad
+            or u.device.type != "cpu" or host_kernels_unavailable()):
+        return None
     vocab = probs.shape[-1]
     rows = probs.detach().numpy()
     if not rows.flags.c_contiguous:  # (the first depth's row expanded over the paths)
         rows = np.ascontiguousarray(rows)
-    u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64)
     tokens = np.empty(probs.shape[:-1], dtype=np.int64)
-    _host_kernels.draw_rows(rows, u.numpy(), tokens, tokens.size, vocab, BELOW_ONE)
+    _host_kernels.draw_rows(rows, np.ascontiguousarray(u.numpy(), dtype=np.float64), tokens, tokens.size, vocab,
+                            BELOW_ONE)
     return torch.from_numpy(tokens)
 
 

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gbv.engine.host_kernels import host_kernels_unavailable
-from gbv.engine.sampling import SamplingConfig, host_samples
+from gbv.engine.sampling import SamplingConfig, host_samples, token_uniform
 from gbv.engine.static_steps import StaticSteps, steps_mode
+from gbv.engine.static_sampling import sampled_step
 from gbv.verify.common import TorchRandom
 from gbv.engine.lean_host import PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_unsupported_reason
 
@@ -570,25 +571,38 @@ class LeanCausalLM:
         not run here (no one-call forward, top-k or top-p): the caller takes :meth:`chain`."""
         host = self._sampling_host(len(ids), config, vocab)
         if host is None:
-            return None
+            return None if probs is not None else self._static_sampled_chain(ids, start, cache, vocab, config, rng)
         return host.sampled(np.array(ids, dtype=np.int64), np.arange(start, start + len(ids), dtype=np.int64), start,
                             cache, None, True, vocab, config.temperature, None if config.greedy else rng.uniform(),
                             probs.numpy() if isinstance(probs, Tensor) else probs)
 
+    def _static_sampled_chain(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
+                              rng: TorchRandom) -> int | None:
+        """:meth:`sampled_chain` as one static call (CUDA graphs: forward, law and draw recorded
+        together), its uniform from :func:`token_uniform`, as ``draw_token`` takes its own; None where
+        no static step runs."""
+        step = sampled_step(self, cache, len(ids), False, start, vocab, config, draw=True)
+        if step is None:
+            return None
+        tokens = torch.tensor([ids], device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        return int(step.sampled(tokens, positions, start, None, cache, None if config.greedy else token_uniform(rng))[0])
+
     def sampled_tips(self, tokens: Tensor, position: int, start: int, cache: KVCache, mask: Tensor | None, vocab: int,
-                     config: SamplingConfig, rng: TorchRandom, probs: Tensor) -> Tensor | None:
+                     config: SamplingConfig, uniforms: Tensor | None, probs: Tensor) -> Tensor | None:
         """One drafting depth in one compiled call: the forward of the R path tips ``tokens`` ((R,) long,
         all at rotary ``position``, slots ``start ..``, ``mask`` (1, 1, R, start + R) bool or None for one
         tip), their probabilities into ``probs`` ((R, vocab) float32, rows may be strided) and one token
-        drawn from each row as in :meth:`sampled_chain`. Returns the (R,) tokens; None where that call
-        does not run here (the caller takes :meth:`forward`)."""
+        drawn from each row as in :meth:`sampled_chain`, from ``uniforms`` ((R, 1) float64 on the host;
+        None when greedy). Returns the (R,) tokens; None where that call does not run here (the caller
+        takes :meth:`forward`)."""
         rows = tokens.shape[0]
         host = self._sampling_host(rows, config, vocab)
         if host is None:
             return None
         drawn = np.empty(rows, dtype=np.int64)
         host.sampled(tokens.numpy(), np.full(rows, position, dtype=np.int64), start, cache, mask, False, vocab,
-                     config.temperature, None if config.greedy else rng.uniforms(rows), probs.numpy(), drawn)
+                     config.temperature, None if config.greedy else uniforms.reshape(-1).numpy(), probs.numpy(), drawn)
         return torch.from_numpy(drawn)
 
     def sampled_probs(self, ids: list[int] | Tensor, positions: Tensor | None, start: int, cache: KVCache,
@@ -600,8 +614,13 @@ class LeanCausalLM:
         None where that call does not run here (the caller takes :meth:`forward`)."""
         n = len(ids)
         host = self._sampling_host(n, config, vocab)
-        if host is None:
-            return None
+        if host is None:  # (CUDA graphs: the forward and the laws as one recorded call)
+            step = sampled_step(self, cache, n, mask is not None, start, vocab, config, draw=False)
+            if step is None:
+                return None
+            tokens = torch.tensor([ids], device=self.device) if isinstance(ids, list) else ids[None]
+            where = torch.arange(start, start + n, device=self.device) if positions is None else positions
+            return step.sampled(tokens, where[None], start, mask, cache)
         tokens = np.array(ids, dtype=np.int64) if isinstance(ids, list) else ids.numpy()
         where = np.arange(start, start + n, dtype=np.int64) if positions is None else positions.numpy()
         probs = torch.empty(n, vocab, dtype=torch.float32)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gbv.engine.host_kernels import draw_rows_host, host_kernels_unavailable, softmax_into
-from gbv.verify.common import TorchRandom, draw_rows
+from gbv.engine.host_kernels import draw_rows_host, draw_rows_host_at, host_kernels_unavailable, softmax_into
+from gbv.verify.common import TorchRandom, draw_rows, draw_rows_at
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,16 @@ def draw_token(logits: Tensor, config: SamplingConfig, rng: TorchRandom) -> int:
     if _host_softmax(logits, config) and rng.generator.device.type == "cpu":
         return softmax_into(logits.reshape(1, -1).numpy(), config.temperature, u=rng.uniform())
     probs = process_logits(logits, config)
-    return int(sample(probs[None], rng.generator, config.greedy)[0])
+    return int(sample_at(probs[None], None if config.greedy else token_uniform(rng), config.greedy)[0])
+
+
+def token_uniform(rng: TorchRandom) -> Tensor:
+    """The uniform of one token's draw: (1, 1) float64 on the device of ``rng``'s generator; a CPU
+    generator's from ``rng.uniform()`` (its buffered block), a device's from one ``torch.rand`` there."""
+    generator = rng.generator
+    if generator.device.type == "cpu":
+        return torch.tensor([[rng.uniform()]], dtype=torch.float64)
+    return torch.rand((1, 1), generator=generator, dtype=torch.float64, device=generator.device)
 
 
 def sample_into(logits: Tensor, config: SamplingConfig, rng: TorchRandom, probs: Tensor) -> Tensor:
@@ -111,3 +120,24 @@ def sample(probs: Tensor, generator: torch.Generator | None, greedy: bool = Fals
         return probs.argmax(-1)
     drawn = draw_rows_host(probs, generator)
     return drawn if drawn is not None else draw_rows(probs, generator)
+
+
+def sample_at(probs: Tensor, u: Tensor | None, greedy: bool = False) -> Tensor:
+    """:func:`sample` with its uniforms given: ``u`` (N, 1) float64 (None when greedy), on the device
+    of ``probs`` (N, V); it may be overwritten. Returns (N,) long."""
+    if greedy:
+        return probs.argmax(-1)
+    drawn = draw_rows_host_at(probs, u)
+    return drawn if drawn is not None else draw_rows_at(probs, u)
+
+
+def sample_into_at(logits: Tensor, config: SamplingConfig, probs: Tensor, u: Tensor | None) -> Tensor:
+    """:func:`sample_into` with its uniforms given (as :func:`sample_at`): ``probs[:] =
+    process_logits(logits, config)`` ((R, V)) and one draw per row, in one compiled call where
+    :func:`process_logits` would be one. Returns (R,) long."""
+    if u is not None and _host_softmax(logits, config) and u.device.type == "cpu":
+        tokens = np.empty(logits.shape[0], dtype=np.int64)
+        softmax_into(logits.numpy(), config.temperature, probs.numpy(), u.reshape(-1).numpy(), tokens)
+        return torch.from_numpy(tokens)
+    probs.copy_(process_logits(logits, config))
+    return sample_at(probs, u, config.greedy)

@@ -89,7 +89,7 @@ class StaticSteps:
         self._anchor = None
         # One step at a time per model: the graphs share one memory pool, so a replay may overwrite the
         # output of another graph's replay before it is copied out (two threads generating at once).
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def cache(self, batch: int, capacity: int, owner) -> "KVCache":  # noqa: F821
         """A cache of ``batch`` rows and at least ``capacity`` slots lent to ``owner`` while it lives:
@@ -124,57 +124,25 @@ class StaticSteps:
         return step
 
 
-class StaticStep:
-    """One forward shape over one cache: ``batch`` rows from ``first_row``, ``n`` queries, a tree mask
-    or not (then each query attends every slot up to its own), all logits or the last query's."""
+class Recorded:
+    """A call over buffers of its own, run as it is or, on CUDA, recorded once as a graph and replayed.
+    Subclasses make the buffers, fill them before each call and define :meth:`_run` over them."""
 
-    def __init__(self, cache, batch: int, first_row: int, n: int, masked: bool, last_only: bool,
-                 owner: StaticSteps) -> None:
-        lean = self.lean = owner.lean
+    def __init__(self, owner: StaticSteps) -> None:
         self.owner = owner
-        self.batch, self.first_row, self.n, self.last_only = batch, first_row, n, last_only
-        capacity = cache.capacity
-        lean.ensure_rotary(capacity)
-        # The graph reads the rotary tables as they are now: keep them alive should they be regrown.
-        self.tables = (lean._cos, lean._sin, lean._rot)
-        device = lean.device
-        with torch.inference_mode(False):
-            self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
-            self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
-            self.slots = torch.zeros(n, dtype=torch.long, device=device)
-            self.columns = torch.arange(capacity, device=device)
-            self.mask = torch.zeros(batch, 1, n, capacity, dtype=torch.bool, device=device) if masked else None
+        self.lean = owner.lean
         self.graph = None
         self.output = None
         self.calls = 0
 
-    def _run(self, cache) -> Tensor:
-        """The forward over the buffers: (B, N or 1, V) logits."""
-        lean, batch, n = self.lean, self.batch, self.n
-        cos, sin = lean._rotary(self.positions, self.columns.shape[0])
-        hidden = torch.embedding(lean.embed, self.tokens.reshape(-1))
-        mask = self.mask
-        if mask is None:  # query i attends every slot up to its own: the prefix, and the chain causally
-            mask = (self.columns[None, :] <= self.slots[:, None])[None, None]
-        bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
-        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, self.slots, mask, False, bias)
-        return lean._head(hidden, batch, n, self.last_only)
+    def _run(self, cache):
+        """The work over the buffers; a tensor or a tuple of tensors."""
+        raise NotImplementedError
 
-    def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:
-        """``LeanCausalLM.forward`` of (B, N) ``tokens`` at ``positions`` written from slot ``start``
-        under ``mask`` ((B or 1, 1, N, start + N) bool, or None); a new (B, N or 1, V) tensor."""
-        with self.owner.lock:  # (the buffers, and the pool's memory between a replay and its copy out)
-            return self._call(tokens, positions, start, mask, cache)
-
-    def _call(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:
-        n = self.n
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
-        self.slots.copy_(self.columns[start:start + n])
-        if self.mask is not None:
-            width = start + n
-            self.mask[..., :width].copy_(mask)
-            self.mask[..., width:].zero_()
+    def _replay(self, cache):
+        """:meth:`_run`'s result for the buffers as they are now: run as it is, or from the recorded
+        graph (a copy of its output: a later graph of this model may reuse the output's memory).
+        Under the owner's lock."""
         self.calls += 1
         if not self.owner.capture or (self.graph is None and self.calls < 2):
             return self._run(cache)  # (a shape is recorded at its second call: a prompt's chain runs once)
@@ -187,10 +155,12 @@ class StaticStep:
                 self.lean.steps = None
                 return self._run(cache)
         self.graph.replay()
-        return self.output.clone()  # (a later graph of this model may reuse the output's memory)
+        if isinstance(self.output, tuple):
+            return tuple(out.clone() for out in self.output)
+        return self.output.clone()
 
     def _capture(self, cache) -> None:
-        """Record the forward as a CUDA graph. A warm-up on a side stream first (lazy initialisation
+        """Record :meth:`_run` as a CUDA graph. A warm-up on a side stream first (lazy initialisation
         must not happen while capturing); it runs the real call, writing the same keys and values the
         replay writes again. Without ``torch.cuda.graph``'s ``gc.collect()`` per capture (tens of ms)."""
         began = time.perf_counter()
@@ -215,3 +185,92 @@ class StaticStep:
             self.owner._anchor = graph
         self.owner.captures += 1
         self.owner.capture_seconds += time.perf_counter() - began
+
+
+class StaticStep(Recorded):
+    """One forward shape over one cache: ``batch`` rows from ``first_row``, ``n`` queries, a tree mask
+    or not (then each query attends every slot up to its own), all logits or the last query's."""
+
+    def __init__(self, cache, batch: int, first_row: int, n: int, masked: bool, last_only: bool,
+                 owner: StaticSteps) -> None:
+        super().__init__(owner)
+        lean = self.lean
+        self.batch, self.first_row, self.n, self.last_only = batch, first_row, n, last_only
+        capacity = cache.capacity
+        lean.ensure_rotary(capacity)
+        # The graph reads the rotary tables as they are now: keep them alive should they be regrown.
+        self.tables = (lean._cos, lean._sin, lean._rot)
+        device = lean.device
+        with torch.inference_mode(False):
+            self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+            self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
+            self.slots = torch.zeros(n, dtype=torch.long, device=device)
+            self.columns = torch.arange(capacity, device=device)
+            self.mask = torch.zeros(batch, 1, n, capacity, dtype=torch.bool, device=device) if masked else None
+
+    def _run(self, cache) -> Tensor:
+        """The forward over the buffers: (B, N or 1, V) logits."""
+        lean, batch, n = self.lean, self.batch, self.n
+        cos, sin = lean._rotary(self.positions, self.columns.shape[0])
+        hidden = torch.embedding(lean.embed, self.tokens.reshape(-1))
+        mask = self.mask
+        if mask is None:  # query i attends every slot up to its own: the prefix, and the chain causally
+            mask = (self.columns[None, :] <= self.slots[:, None])[None, None]
+        bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
+        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, self.slots, mask, False, bias)
+        return lean._head(hidden, batch, n, self.last_only)
+
+    def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:
+        """``LeanCausalLM.forward`` of (B, N) ``tokens`` at ``positions`` written from slot ``start``
+        under ``mask`` ((B or 1, 1, N, start + N) bool, or None); a new (B, N or 1, V) tensor."""
+        with self.owner.lock:  # (the buffers, and the pool's memory between a replay and its copy out)
+            n = self.n
+            self.tokens.copy_(tokens)
+            self.positions.copy_(positions)
+            self.slots.copy_(self.columns[start:start + n])
+            if self.mask is not None:
+                width = start + n
+                self.mask[..., :width].copy_(mask)
+                self.mask[..., width:].zero_()
+            return self._replay(cache)
+
+
+class StaticMove(Recorded):
+    """``KVCache.move`` of ``count`` slots of row 0 (a single sequence's cache), every layer's keys and
+    values, as one recorded call: the commit of an accepted path whose nodes do not sit at their depth
+    (an index and an ``index_put_`` per layer and per keys / values otherwise: 32 launches for the
+    bundled target)."""
+
+    def __init__(self, count: int, owner: StaticSteps) -> None:
+        super().__init__(owner)
+        with torch.inference_mode(False):
+            self.indices = torch.zeros(2, count, dtype=torch.long, device=owner.lean.device)  # src, dst
+
+    def __call__(self, src: list[int], dst: list[int], cache) -> None:
+        indices = torch.tensor([src, dst], dtype=torch.long)  # (one copy to the device for both)
+        with self.owner.lock:
+            self.indices.copy_(indices)
+            self._replay(cache)
+
+    def _run(self, cache) -> tuple:
+        src, dst = self.indices
+        for store in (cache.keys, cache.values):
+            for tensor in store:
+                tensor[0, :, dst] = tensor[0, :, src]  # (the right side is a copy: read whole, then written)
+        return ()
+
+
+def move(lean, cache, src: list[int], dst: list[int]) -> None:
+    """``cache.move(src, dst)`` (row 0), as a :class:`StaticMove` where ``lean`` has static steps."""
+    steps = lean.steps
+    if not isinstance(steps, StaticSteps) or cache.keys[0].shape[0] != 1:
+        cache.move(src, dst)
+        return
+    key = ("move", len(src))
+    step = cache.steps.get(key)
+    if step is None:
+        if len(cache.steps) >= MAX_STEPS_PER_CACHE:
+            cache.move(src, dst)
+            return
+        step = cache.steps[key] = StaticMove(len(src), steps)
+    step(src, dst, cache)

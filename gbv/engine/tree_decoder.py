@@ -28,7 +28,9 @@ import torch
 
 from gbv.engine.decoder import DecoderState
 from gbv.engine.lean import LeanCausalLM
-from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample, sample_into
+from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample_at, sample_into_at
+from gbv.engine.static_sampling import MAX_CHAIN, draft_loop, draft_uniforms
+from gbv.engine.static_steps import move
 from gbv.engine.tree import build_tree, prefix_then
 # Room added to the prompt length when a cache is first allocated; it grows (doubling) when needed.
 _INITIAL_ROOM = 512
@@ -109,20 +111,33 @@ class TreeDecoder(DecoderState):
                                                  self.draft_sampling, self.rng, q_rows[i]))
         return path
 
-    def _draft_paths(self, block: int, rows: int, committed: int, base: int, q: torch.Tensor) -> torch.Tensor:
-        """The K = ``rows`` paths: the unseen chain, then one forward per depth over the path tips, their
-        laws into ``q`` (K, L, V). Returns the (K, L) drafted tokens, on the device."""
-        greedy = self.draft_sampling.greedy
-        drafted = torch.empty(rows, block, dtype=torch.long, device=self.device)
+    def _draft_paths(self, block: int, rows: int, committed: int, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K = ``rows`` paths: the unseen chain, then one forward per depth over the path tips. Returns
+        the (K, L) drafted tokens and their laws q (K, L, V), on the device. Where the draft has static
+        steps (CUDA graphs), the whole phase is one recorded call (:mod:`gbv.engine.static_sampling`); both
+        forms draw from the same uniforms, taken before the phase."""
+        config = self.draft_sampling
         lag = self.tokens[self.draft_len:]
+        uniforms = draft_uniforms(block, rows, config, self.rng, host=self.draft.host_forward is not None)
+        if self.draft.steps is not None:
+            if len(lag) > MAX_CHAIN:  # (a long lag, after a stretch of plain steps: all but its last first)
+                self._chain(self.draft, self.draft_cache, lag[:-1], self.draft_len)
+                lag = lag[-1:]
+            loop = draft_loop(self.draft, self.draft_cache, len(lag), rows, block, self.vocab, config,
+                              base + (block - 1) * rows)
+            if loop is not None:
+                q, drafted = loop(lag, base, uniforms, self.draft_cache)
+                return drafted, q
+        q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
+        drafted = torch.empty(rows, block, dtype=torch.long, device=self.device)
+        first = self._chain(self.draft, self.draft_cache, lag, base - len(lag))
+        at = (lambda depth: None) if uniforms is None else (lambda depth: uniforms[depth])
         if rows == 1:
-            drafted[:, 0] = sample_into(self._chain(self.draft, self.draft_cache, lag, self.draft_len)[None],
-                                        self.draft_sampling, self.rng, q[:, 0])
+            drafted[:, 0] = sample_into_at(first[None], config, q[:, 0], at(0))
         else:
-            q_first = process_logits(self._chain(self.draft, self.draft_cache, lag, self.draft_len),
-                                     self.draft_sampling)
+            q_first = process_logits(first, config)
             q[:, 0] = q_first
-            drafted[:, 0] = sample(q_first.expand(rows, -1), self.generator, greedy)
+            drafted[:, 0] = sample_at(q_first.expand(rows, -1), at(0), config.greedy)
         if block > 1:
             # Node of path k at depth i (tokens x_1..x_{L-1}) sits in slot base + (i-1)*rows + k. One path
             # needs no mask: its tip attends every slot up to its own (a mask of all True only costs).
@@ -135,15 +150,14 @@ class TreeDecoder(DecoderState):
                 width = base + i * rows
                 tip_mask = None if mask is None else mask[..., :width]
                 tips = self.draft.sampled_tips(drafted[:, i - 1], committed + i, base + (i - 1) * rows,
-                                               self.draft_cache, tip_mask, self.vocab, self.draft_sampling,
-                                               self.rng, q[:, i])
+                                               self.draft_cache, tip_mask, self.vocab, config, at(i), q[:, i])
                 if tips is None:
                     logits = self.draft.forward(drafted[:, i - 1][None], torch.full((1, rows), committed + i,
                                                 device=self.device), base + (i - 1) * rows, self.draft_cache,
                                                 tip_mask)
-                    tips = sample_into(logits[0, :, :self.vocab], self.draft_sampling, self.rng, q[:, i])
+                    tips = sample_into_at(logits[0, :, :self.vocab], config, q[:, i], at(i))
                 drafted[:, i] = tips
-        return drafted
+        return drafted, q
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration; returns the newly committed tokens (the last one is the new pending token).
@@ -157,12 +171,14 @@ class TreeDecoder(DecoderState):
 
         # 1. draft: the unseen chain, then one forward per depth over the K path tips.
         start = self._clock()
-        q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
-        path = self._draft_one_path(block, committed, q) if rows == 1 else None
+        path = None
+        if rows == 1 and self.draft.host_forward is not None:
+            q = torch.empty(1, block, self.vocab, dtype=torch.float32, device=self.device)
+            path = self._draft_one_path(block, committed, q)
         if path is not None:
             drafted = torch.tensor([path], device=self.device)
         else:
-            drafted = self._draft_paths(block, rows, committed, base, q)
+            drafted, q = self._draft_paths(block, rows, committed, base)
         stats.draft_steps += block
         t_draft = self._clock()
         stats.time_draft += t_draft - start
@@ -210,10 +226,11 @@ class TreeDecoder(DecoderState):
         self.tokens.extend(new)
         nodes = path_nodes[path][1:tau + 1]
         if any(node != depth for depth, node in enumerate(nodes, start=1)):
-            self.target_cache.move([committed + node for node in nodes], list(range(base, base + tau)))
+            move(self.target, self.target_cache, [committed + node for node in nodes], list(range(base, base + tau)))
         kept = min(tau, block - 1)  # the draft never ran on x_L
         if rows > 1 and kept > 0 and (path > 0 or kept > 1):
-            self.draft_cache.move([base + i * rows + path for i in range(kept)], list(range(base, base + kept)))
+            move(self.draft, self.draft_cache, [base + i * rows + path for i in range(kept)],
+                 list(range(base, base + kept)))
         self.draft_len = base + kept
         return new
 

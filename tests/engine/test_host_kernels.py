@@ -364,7 +364,8 @@ def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
         tips = torch.tensor([7, 8, 9])
         mask = prefix_then(torch.eye(rows, dtype=torch.bool), start)
         probs = torch.empty(rows, 2, vocab)[:, 1]  # strided rows, as q[:, i]
-        drawn = lean.sampled_tips(tips, start, start, sampled_cache, mask, vocab, config, ours, probs)
+        uniforms = torch.from_numpy(ours.uniforms(rows))[:, None]
+        drawn = lean.sampled_tips(tips, start, start, sampled_cache, mask, vocab, config, uniforms, probs)
         logits = lean.forward(tips[None], torch.full((1, rows), start), start, plain_cache, mask)[0, :, :vocab]
         expected = process_logits(logits, config)
         torch.testing.assert_close(probs, expected, rtol=0, atol=0)

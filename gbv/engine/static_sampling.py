@@ -1,0 +1,197 @@
+"""Static calls that also sample: one iteration's drafting as one call (:class:`DraftLoop`), and a
+step that also computes its law and draws (:class:`SampledStep`). On CUDA each is one recorded graph.
+
+Why: with each forward replayed as a graph (:mod:`gbv.engine.static_steps`), an iteration's drafting
+on an H200 was still launched op by op from Python: per depth, the buffers of a step copied in, its
+replay, the output copied out, the softmax and the inverse-CDF draw (about 25 torch calls a depth,
+~110 an iteration of BV L = 4 outside the forwards; ``scripts/launch_counts.py``). A :class:`DraftLoop`
+records the whole phase, the unseen chain, the first tokens and every depth's forward over the K path
+tips with its law and its draws, so that one iteration's drafting launches a handful of calls: the
+chain's ids and the first slot copied in, the uniforms drawn, one replay and the two outputs copied out.
+
+It computes what :meth:`gbv.engine.tree_decoder.TreeDecoder._draft_paths` computes on the torch path:
+the same forwards (those of a static step: every slot under a mask), the same laws
+(:func:`gbv.engine.sampling.process_logits`) and the same draws from the same uniforms
+(:func:`draft_uniforms`, drawn before the phase; :func:`gbv.verify.common.draw_rows_at`), so the
+tokens are those of the step-by-step form (``tests/engine/test_static_draft.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from gbv.engine.sampling import SamplingConfig, process_logits
+from gbv.engine.static_steps import FEW_QUERY_ATTENTION, MAX_QUERIES, MAX_STEPS_PER_CACHE, Recorded, StaticStep, StaticSteps
+from gbv.verify.common import TorchRandom, draw_rows_at
+
+# ``GBV_STATIC_SAMPLING=0`` turns these calls off (static steps then run step by step, sampling eagerly
+# between them; for before/after measurements: scripts/bench_cuda_graphs.py, scripts/launch_counts.py).
+ENABLED = os.environ.get("GBV_STATIC_SAMPLING", "1") != "0"
+
+# Unseen chains longer than this are fed first (all but their last token) as a chain of their own:
+# a loop per chain length would be recorded for lags met once (after ``auto``'s ``ar`` stretches).
+MAX_CHAIN = 4
+
+
+def draft_uniforms(block: int, rows: int, config: SamplingConfig, rng: TorchRandom, host: bool) -> Tensor | None:
+    """The uniforms of one iteration's draws, taken at once before drafting: (block, rows, 1) float64
+    (depth i, path k: ``[i, k]``); None when the draft is greedy. With ``host`` (a CPU generator whose
+    drafting runs the host forward's compiled calls) from ``rng.uniforms``, its buffered block: a
+    ``torch.rand`` after a forward costs tens of us from a cold cache there. Otherwise from one
+    ``uniform_`` on the generator's device (nothing read back: on a GPU, no wait)."""
+    if config.greedy:
+        return None
+    generator = rng.generator
+    if host and generator.device.type == "cpu":
+        return torch.from_numpy(rng.uniforms(block * rows)).view(block, rows, 1)
+    return torch.empty((block, rows, 1), dtype=torch.float64, device=generator.device).uniform_(generator=generator)
+
+
+def draft_loop(lean, cache, chain: int, rows: int, block: int, vocab: int, config: SamplingConfig,
+               end: int) -> "DraftLoop | None":
+    """The loop of this shape over ``cache`` (made on first use), or None where drafting runs step by step:
+    no static steps for ``lean``, a chain longer than :data:`MAX_CHAIN`, or the cache's steps full.
+    ``end``: one past the last slot the phase writes (the cache grows to hold it)."""
+    steps = lean.steps
+    if not ENABLED or not isinstance(steps, StaticSteps) or not 1 <= chain <= MAX_CHAIN:
+        return None
+    if end > cache.capacity:
+        cache.grow(end)  # (drops the cache's steps: its tensors are new)
+    key = ("draft", chain, rows, block, vocab, config)
+    loop = cache.steps.get(key)
+    if loop is None:
+        if len(cache.steps) >= MAX_STEPS_PER_CACHE:
+            return None
+        loop = cache.steps[key] = DraftLoop(cache, chain, rows, block, vocab, config, steps)
+    return loop
+
+
+class DraftLoop(Recorded):
+    """The drafting of one iteration over one cache row: an unseen chain of ``chain`` tokens, then
+    ``block - 1`` depths over ``rows`` path tips; laws under ``config`` over the first ``vocab`` logits.
+
+    Slots (as in ``TreeDecoder``): the chain ends at slot ``base - 1`` (the pending token); path k's
+    node at depth i (1 <= i < block) sits in slot ``base + (i - 1) * rows + k``, at position
+    ``base - 1 + i``, and attends the prefix (slots < base) and its own path's earlier nodes."""
+
+    def __init__(self, cache, chain: int, rows: int, block: int, vocab: int, config: SamplingConfig,
+                 owner: StaticSteps) -> None:
+        super().__init__(owner)
+        lean = self.lean
+        self.chain, self.rows, self.block, self.vocab, self.config = chain, rows, block, vocab, config
+        capacity = cache.capacity
+        lean.ensure_rotary(capacity)
+        self.tables = (lean._cos, lean._sin, lean._rot)  # (kept alive: the graph reads them)
+        device = lean.device
+        with torch.inference_mode(False):
+            self.inputs = torch.zeros(chain + 1, dtype=torch.long, device=device)  # the chain's ids, then base
+            self.uniforms = torch.zeros(block, rows, 1, dtype=torch.float64, device=device)
+            self.columns = torch.arange(capacity, device=device)
+            self.path_of = torch.arange(rows, device=device)
+            self.chain_offsets = torch.arange(chain, device=device)
+
+    def __call__(self, ids: list[int], base: int, uniforms: Tensor | None, cache) -> tuple[Tensor, Tensor]:
+        """Draft from the unseen chain ``ids`` ending at slot ``base - 1``; ``uniforms``: those of
+        :func:`draft_uniforms` (None when greedy). Returns new tensors: q (rows, block, vocab) float32,
+        the laws drawn from, and the drafted tokens (rows, block) long."""
+        inputs = torch.tensor([*ids, base], dtype=torch.long)  # (one copy to the device for all)
+        with self.owner.lock:
+            self.inputs.copy_(inputs)
+            if uniforms is not None:
+                self.uniforms.copy_(uniforms)
+            return self._replay(cache)
+
+    def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache,
+                 last_only: bool) -> Tensor:
+        """A static step's forward of one row's (N,) ``tokens`` at ``positions`` into ``slots`` under
+        ``mask`` (1, 1, N, capacity): (N or 1, vocab) logits."""
+        lean, n = self.lean, tokens.shape[0]
+        cos, sin = lean._rotary(positions[None], self.columns.shape[0])
+        hidden = torch.embedding(lean.embed, tokens)
+        bias = lean.attention_bias(mask, 1) if FEW_QUERY_ATTENTION else None
+        hidden = lean._layers(hidden, 1, n, cos, sin, cache, 0, 0, slots, mask, False, bias)
+        return lean._head(hidden, 1, n, last_only)[0, :, :self.vocab]
+
+    def _draw(self, probs: Tensor, depth: int) -> Tensor:
+        """One token per row of (rows, vocab) ``probs``, from the uniforms of ``depth`` (a copy: the
+        draw overwrites them, and a replay must find them as they were copied in)."""
+        if self.config.greedy:
+            return probs.argmax(-1)
+        return draw_rows_at(probs, self.uniforms[depth].clone())
+
+    def _run(self, cache) -> tuple[Tensor, Tensor]:
+        chain, rows, block, columns = self.chain, self.rows, self.block, self.columns
+        base = self.inputs[chain:]  # (1,)
+        q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=columns.device)
+        drafted = torch.empty(rows, block, dtype=torch.long, device=columns.device)
+        # The unseen chain, causal after the prefix; its last position's law gives every path's first token.
+        slots = base - chain + self.chain_offsets
+        mask = (columns[None, :] <= slots[:, None])[None, None]
+        logits = self._forward(self.inputs[:chain], slots, slots, mask, cache, last_only=True)
+        first = process_logits(logits, self.config)  # (1, vocab)
+        q[:, 0] = first
+        tokens = drafted[:, 0] = self._draw(first.expand(rows, -1), 0)
+        # Each depth: one forward over the path tips, each on its own path after the prefix.
+        relative = columns - base  # (capacity,): a slot's place among the drafted nodes (< 0: the prefix)
+        own = relative % rows == self.path_of[:, None]  # (rows, capacity)
+        for i in range(1, block):
+            slots = base + (i - 1) * rows + self.path_of
+            mask = ((relative < 0) | (own & (relative < i * rows)))[None, None]
+            probs = process_logits(self._forward(tokens, (base - 1 + i).expand(rows), slots, mask, cache,
+                                                 last_only=False), self.config)
+            q[:, i] = probs
+            tokens = drafted[:, i] = self._draw(probs, i)
+        return q, drafted
+
+
+def sampled_step(lean, cache, n: int, masked: bool, start: int, vocab: int, config: SamplingConfig,
+                 draw: bool) -> "SampledStep | None":
+    """The sampled step of this shape over row 0 of ``cache`` (made on first use), or None where the
+    call runs otherwise (no static steps for ``lean``, too many queries, the cache's steps full)."""
+    steps = lean.steps
+    if not ENABLED or not isinstance(steps, StaticSteps) or n > MAX_QUERIES:
+        return None
+    if start + n > cache.capacity:
+        cache.grow(start + n)  # (drops the cache's steps: its tensors are new)
+    key = ("sampled", n, masked, vocab, config, draw)
+    step = cache.steps.get(key)
+    if step is None:
+        if len(cache.steps) >= MAX_STEPS_PER_CACHE:
+            return None
+        step = cache.steps[key] = SampledStep(cache, n, masked, vocab, config, draw, steps)
+    return step
+
+
+class SampledStep(StaticStep):
+    """A static step of one sequence's ``n`` queries that also computes ``process_logits`` of their
+    first ``vocab`` logits under ``config``: the target's pass over a block or a tree, (n, vocab)
+    float32; or, with ``draw``, only the last query's and one token drawn from it by ``sample``'s rule
+    (a plain target step), a (1,) long tensor. Why: on a GPU the softmax and the draw after a replayed
+    step were about ten more launches from Python, against one replay for the whole forward."""
+
+    def __init__(self, cache, n: int, masked: bool, vocab: int, config: SamplingConfig, draw: bool,
+                 owner: StaticSteps) -> None:
+        super().__init__(cache, 1, 0, n, masked, draw, owner)
+        self.vocab, self.config, self.draw = vocab, config, draw
+        with torch.inference_mode(False):
+            self.uniforms = torch.zeros(1, 1, dtype=torch.float64, device=self.lean.device)
+
+    def _run(self, cache) -> Tensor:
+        probs = process_logits(super()._run(cache)[0, :, :self.vocab], self.config)
+        if not self.draw:
+            return probs
+        if self.config.greedy:
+            return probs.argmax(-1)
+        return draw_rows_at(probs, self.uniforms.clone())
+
+    def sampled(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache,
+                uniform: Tensor | None = None) -> Tensor:
+        """As :meth:`StaticStep.__call__` for (1, N) ``tokens``; ``uniform`` (1, 1) float64: the draw's
+        (None when greedy or without ``draw``). Returns a new tensor (above)."""
+        with self.owner.lock:  # (re-entered by the call below)
+            if uniform is not None:
+                self.uniforms.copy_(uniform)
+            return self(tokens, positions, start, mask, cache)
