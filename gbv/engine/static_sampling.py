@@ -18,18 +18,13 @@ tokens are those of the step-by-step form (``tests/engine/test_static_draft.py``
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from gbv.engine import static_steps
 from gbv.engine.sampling import SamplingConfig, process_logits
 from gbv.engine.static_steps import FEW_QUERY_ATTENTION, MAX_QUERIES, MAX_STEPS_PER_CACHE, Recorded, StaticStep, StaticSteps
 from gbv.verify.common import TorchRandom, draw_rows_at
-
-# ``GBV_STATIC_SAMPLING=0`` turns these calls off (static steps then run step by step, sampling eagerly
-# between them; for before/after measurements: scripts/bench_cuda_graphs.py, scripts/launch_counts.py).
-ENABLED = os.environ.get("GBV_STATIC_SAMPLING", "1") != "0"
 
 # Unseen chains longer than this are fed first (all but their last token) as a chain of their own:
 # a loop per chain length would be recorded for lags met once (after ``auto``'s ``ar`` stretches).
@@ -56,7 +51,7 @@ def draft_loop(lean, cache, chain: int, rows: int, block: int, vocab: int, confi
     no static steps for ``lean``, a chain longer than :data:`MAX_CHAIN`, or the cache's steps full.
     ``end``: one past the last slot the phase writes (the cache grows to hold it)."""
     steps = lean.steps
-    if not ENABLED or not isinstance(steps, StaticSteps) or not 1 <= chain <= MAX_CHAIN:
+    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps) or not 1 <= chain <= MAX_CHAIN:
         return None
     if end > cache.capacity:
         cache.grow(end)  # (drops the cache's steps: its tensors are new)
@@ -152,7 +147,7 @@ def sampled_step(lean, cache, n: int, masked: bool, start: int, vocab: int, conf
     """The sampled step of this shape over row 0 of ``cache`` (made on first use), or None where the
     call runs otherwise (no static steps for ``lean``, too many queries, the cache's steps full)."""
     steps = lean.steps
-    if not ENABLED or not isinstance(steps, StaticSteps) or n > MAX_QUERIES:
+    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps) or n > MAX_QUERIES:
         return None
     if start + n > cache.capacity:
         cache.grow(start + n)  # (drops the cache's steps: its tensors are new)

@@ -49,6 +49,12 @@ MAX_STEPS_PER_CACHE = 128
 MAX_POOLED = 4
 # Pooled capacities are powers of two of at least this many slots.
 MIN_CAPACITY = 1024
+# An iteration's work around the forwards recorded too: the drafting as one call, the target's law and
+# draw with its step, the commit's cache moves (gbv/engine/static_sampling.py, StaticMove).
+# ``GBV_STATIC_ITERATION=0`` turns that off: static steps then run one forward at a time, everything
+# else launched call by call between them, for before/after measurements (scripts/bench_cuda_graphs.py,
+# scripts/launch_counts.py).
+RECORD_ITERATION = os.environ.get("GBV_STATIC_ITERATION", "1") != "0"
 # Attention as three kernels over an additive mask made once per forward (lean._few_query_attention),
 # not SDPA; a switch for measuring (scripts/bench_cuda_graphs.py).
 FEW_QUERY_ATTENTION = True
@@ -128,6 +134,11 @@ class Recorded:
     """A call over buffers of its own, run as it is or, on CUDA, recorded once as a graph and replayed.
     Subclasses make the buffers, fill them before each call and define :meth:`_run` over them."""
 
+    # Whether running :meth:`_run` twice on the same buffers leaves what running it once leaves. A
+    # recording runs it once for real (the warm-up) before the replay of the same call: for a call
+    # that is not repeatable, that replay is skipped (the warm-up's result is the call's).
+    REPEATABLE = True
+
     def __init__(self, owner: StaticSteps) -> None:
         self.owner = owner
         self.lean = owner.lean
@@ -148,21 +159,24 @@ class Recorded:
             return self._run(cache)  # (a shape is recorded at its second call: a prompt's chain runs once)
         if self.graph is None:
             try:
-                self._capture(cache)
+                warm = self._capture(cache)
             except RuntimeError as error:  # (a torch or driver without what recording needs: run eagerly)
                 logger.warning("gbv: recording a CUDA graph failed (%s); this model's forwards run without "
                                "graphs from now on (GBV_CUDA_GRAPHS=0 skips trying)", str(error).splitlines()[0])
                 self.lean.steps = None
                 return self._run(cache)
+            if not self.REPEATABLE:
+                return warm
         self.graph.replay()
         if isinstance(self.output, tuple):
             return tuple(out.clone() for out in self.output)
         return self.output.clone()
 
-    def _capture(self, cache) -> None:
-        """Record :meth:`_run` as a CUDA graph. A warm-up on a side stream first (lazy initialisation
-        must not happen while capturing); it runs the real call, writing the same keys and values the
-        replay writes again. Without ``torch.cuda.graph``'s ``gc.collect()`` per capture (tens of ms)."""
+    def _capture(self, cache):
+        """Record :meth:`_run` as a CUDA graph; returns the warm-up's result. A warm-up on a side stream
+        first (lazy initialisation must not happen while capturing); it runs the real call, writing
+        the same keys and values the replay writes again (see REPEATABLE). Without
+        ``torch.cuda.graph``'s ``gc.collect()`` per capture (tens of ms)."""
         began = time.perf_counter()
         device = self.lean.device
         if self.owner.stream is None:
@@ -170,7 +184,7 @@ class Recorded:
         stream = self.owner.stream
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self._run(cache)
+            warm = self._run(cache)
             torch.cuda.synchronize(device)  # (as torch.cuda.graph does: nothing in flight while recording)
             graph = torch.cuda.CUDAGraph()
             # thread_local: what other threads launch meanwhile does not break this recording
@@ -185,6 +199,7 @@ class Recorded:
             self.owner._anchor = graph
         self.owner.captures += 1
         self.owner.capture_seconds += time.perf_counter() - began
+        return warm
 
 
 class StaticStep(Recorded):
@@ -241,6 +256,8 @@ class StaticMove(Recorded):
     (an index and an ``index_put_`` per layer and per keys / values otherwise: 32 launches for the
     bundled target)."""
 
+    REPEATABLE = False  # (a second move reads slots the first has overwritten where sources and targets overlap)
+
     def __init__(self, count: int, owner: StaticSteps) -> None:
         super().__init__(owner)
         with torch.inference_mode(False):
@@ -263,7 +280,7 @@ class StaticMove(Recorded):
 def move(lean, cache, src: list[int], dst: list[int]) -> None:
     """``cache.move(src, dst)`` (row 0), as a :class:`StaticMove` where ``lean`` has static steps."""
     steps = lean.steps
-    if not isinstance(steps, StaticSteps) or cache.keys[0].shape[0] != 1:
+    if not RECORD_ITERATION or not isinstance(steps, StaticSteps) or cache.keys[0].shape[0] != 1:
         cache.move(src, dst)
         return
     key = ("move", len(src))

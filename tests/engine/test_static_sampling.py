@@ -23,14 +23,39 @@ ATOL = 2e-5
 SCHEDULE = [None, None, 0, None, 2, 0, 0, 0, 0, 0, 0, None, None, 3, None, None]
 
 
-def _run(monkeypatch, mode: str, method: str, rows: int, temperature: float, arch: str):
+class _ReplayByRunning:
+    """A stand-in for a CUDA graph on the CPU: replaying runs the recorded call again, as a graph's
+    replay repeats its kernels on the buffers as they are then."""
+
+    def __init__(self, call: static_steps.Recorded, cache) -> None:
+        self.call, self.cache = call, cache
+
+    def replay(self) -> None:
+        self.call.output = self.call._run(self.cache)
+
+
+def _record_by_running(self, cache):
+    """``Recorded._capture`` as on CUDA (a warm-up run for real, then a recording that runs nothing),
+    with a graph that replays by running again."""
+    warm = self._run(cache)
+    self.graph = _ReplayByRunning(self, cache)
+    return warm
+
+
+def _run(monkeypatch, mode: str, method: str, rows: int, temperature: float, arch: str,
+         replay_by_running: bool = False):
     """Decode SCHEDULE with the lean views made under ``GBV_CUDA_GRAPHS=mode`` (the torch forward, not
-    the host one); returns (tokens of each iteration, (drafted, q) of each drafting, the decoder)."""
+    the host one); returns (tokens of each iteration, (drafted, q) of each drafting, the decoder).
+    ``replay_by_running``: on the CPU, record and replay as on CUDA, with :class:`_ReplayByRunning`."""
     monkeypatch.setenv("GBV_HOST_FORWARD", "0")
     monkeypatch.setenv("GBV_CUDA_GRAPHS", mode)
     target, draft = hf_pair(arch, vocab=40, seed=6)  # new models: new lean views, which read the mode
     sampling = SamplingConfig(temperature)
     decoder = make_decoder(target, draft, method, rows, 4, 40, sampling, sampling, 3, TEST_DEVICE)
+    if replay_by_running:
+        monkeypatch.setattr(static_steps.Recorded, "_capture", _record_by_running)
+        for lean in (decoder.target, decoder.draft):
+            lean.steps.capture = True
     drafts = []
     draft_paths = decoder._draft_paths
 
@@ -115,3 +140,27 @@ def test_a_loop_whose_tips_see_their_cousins_is_caught(monkeypatch):
     _, static_drafts, _ = _run(monkeypatch, MODE, "gbv", 3, 1.0, "llama")
     gaps = [(q_s - q_e).abs().max().item() for (_, q_e), (_, q_s) in zip(eager_drafts, static_drafts)]
     assert max(gaps) > 10 * ATOL  # (the toy's laws are near uniform over 40 tokens: gaps are small)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="on CUDA the tests above record real graphs")
+@pytest.mark.parametrize("method,rows", [("gbv", 3), ("block", 1)])
+def test_recorded_then_replayed_as_on_cuda(monkeypatch, method, rows):
+    """The record-then-replay sequence of CUDA (a call made, recorded at its second use with a warm-up
+    run for real, replayed from then on) with replays that run the call again: the same tokens, laws
+    and caches as the step-by-step path. A commit's move is not repeatable (its sources and targets
+    may overlap), so the replay right after its recording is skipped; without that the move runs
+    twice and the caches differ."""
+    eager_news, eager_drafts, eager = _run(monkeypatch, "0", method, rows, 1.0, "llama")
+    news, drafts, decoder = _run(monkeypatch, "static", method, rows, 1.0, "llama", replay_by_running=True)
+    assert news == eager_news and _cache_gap(eager, decoder) < ATOL
+    for (drafted_e, q_e), (drafted_s, q_s) in zip(eager_drafts, drafts):
+        assert torch.equal(drafted_s, drafted_e)
+        torch.testing.assert_close(q_s, q_e, atol=ATOL, rtol=0)
+    recorded = [call for cache in (decoder.target_cache, decoder.draft_cache) for call in cache.steps.values()
+                if call.graph is not None]
+    assert {type(call).__name__ for call in recorded} >= {"DraftLoop", "SampledStep"}
+    if rows > 1:
+        assert any(isinstance(call, static_steps.StaticMove) for call in recorded)
+        monkeypatch.setattr(static_steps.StaticMove, "REPEATABLE", True)  # the negative control
+        _, _, twice = _run(monkeypatch, "static", method, rows, 1.0, "llama", replay_by_running=True)
+        assert eager.tokens != twice.tokens or _cache_gap(eager, twice) > 10 * ATOL
