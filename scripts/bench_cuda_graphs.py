@@ -7,16 +7,21 @@
    against replayed, and the target's matrix multiplies alone, recorded as one graph (their time
    without launch overhead: the floor of a step), so the step's multiple of them; the bandwidth the
    1-token step achieves (weight bytes / step time).
-2. Whole generations, graphs on and off alternating per prompt (drift hits both alike): pooled
-   tokens/s of each row, its ratio to the eager forward, and to ``ar`` with graphs.
+2. Whole generations in three forms, alternating per prompt (drift hits them alike): eager; a graph per
+   forward with the rest launched step by step (``GBV_STATIC_ITERATION=0``); and the default, where an
+   iteration's drafting is one graph, each target step records its law and draw too
+   (gbv/engine/static_sampling.py) and the commit's cache moves are one graph (``StaticMove``).
+   Pooled tokens/s of each row, the ratios, and each row against ``ar`` with graphs.
 3. The graphs recorded and the seconds spent recording them (first uses; a server pays them once).
-4. Where a speculative iteration's time goes, graphs on: the decoders' draft / target / verify phase
-   clocks, synchronised (the engine itself reads them unsynchronised off the CPU), and the rest.
+4. Where a speculative iteration's time goes, graphs on, in both forms of 2: the
+   decoders' draft / target / verify phase clocks, synchronised (the engine itself reads them
+   unsynchronised off the CPU), and the rest.
 Medians over repeats; on a GPU every clock is read after a device synchronisation.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -24,6 +29,7 @@ import torch
 
 import gbv
 from gbv.data import load_prompts
+import gbv.engine.static_steps as static_steps
 from gbv.engine.static_steps import StaticSteps
 from gbv.engine.tree_decoder import lean_model
 
@@ -101,7 +107,6 @@ def main() -> None:
 
     # 1b. Variants of the replayed steps (fresh caches: graphs recorded anew), and each one's kernels.
     import gbv.engine.lean as lean_module
-    import gbv.engine.static_steps as static_steps
     defaults = lean_module.FUSED_NORM_ON_CUDA, static_steps.FEW_QUERY_ATTENTION
     graphs(True)
     with torch.inference_mode():
@@ -138,46 +143,60 @@ def main() -> None:
             print(f"fused norm {fused}, few-query attention {few}: " + " | ".join(line))
     lean_module.FUSED_NORM_ON_CUDA, static_steps.FEW_QUERY_ATTENTION = defaults
 
-    # 2. Generations.
+    # 2. Generations: eager; graphs per forward with the rest step by step (GBV_STATIC_ITERATION=0); graphs
+    # with the drafting, each step's law and draw and the commit's moves recorded too (the default).
+    variants = ("eager", "steps", "graphs")
+
+    def variant(name: str) -> None:
+        graphs(name != "eager")
+        static_steps.RECORD_ITERATION = name == "graphs"
+
     prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
     for temperature in (float(t) for t in args.temperature.split(",")):
         seconds: dict = {}
         tokens: dict = {}
         for index, prompt in enumerate(prompts):
             for method, k, length in ROWS:
-                for on in ((True, False) if index % 2 == 0 else (False, True)):
-                    graphs(on)
+                for name in (variants if index % 2 == 0 else variants[::-1]):
+                    variant(name)
                     shape = dict(num_paths=k, block_len=length) if k else {}
                     sync()
                     began = time.perf_counter()
                     out = gbv.generate(pair, prompt=prompt, method=method, temperature=temperature,
                                        max_new_tokens=args.max_new_tokens, eos_token_id=[], seed=index, **shape)
                     sync()
-                    key = (method, k, length, on)
+                    key = (method, k, length, name)
                     seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - began
                     tokens[key] = tokens.get(key, 0) + out.stats.new_tokens
-        ar = tokens["ar", 1, 1, True] / seconds["ar", 1, 1, True]
-        print(f"\nT={temperature}: {len(prompts)} prompts x {args.max_new_tokens} tokens, pooled tokens/s")
-        print("| row | eager tok/s | graphs tok/s | graphs/eager | graphs vs ar (graphs) |")
-        print("|---|---:|---:|---:|---:|")
+        rate = {key: tokens[key] / seconds[key] for key in tokens}
+        ar = rate["ar", 1, 1, "graphs"]
+        print(f"\nT={temperature}: {len(prompts)} prompts x {args.max_new_tokens} tokens, pooled tokens/s "
+              "(steps: a graph per forward, the rest step by step; graphs: the drafting, the target's law and draw "
+              "and the commit's moves recorded too, the default)")
+        print("| row | eager tok/s | steps tok/s | graphs tok/s | graphs/eager | graphs/steps | graphs vs ar (graphs) |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for method, k, length in ROWS:
-            eager, graphed = (tokens[method, k, length, on] / seconds[method, k, length, on] for on in (False, True))
+            eager, stepped, graphed = (rate[method, k, length, name] for name in variants)
             label = method if not k or method == "ar" else f"{method} K={k} L={length}"
-            print(f"| {label} | {eager:.0f} | {graphed:.0f} | {graphed / eager:.2f}x | {graphed / ar:.2f}x |")
+            print(f"| {label} | {eager:.0f} | {stepped:.0f} | {graphed:.0f} | {graphed / eager:.2f}x | "
+                  f"{graphed / stepped:.2f}x | {graphed / ar:.2f}x |")
         sys.stdout.flush()
+    variant("graphs")
 
     # 4. Where a speculative iteration's time goes: the decoders' phase clocks, synchronised (``profile``;
     # the engine reads them unsynchronised off the CPU, where a sync would stall the pipeline).
     from gbv.engine.decoder import make_decoder
     from gbv.engine.generate import shared_vocab
     from gbv.engine.sampling import SamplingConfig
-    graphs(True)
     vocab = shared_vocab(pair.target, pair.draft, pair.tokenizer)
     print("\nPhases per iteration, ms (synchronised clocks; T = 1; the same prompts):")
-    print("| row | iterations | tokens/iteration | draft | target | verify | other | total |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| row | around the steps | iterations | tokens/iteration | draft | target | verify | other | total |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
-        for method, k, length in (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("gbv", 3, 8), ("traversal", 3, 4)):
+        for (method, k, length), name in itertools.product(
+                (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("gbv", 3, 8), ("traversal", 3, 4)),
+                ("steps", "graphs")):
+            variant(name)
             totals = [0, 0, 0.0, 0.0, 0.0, 0.0]  # iterations, tokens, draft, target, verify, wall
             for index, prompt in enumerate(prompts):
                 decoder = make_decoder(pair.target, pair.draft, method, k, length, vocab, SamplingConfig(1.0),
@@ -203,8 +222,9 @@ def main() -> None:
             draft_ms, target_ms, verify_ms, wall_ms = (1e3 * t / its for t in (totals[2], totals[3], totals[4], totals[5]))
             other_ms = wall_ms - draft_ms - target_ms - verify_ms
             label = method if method == "ar" else f"{method} K={k} L={length}"
-            print(f"| {label} | {its} | {totals[1] / its:.2f} | {draft_ms:.3f} | {target_ms:.3f} | {verify_ms:.3f} | "
+            print(f"| {label} | {'recorded' if name == 'graphs' else 'step by step'} | {its} | {totals[1] / its:.2f} | {draft_ms:.3f} | {target_ms:.3f} | {verify_ms:.3f} | "
                   f"{other_ms:.3f} | {wall_ms:.3f} |")
+    variant("graphs")
     sys.stdout.flush()
 
     # 3. Recording.

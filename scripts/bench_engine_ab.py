@@ -5,7 +5,8 @@ tree, interleaved per prompt.
     python scripts/bench_engine_ab.py --before db6bd01              # 10 GSM8K + 10 HumanEval prompts, ~8 min
     python scripts/bench_engine_ab.py --before db6bd01 --prompts 3  # a quick look
 
-"Before" is ``gbv/engine/lean.py``, ``TreeDecoder.step`` (one iteration of the tree engine),
+"Before" is ``gbv/engine/lean.py``, ``TreeDecoder.step`` and the drafting it calls (one iteration of
+the tree engine),
 ``gbv.verify.common.draw_rows`` (the inverse-CDF draw every sampling step uses) and
 ``gbv.verify.block.block_verify_core`` (the last step of GBV and gbv-adaptive) and the single-path
 verifiers ``verify_block`` and ``verify_token`` loaded from
@@ -76,8 +77,12 @@ def main() -> None:
     single_before = {"block": block_before.verify_block,
                      "token": load_before(args.before, "gbv/verify/token.py", "token_before").verify_token}
     single_after = {"block": block.verify_block, "token": token.verify_token}
-    step_before = load_before(args.before, "gbv/engine/tree_decoder.py", "tree_decoder_before").TreeDecoder.step
-    step_after = tree_decoder.TreeDecoder.step
+    # One iteration's methods (step and what it calls: their signatures change between revisions).
+    iteration = ("step", "_draft_paths", "_draft_one_path", "_target_step")
+    class_before = load_before(args.before, "gbv/engine/tree_decoder.py", "tree_decoder_before").TreeDecoder
+    methods = {"before": {name: class_before.__dict__[name] for name in iteration if name in class_before.__dict__},
+               "after": {name: tree_decoder.TreeDecoder.__dict__[name] for name in iteration
+                         if name in tree_decoder.TreeDecoder.__dict__}}
     pair = gbv.load_pair("bundled", dtype=args.dtype)
     models = (pair.target, pair.draft)
     views = {"before": {m: lean_before.LeanCausalLM(m) for m in models},
@@ -89,7 +94,11 @@ def main() -> None:
         common.draw_rows = sampling.draw_rows = draw_before if variant == "before" else draw_after
         gbv_module.block_verify_core = gbv_adaptive.block_verify_core = (core_before if variant == "before"
                                                                          else core_after)
-        tree_decoder.TreeDecoder.step = step_before if variant == "before" else step_after
+        for name in iteration:
+            if name in methods[variant]:
+                setattr(tree_decoder.TreeDecoder, name, methods[variant][name])
+            elif name in tree_decoder.TreeDecoder.__dict__:
+                delattr(tree_decoder.TreeDecoder, name)
         single = single_before if variant == "before" else single_after
         block.verify_block, token.verify_token = single["block"], single["token"]
 
@@ -122,24 +131,30 @@ def main() -> None:
     for variant in ("before", "after"):  # warm-up
         use(variant)
         gbv.generate(pair, prompt_ids=ids[0], method="block", block_len=4, max_new_tokens=8, eos_token_id=[])
-    print(f"\n| method | T | before tok/s | after tok/s | after/before |\n|---|---|---:|---:|---:|")
+    print("\nms/iteration: wall time per target call, what a change of the random stream leaves alone (the texts,\n"
+          "and so the block efficiency, follow the stream; tokens/s follows both)")
+    print(f"\n| method | T | before tok/s | after tok/s | after/before | before ms/it | after ms/it | after/before "
+          f"| block efficiency before / after |\n|---|---|---:|---:|---:|---:|---:|---:|---|")
     for temperature in (0.2, 1.0):
         totals = {}
         for seed, prompt_ids in enumerate(ids):
-            for variant in ("before", "after"):
+            for variant in (("before", "after") if seed % 2 == 0 else ("after", "before")):  # (drift hits both)
                 use(variant)
                 for method, k, length in rows:
                     out = gbv.generate(pair, prompt_ids=prompt_ids, method=method, num_paths=k, block_len=length,
                                        temperature=temperature, max_new_tokens=args.max_new_tokens,
                                        eos_token_id=[], seed=seed)
-                    tokens, seconds = totals.get((method, length, variant), (0, 0.0))
+                    tokens, seconds, calls = totals.get((method, length, variant), (0, 0.0, 0))
                     totals[(method, length, variant)] = (tokens + out.stats.new_tokens,
-                                                         seconds + out.stats.time_total)
+                                                         seconds + out.stats.time_total,
+                                                         calls + out.stats.target_calls)
         for method, k, length in rows:
-            before, after = (totals[(method, length, v)][0] / totals[(method, length, v)][1]
-                             for v in ("before", "after"))
+            (tok_b, sec_b, it_b), (tok_a, sec_a, it_a) = (totals[(method, length, v)] for v in ("before", "after"))
+            before, after = tok_b / sec_b, tok_a / sec_a
+            ms_b, ms_a = 1e3 * sec_b / it_b, 1e3 * sec_a / it_a
             label = "ar" if method == "ar" else f"{method} K={k} L={length}"
-            print(f"| {label} | {temperature} | {before:.1f} | {after:.1f} | {after / before:.3f}x |")
+            print(f"| {label} | {temperature} | {before:.1f} | {after:.1f} | {after / before:.3f}x | {ms_b:.3f} | "
+                  f"{ms_a:.3f} | {ms_a / ms_b:.3f}x | {tok_b / it_b:.2f} / {tok_a / it_a:.2f} |")
     use("after")
 
 
