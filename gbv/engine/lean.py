@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gbv.engine.host_kernels import host_kernels_unavailable
-from gbv.engine.sampling import SamplingConfig, host_samples, token_uniform
+from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import StaticSteps, steps_mode
 from gbv.engine.static_sampling import sampled_step
 from gbv.verify.common import TorchRandom
@@ -579,14 +579,12 @@ class LeanCausalLM:
     def _static_sampled_chain(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
                               rng: TorchRandom) -> int | None:
         """:meth:`sampled_chain` as one static call (CUDA graphs: forward, law and draw recorded
-        together), its uniform from :func:`token_uniform`, as ``draw_token`` takes its own; None where
-        no static step runs."""
+        together), its uniform where ``draw_token`` takes its own (:func:`fill_token_uniform`); None
+        where no static step runs."""
         step = sampled_step(self, cache, len(ids), False, start, vocab, config, draw=True)
         if step is None:
             return None
-        tokens = torch.tensor([ids], device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]
-        return int(step.sampled(tokens, positions, start, None, cache, None if config.greedy else token_uniform(rng))[0])
+        return int(step.chain(ids, start, cache, None if config.greedy else rng)[0])
 
     def sampled_tips(self, tokens: Tensor, position: int, start: int, cache: KVCache, mask: Tensor | None, vocab: int,
                      config: SamplingConfig, uniforms: Tensor | None, probs: Tensor) -> Tensor | None:
@@ -618,9 +616,10 @@ class LeanCausalLM:
             step = sampled_step(self, cache, n, mask is not None, start, vocab, config, draw=False)
             if step is None:
                 return None
+            if mask is None:  # (a chain: its ids come as a list from the decoders; a tensor is read back)
+                return step.chain(ids if isinstance(ids, list) else ids.tolist(), start, cache)
             tokens = torch.tensor([ids], device=self.device) if isinstance(ids, list) else ids[None]
-            where = torch.arange(start, start + n, device=self.device) if positions is None else positions
-            return step.sampled(tokens, where[None], start, mask, cache)
+            return step.sampled(tokens, positions[None], start, mask, cache)
         tokens = np.array(ids, dtype=np.int64) if isinstance(ids, list) else ids.numpy()
         where = np.arange(start, start + n, dtype=np.int64) if positions is None else positions.numpy()
         probs = torch.empty(n, vocab, dtype=torch.float32)

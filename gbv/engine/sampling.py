@@ -88,6 +88,15 @@ def draw_token(logits: Tensor, config: SamplingConfig, rng: TorchRandom) -> int:
     return int(sample_at(probs[None], None if config.greedy else token_uniform(rng), config.greedy)[0])
 
 
+def fill_token_uniform(out: Tensor, rng: TorchRandom) -> Tensor:
+    """:func:`token_uniform` written into ``out`` ((1, 1) float64 on the generator's device): the same
+    value, from the same place in the same stream (a device's ``uniform_`` is ``torch.rand``'s)."""
+    generator = rng.generator
+    if generator.device.type == "cpu":
+        return out.fill_(rng.uniform())
+    return out.uniform_(generator=generator)
+
+
 def token_uniform(rng: TorchRandom) -> Tensor:
     """The uniform of one token's draw: (1, 1) float64 on the device of ``rng``'s generator; a CPU
     generator's from ``rng.uniform()`` (its buffered block), a device's from one ``torch.rand`` there."""

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from gbv.engine import static_steps
-from gbv.engine.sampling import SamplingConfig, process_logits
+from gbv.engine.sampling import SamplingConfig, fill_token_uniform, process_logits
 from gbv.engine.static_steps import FEW_QUERY_ATTENTION, MAX_QUERIES, MAX_STEPS_PER_CACHE, Recorded, StaticStep, StaticSteps
 from gbv.verify.common import TorchRandom, draw_rows_at
 
@@ -31,18 +31,23 @@ from gbv.verify.common import TorchRandom, draw_rows_at
 MAX_CHAIN = 4
 
 
-def draft_uniforms(block: int, rows: int, config: SamplingConfig, rng: TorchRandom, host: bool) -> Tensor | None:
+def draft_uniforms(block: int, rows: int, config: SamplingConfig, rng: TorchRandom, host: bool,
+                   out: Tensor | None = None) -> Tensor | None:
     """The uniforms of one iteration's draws, taken at once before drafting: (block, rows, 1) float64
-    (depth i, path k: ``[i, k]``); None when the draft is greedy. With ``host`` (a CPU generator whose
-    drafting runs the host forward's compiled calls) from ``rng.uniforms``, its buffered block: a
-    ``torch.rand`` after a forward costs tens of us from a cold cache there. Otherwise from one
-    ``uniform_`` on the generator's device (nothing read back: on a GPU, no wait)."""
+    (depth i, path k: ``[i, k]``), into ``out`` when given; None when the draft is greedy. With
+    ``host`` (a CPU generator whose drafting runs the host forward's compiled calls) from
+    ``rng.uniforms``, its buffered block: a ``torch.rand`` after a forward costs tens of us from a cold
+    cache there. Otherwise from one ``uniform_`` on the generator's device (nothing read back: on a
+    GPU, no wait)."""
     if config.greedy:
         return None
     generator = rng.generator
     if host and generator.device.type == "cpu":
-        return torch.from_numpy(rng.uniforms(block * rows)).view(block, rows, 1)
-    return torch.empty((block, rows, 1), dtype=torch.float64, device=generator.device).uniform_(generator=generator)
+        drawn = torch.from_numpy(rng.uniforms(block * rows)).view(block, rows, 1)
+        return drawn if out is None else out.copy_(drawn)
+    if out is None:
+        out = torch.empty((block, rows, 1), dtype=torch.float64, device=generator.device)
+    return out.uniform_(generator=generator)
 
 
 def draft_loop(lean, cache, chain: int, rows: int, block: int, vocab: int, config: SamplingConfig,
@@ -88,15 +93,16 @@ class DraftLoop(Recorded):
             self.path_of = torch.arange(rows, device=device)
             self.chain_offsets = torch.arange(chain, device=device)
 
-    def __call__(self, ids: list[int], base: int, uniforms: Tensor | None, cache) -> tuple[Tensor, Tensor]:
-        """Draft from the unseen chain ``ids`` ending at slot ``base - 1``; ``uniforms``: those of
-        :func:`draft_uniforms` (None when greedy). Returns new tensors: q (rows, block, vocab) float32,
-        the laws drawn from, and the drafted tokens (rows, block) long."""
+    def __call__(self, ids: list[int], base: int, rng: TorchRandom, host_uniforms: bool, cache
+                 ) -> tuple[Tensor, Tensor]:
+        """Draft from the unseen chain ``ids`` ending at slot ``base - 1``, the uniforms
+        :func:`draft_uniforms` (``rng``, ``host_uniforms``) draws, straight into the loop's buffer.
+        Returns new tensors: q (rows, block, vocab) float32, the laws drawn from, and the drafted
+        tokens (rows, block) long."""
         inputs = torch.tensor([*ids, base], dtype=torch.long)  # (one copy to the device for all)
         with self.owner.lock:
             self.inputs.copy_(inputs)
-            if uniforms is not None:
-                self.uniforms.copy_(uniforms)
+            draft_uniforms(self.block, self.rows, self.config, rng, host_uniforms, out=self.uniforms)
             return self._replay(cache)
 
     def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache,
@@ -165,7 +171,10 @@ class SampledStep(StaticStep):
     first ``vocab`` logits under ``config``: the target's pass over a block or a tree, (n, vocab)
     float32; or, with ``draw``, only the last query's and one token drawn from it by ``sample``'s rule
     (a plain target step), a (1,) long tensor. Why: on a GPU the softmax and the draw after a replayed
-    step were about ten more launches from Python, against one replay for the whole forward."""
+    step were about ten more launches from Python, against one replay for the whole forward.
+
+    A chain (not ``masked``) takes its ids and first slot in one copy (:meth:`chain`); its positions
+    and slots are made inside. A tree takes the static step's buffers (:meth:`sampled`)."""
 
     def __init__(self, cache, n: int, masked: bool, vocab: int, config: SamplingConfig, draw: bool,
                  owner: StaticSteps) -> None:
@@ -173,20 +182,33 @@ class SampledStep(StaticStep):
         self.vocab, self.config, self.draw = vocab, config, draw
         with torch.inference_mode(False):
             self.uniforms = torch.zeros(1, 1, dtype=torch.float64, device=self.lean.device)
+            self.packed = torch.zeros(n + 1, dtype=torch.long, device=self.lean.device)  # a chain's ids, its start
+            self.offsets = torch.arange(n, device=self.lean.device)
 
     def _run(self, cache) -> Tensor:
-        probs = process_logits(super()._run(cache)[0, :, :self.vocab], self.config)
+        if self.mask is None:
+            slots = self.packed[self.n] + self.offsets
+            logits = self._forward(self.packed[None, :self.n], slots[None], slots, None, cache)
+        else:
+            logits = super()._run(cache)
+        probs = process_logits(logits[0, :, :self.vocab], self.config)
         if not self.draw:
             return probs
         if self.config.greedy:
             return probs.argmax(-1)
         return draw_rows_at(probs, self.uniforms.clone())
 
-    def sampled(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache,
-                uniform: Tensor | None = None) -> Tensor:
-        """As :meth:`StaticStep.__call__` for (1, N) ``tokens``; ``uniform`` (1, 1) float64: the draw's
-        (None when greedy or without ``draw``). Returns a new tensor (above)."""
-        with self.owner.lock:  # (re-entered by the call below)
-            if uniform is not None:
-                self.uniforms.copy_(uniform)
-            return self(tokens, positions, start, mask, cache)
+    def chain(self, ids: list[int], start: int, cache, rng: TorchRandom | None = None) -> Tensor:
+        """The chain ``ids`` at slots (= positions) ``start ..``; ``rng``: the source of a drawing step's
+        uniform (:func:`fill_token_uniform`; None when greedy or without ``draw``). Returns a new
+        tensor (above)."""
+        packed = torch.tensor([*ids, start], dtype=torch.long)  # (one copy to the device for all)
+        with self.owner.lock:
+            self.packed.copy_(packed)
+            if rng is not None:
+                fill_token_uniform(self.uniforms, rng)
+            return self._replay(cache)
+
+    def sampled(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor, cache) -> Tensor:
+        """As :meth:`StaticStep.__call__` for a tree's (1, N) ``tokens``: (N, vocab) laws, a new tensor."""
+        return self(tokens, positions, start, mask, cache)

@@ -225,14 +225,18 @@ class StaticStep(Recorded):
 
     def _run(self, cache) -> Tensor:
         """The forward over the buffers: (B, N or 1, V) logits."""
+        return self._forward(self.tokens, self.positions, self.slots, self.mask, cache)
+
+    def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor | None, cache) -> Tensor:
+        """The forward of (B, N) ``tokens`` at ``positions`` into ``slots`` ((N,)) under ``mask`` ((B or 1,
+        1, N, capacity); None: each query attends every slot up to its own)."""
         lean, batch, n = self.lean, self.batch, self.n
-        cos, sin = lean._rotary(self.positions, self.columns.shape[0])
-        hidden = torch.embedding(lean.embed, self.tokens.reshape(-1))
-        mask = self.mask
+        cos, sin = lean._rotary(positions, self.columns.shape[0])
+        hidden = torch.embedding(lean.embed, tokens.reshape(-1))
         if mask is None:  # query i attends every slot up to its own: the prefix, and the chain causally
-            mask = (self.columns[None, :] <= self.slots[:, None])[None, None]
+            mask = (self.columns[None, :] <= slots[:, None])[None, None]
         bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
-        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, self.slots, mask, False, bias)
+        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, slots, mask, False, bias)
         return lean._head(hidden, batch, n, self.last_only)
 
     def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:

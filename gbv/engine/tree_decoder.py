@@ -118,7 +118,7 @@ class TreeDecoder(DecoderState):
         forms draw from the same uniforms, taken before the phase."""
         config = self.draft_sampling
         lag = self.tokens[self.draft_len:]
-        uniforms = draft_uniforms(block, rows, config, self.rng, host=self.draft.host_forward is not None)
+        host_uniforms = self.draft.host_forward is not None
         if self.draft.steps is not None:
             if len(lag) > MAX_CHAIN:  # (a long lag, after a stretch of plain steps: all but its last first)
                 self._chain(self.draft, self.draft_cache, lag[:-1], self.draft_len)
@@ -126,8 +126,9 @@ class TreeDecoder(DecoderState):
             loop = draft_loop(self.draft, self.draft_cache, len(lag), rows, block, self.vocab, config,
                               base + (block - 1) * rows)
             if loop is not None:
-                q, drafted = loop(lag, base, uniforms, self.draft_cache)
+                q, drafted = loop(lag, base, self.rng, host_uniforms, self.draft_cache)
                 return drafted, q
+        uniforms = draft_uniforms(block, rows, config, self.rng, host_uniforms)
         q = torch.empty(rows, block, self.vocab, dtype=torch.float32, device=self.device)
         drafted = torch.empty(rows, block, dtype=torch.long, device=self.device)
         first = self._chain(self.draft, self.draft_cache, lag, base - len(lag))
