@@ -142,12 +142,15 @@ def test_device_forms_read_the_host_once(num_paths, form):
         assert reads["n"] <= 1, f"{reads['n']} host reads in one verify call"
 
 
+@pytest.mark.parametrize("steps", ["eager", "static"])
 @pytest.mark.parametrize("method,num_paths", [("ar", 1), ("token", 1), ("block", 1), ("gbv", 3), ("gbv-adaptive", 3),
                                              ("specinfer", 3), ("spectr", 3), ("traversal", 3)])
-def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
+def test_engine_iteration_host_reads(method, num_paths, steps, monkeypatch):
     """A whole tree-engine iteration (draft, trie, target pass, verify, commit) stays within L + 3
     (issue 8's budget) and in fact reads twice; the multi-path verifiers with their device forms
-    (what runs on a GPU), forced here on CPU tensors."""
+    (what runs on a GPU), forced here on CPU tensors. ``static``: through the static calls a GPU
+    records (gbv/engine/static_steps.py, static_sampling.py), run here without recording."""
+    monkeypatch.setenv("GBV_CUDA_GRAPHS", "static" if steps == "static" else "0")
     import gbv.engine.tree_decoder as tree_decoder
     import gbv.verify.block as block_module
     import gbv.verify.gbv as gbv_module
@@ -183,3 +186,7 @@ def test_engine_iteration_host_reads(method, num_paths, monkeypatch):
     assert counts and max(counts) <= block_len + 3, counts
     # What the tree path does today: the drafts read once (to build the trie) and the verify result.
     assert max(counts) <= 2, counts
+    if steps == "static":  # (the recorded forms ran: the draft's loops, the target's sampled steps)
+        kinds = {key[0] for model in (target, draft) for cache, _ in tree_decoder.lean_model(model).steps._caches
+                 for key in cache.steps if isinstance(key[0], str)}
+        assert kinds == ({"sampled"} if method == "ar" else {"sampled", "draft"} | ({"move"} if num_paths > 1 else set()))
