@@ -23,7 +23,7 @@ from torch import Tensor
 
 from gbv.engine import static_steps
 from gbv.engine.sampling import SamplingConfig, fill_token_uniform, process_logits
-from gbv.engine.static_steps import FEW_QUERY_ATTENTION, MAX_QUERIES, MAX_STEPS_PER_CACHE, Recorded, StaticStep, StaticSteps
+from gbv.engine.static_steps import FEW_QUERY_ATTENTION, MAX_QUERIES, Recorded, StaticStep, StaticSteps
 from gbv.verify.common import TorchRandom, draw_rows_at
 
 # Unseen chains longer than this are fed first (all but their last token) as a chain of their own:
@@ -58,15 +58,8 @@ def draft_loop(lean, cache, chain: int, rows: int, block: int, vocab: int, confi
     steps = lean.steps
     if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps) or not 1 <= chain <= MAX_CHAIN:
         return None
-    if end > cache.capacity:
-        cache.grow(end)  # (drops the cache's steps: its tensors are new)
-    key = ("draft", chain, rows, block, vocab, config)
-    loop = cache.steps.get(key)
-    if loop is None:
-        if len(cache.steps) >= MAX_STEPS_PER_CACHE:
-            return None
-        loop = cache.steps[key] = DraftLoop(cache, chain, rows, block, vocab, config, steps)
-    return loop
+    return steps.kept(cache, ("draft", chain, rows, block, vocab, config), end,
+                      lambda: DraftLoop(cache, chain, rows, block, vocab, config, steps))
 
 
 class DraftLoop(Recorded):
@@ -155,15 +148,8 @@ def sampled_step(lean, cache, n: int, masked: bool, start: int, vocab: int, conf
     steps = lean.steps
     if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps) or n > MAX_QUERIES:
         return None
-    if start + n > cache.capacity:
-        cache.grow(start + n)  # (drops the cache's steps: its tensors are new)
-    key = ("sampled", n, masked, vocab, config, draw)
-    step = cache.steps.get(key)
-    if step is None:
-        if len(cache.steps) >= MAX_STEPS_PER_CACHE:
-            return None
-        step = cache.steps[key] = SampledStep(cache, n, masked, vocab, config, draw, steps)
-    return step
+    return steps.kept(cache, ("sampled", n, masked, vocab, config, draw), start + n,
+                      lambda: SampledStep(cache, n, masked, vocab, config, draw, steps))
 
 
 class SampledStep(StaticStep):

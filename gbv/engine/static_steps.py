@@ -119,15 +119,20 @@ class StaticSteps:
         """The step for this call's shape (made on first use), or None where the call runs eagerly."""
         if n > MAX_QUERIES or (not masked and n > 1 and not causal):
             return None  # (the second: an error the eager forward reports)
-        if start + n > cache.capacity:
-            cache.grow(start + n)  # (drops the cache's steps: its tensors are new)
-        key = (batch, first_row, n, masked, last_only)
-        step = cache.steps.get(key)
-        if step is None:
+        return self.kept(cache, (batch, first_row, n, masked, last_only), start + n,
+                         lambda: StaticStep(cache, batch, first_row, n, masked, last_only, self))
+
+    def kept(self, cache, key, end: int, make) -> "Recorded | None":
+        """The static call kept on ``cache`` under ``key``, made by ``make()`` on first use, the cache
+        grown first to hold slots up to ``end``; None where the cache holds MAX_STEPS_PER_CACHE calls."""
+        if end > cache.capacity:
+            cache.grow(end)  # (drops the cache's calls: its tensors are new)
+        call = cache.steps.get(key)
+        if call is None:
             if len(cache.steps) >= MAX_STEPS_PER_CACHE:
                 return None
-            step = cache.steps[key] = StaticStep(cache, batch, first_row, n, masked, last_only, self)
-        return step
+            call = cache.steps[key] = make()
+        return call
 
 
 class Recorded:
@@ -284,14 +289,10 @@ class StaticMove(Recorded):
 def move(lean, cache, src: list[int], dst: list[int]) -> None:
     """``cache.move(src, dst)`` (row 0), as a :class:`StaticMove` where ``lean`` has static steps."""
     steps = lean.steps
-    if not RECORD_ITERATION or not isinstance(steps, StaticSteps) or cache.keys[0].shape[0] != 1:
+    call = None
+    if RECORD_ITERATION and isinstance(steps, StaticSteps) and cache.keys[0].shape[0] == 1:
+        call = steps.kept(cache, ("move", len(src)), 0, lambda: StaticMove(len(src), steps))
+    if call is None:
         cache.move(src, dst)
-        return
-    key = ("move", len(src))
-    step = cache.steps.get(key)
-    if step is None:
-        if len(cache.steps) >= MAX_STEPS_PER_CACHE:
-            cache.move(src, dst)
-            return
-        step = cache.steps[key] = StaticMove(len(src), steps)
-    step(src, dst, cache)
+    else:
+        call(src, dst, cache)
