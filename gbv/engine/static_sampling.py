@@ -4,7 +4,7 @@ step that also computes its law and draws (:class:`SampledStep`). On CUDA each i
 Why: with each forward replayed as a graph (:mod:`gbv.engine.static_steps`), an iteration's drafting
 on an H200 was still launched op by op from Python: per depth, the buffers of a step copied in, its
 replay, the output copied out, the softmax and the inverse-CDF draw (about 25 torch calls a depth,
-~110 an iteration of BV L = 4 outside the forwards; ``scripts/launch_counts.py``). A :class:`DraftLoop`
+~117 an iteration of BV L = 4 outside the forwards; ``scripts/launch_counts.py``). A :class:`DraftLoop`
 records the whole phase, the unseen chain, the first tokens and every depth's forward over the K path
 tips with its law and its draws, so that one iteration's drafting launches a handful of calls: the
 chain's ids and the first slot copied in, the uniforms drawn, one replay and the two outputs copied out.
@@ -13,7 +13,7 @@ It computes what :meth:`gbv.engine.tree_decoder.TreeDecoder._draft_paths` comput
 the same forwards (those of a static step: every slot under a mask), the same laws
 (:func:`gbv.engine.sampling.process_logits`) and the same draws from the same uniforms
 (:func:`draft_uniforms`, drawn before the phase; :func:`gbv.verify.common.draw_rows_at`), so the
-tokens are those of the step-by-step form (``tests/engine/test_static_draft.py``).
+tokens are those of the step-by-step form (``tests/engine/test_static_sampling.py``).
 """
 
 from __future__ import annotations
