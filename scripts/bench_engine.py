@@ -201,6 +201,10 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
                         matrix(inputs[matrix.in_features])
 
                 out[f"{name}_matmuls_by"] = "torch"
+                if lean.forward_times is not None:  # (the host forward measured slower here: torch's runs)
+                    out[f"{name}_forward_choice"] = ("torch forward (one-token step measured at load: host "
+                                                     f"{lean.forward_times[0]:.2f} ms, torch "
+                                                     f"{lean.forward_times[1]:.2f} ms)")
                 if dev.type == "cuda":  # their device time: recorded as one graph, as the step is replayed
                     matmuls = _recorded(matmuls, dev)
                     out[f"{name}_matmuls_by"] = "torch, one CUDA graph"
@@ -267,7 +271,9 @@ def markdown(report: dict) -> str:
                   f"{m['target_step_ms']:.2f} ms = {m.get('target_step_over_matmuls', m['target_step_ms'] / m['target_matmuls_ms']):.2f}x its matrix "
                   f"multiplies ({m['target_matmuls_ms']:.2f} ms, {m.get('target_matmuls_by', 'torch')}); 25-node tree pass = "
                   f"{m['target_25_nodes_ms'] / m['target_step_ms']:.2f}x a 1-token step; target/draft step ratio "
-                  f"{m['target_step_ms'] / m['draft_step_ms']:.1f}.", ""]
+                  f"{m['target_step_ms'] / m['draft_step_ms']:.1f}."
+                  + "".join(f" {name.capitalize()}: {m[f'{name}_forward_choice']}." for name in ("target", "draft")
+                            if f"{name}_forward_choice" in m), ""]
         for temperature, totals in res["temperatures"].items():
             ar_rate = _sum(totals["ar"], "tokens") / _sum(totals["ar"], "seconds")
             bandwidth = m["target_bytes"] * ar_rate / 1e9

@@ -20,6 +20,8 @@ configurations this module does not cover (:func:`lean_unsupported_reason` says 
 from __future__ import annotations
 
 import copy
+import logging
+import math
 import os
 from typing import Sequence
 
@@ -33,7 +35,10 @@ from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import StaticSteps, steps_mode
 from gbv.engine.static_sampling import sampled_step
 from gbv.verify.common import TorchRandom
-from gbv.engine.lean_host import PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_unsupported_reason
+from gbv.engine.lean_host import (PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_pays,
+                                  host_forward_unsupported_reason)
+
+logger = logging.getLogger("gbv")
 
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
@@ -486,6 +491,19 @@ class LeanCausalLM:
         # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
         mode = steps_mode(self.device)
         self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
+        # The host forward runs only where it is the faster of the two here: measured, once per model
+        # (host_forward_pays). (host ms, torch ms) of a one-token step, or None where not measured.
+        self.forward_times = None
+        if self.host_forward is not None:
+            pays, host_ms, torch_ms = host_forward_pays(self, self.host_forward)
+            if not math.isnan(host_ms):
+                self.forward_times = (host_ms, torch_ms)
+            if not pays:
+                logger.info("gbv: torch's forward takes a one-token step in %.3f ms here, the compiled host "
+                            "forward %.3f ms: using torch's (GBV_HOST_FORWARD=1 keeps the host forward)",
+                            torch_ms, host_ms)
+                self.host_forward = None
+                self.cache_dtype = self.dtype  # (a bfloat16 cache was the host forward's)
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of a forward, in order (for measuring their share of its time)."""

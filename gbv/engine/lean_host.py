@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -48,7 +49,8 @@ from gbv.engine.host_kernels import (PanelWeight, attention_into, forward_into, 
 
 def host_forward_unsupported_reason(lean) -> str | None:
     """None when :class:`HostForward` can run ``lean`` (a ``LeanCausalLM``); else why not.
-    ``GBV_HOST_FORWARD=0`` in the environment turns it off (for before/after measurements)."""
+    ``GBV_HOST_FORWARD=0`` in the environment turns it off (for before/after measurements); whether it
+    runs where it can is measured (:func:`host_forward_pays`) unless ``GBV_HOST_FORWARD=1``."""
     if os.environ.get("GBV_HOST_FORWARD", "1") == "0":
         return "GBV_HOST_FORWARD=0"
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
@@ -70,6 +72,61 @@ def host_forward_unsupported_reason(lean) -> str | None:
     if lean.norm is not None or lean.lm_head.weight_t is None:
         return "final norm not folded"
     return None
+
+
+# Timed one-token steps of each forward when choosing between them (after 2 untimed ones each).
+_CHOICE_REPEATS = 7
+
+
+def host_forward_pays(lean, host: "HostForward") -> tuple[bool, float, float]:
+    """Whether ``host`` runs a one-token decode step of ``lean`` faster than torch's forward of the same
+    model does on this machine, at the current thread count: ``(pays, host_ms, torch_ms)``, medians of
+    alternating steps after a 32-token prefix, on scratch caches. ``GBV_HOST_FORWARD=1`` skips the
+    measurement (``(True, nan, nan)``).
+
+    Why measure: the compiled kernels are AVX2 + FMA. On the AMD Zen 3 machines they were written on,
+    torch's kernels ran at AVX2 too and the host forward took a step of the bundled target in 1.16x
+    its products' time against torch's 1.9x. On an Intel Xeon with AVX-512 (and AMX), torch's float32
+    products are the faster ones: 2.15 ms a step against the host forward's 3.54 ms, and ``ar`` ran
+    1.49x faster with ``GBV_HOST_FORWARD=0`` (docs/ENGINE.md, "Which forward runs on the CPU"). Which
+    one wins depends on the CPU, so it is measured once per model, in ~10 steps of each."""
+    if os.environ.get("GBV_HOST_FORWARD") == "1":
+        return True, float("nan"), float("nan")
+    prefix = 32
+    ids = np.arange(prefix, dtype=np.int64)[None] % lean.embed.shape[0]
+    where = np.arange(prefix, dtype=np.int64)[None]
+    # (the torch forward's cache in its own dtype: a bfloat16 cache is the host forward's, cache_dtype)
+    saved_dtype = lean.cache_dtype
+    caches = [lean.plain_cache(1, prefix + 1)]
+    lean.cache_dtype = lean.dtype
+    caches.append(lean.plain_cache(1, prefix + 1))
+    lean.cache_dtype = saved_dtype
+    one = torch.tensor([[int(ids[0, -1])]])
+    at = torch.tensor([[prefix]])
+    saved, lean.host_forward = lean.host_forward, None
+
+    def host_step():
+        host(one.numpy(), at.numpy(), prefix, caches[0], None, False, True, 0)
+
+    def torch_step():
+        lean.forward(one, at, prefix, caches[1], None, last_only=True)
+
+    try:
+        with torch.inference_mode():
+            host(ids, where, 0, caches[0], None, True, True, 0)
+            lean.forward(torch.from_numpy(ids), torch.from_numpy(where), 0, caches[1], None, causal=True,
+                         last_only=True)
+            times: dict = {host_step: [], torch_step: []}
+            for repeat in range(_CHOICE_REPEATS + 2):
+                for step in ((host_step, torch_step) if repeat % 2 == 0 else (torch_step, host_step)):
+                    began = time.perf_counter()
+                    step()
+                    if repeat >= 2:
+                        times[step].append(time.perf_counter() - began)
+    finally:
+        lean.host_forward = saved
+    host_ms, torch_ms = (1e3 * float(np.median(times[step])) for step in (host_step, torch_step))
+    return host_ms <= torch_ms, host_ms, torch_ms
 
 
 def attention_mask(mask: Tensor | None, causal: bool, start: int, n: int, device) -> tuple[Tensor | None, bool]:

@@ -1,0 +1,109 @@
+"""The CPU forward a lean view runs: its compiled host forward only where a measured one-token step
+says it is the faster one here (gbv.engine.lean_host.host_forward_pays). The suite otherwise keeps the
+host forward (tests/conftest.py); these tests lift that setting and slow one side down on purpose."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gbv.engine.generate import generate
+from gbv.engine.lean import LeanCausalLM
+from gbv.engine.lean_host import HostForward, host_forward_pays
+from gbv.models.loading import ModelPair
+
+from engine_toy import TEST_DEVICE, hf_pair, sharpen
+from test_engine import PROMPT, greedy_reference
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the host forward runs on the CPU only")
+
+SLOWER_MS = 3.0  # far above a toy step's few tenths of a ms: the choice is not a close call
+
+
+def _slower_host(monkeypatch):
+    original = HostForward.__call__
+
+    def slow(self, *args, **kwargs):
+        time.sleep(SLOWER_MS / 1e3)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostForward, "__call__", slow)
+
+
+def _slower_torch(monkeypatch):
+    original = LeanCausalLM.forward
+
+    def slow(self, *args, **kwargs):
+        if self.host_forward is None:  # (the torch forward: while the host one is measured it is set)
+            time.sleep(SLOWER_MS / 1e3)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeanCausalLM, "forward", slow)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_slower_host_forward_is_not_used(monkeypatch, caplog, dtype):
+    """Where torch's one-token step is the faster one, the lean view drops its host forward (and the
+    bfloat16 cache that was the host forward's) and says so in one log line; in float32, greedy
+    decoding still equals the target's argmax."""
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    _slower_host(monkeypatch)
+    target, draft = hf_pair("llama", vocab=32, seed=2)
+    sharpen(target, draft)
+    target, draft = target.to(dtype), draft.to(dtype)
+    with caplog.at_level("INFO", logger="gbv"):
+        lean = LeanCausalLM(target)
+    if dtype == torch.bfloat16 and not lean.bf16_in_float32:
+        pytest.skip("no host forward for bfloat16 here (the compiled kernels are not built)")
+    host_ms, torch_ms = lean.forward_times
+    assert lean.host_forward is None and host_ms > torch_ms + SLOWER_MS / 2
+    assert lean.cache_dtype == lean.dtype
+    assert sum("using torch's" in r.getMessage() for r in caplog.records) == 1
+    if dtype != torch.float32:  # (bfloat16 weights computed in float32: logits a bf16 ulp from HF's)
+        return
+    pair = ModelPair(target, draft)
+    expected = greedy_reference(target, PROMPT, 10)
+    for method in ("ar", "block", "gbv", "traversal"):
+        out = generate(pair, prompt_ids=PROMPT, method=method, num_paths=3, block_len=3, temperature=0.0,
+                       max_new_tokens=10, eos_token_id=[])
+        assert out.token_ids == expected, method
+
+
+def test_the_faster_host_forward_is_kept(monkeypatch):
+    """Where the host forward's step is the faster one, it is kept (the rule before the measurement)."""
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    _slower_torch(monkeypatch)
+    target, _ = hf_pair("llama", vocab=32, seed=2)
+    lean = LeanCausalLM(target)
+    host_ms, torch_ms = lean.forward_times
+    assert lean.host_forward is not None and torch_ms > host_ms + SLOWER_MS / 2
+
+
+def test_the_host_forward_forced_on_is_not_measured(monkeypatch):
+    """``GBV_HOST_FORWARD=1`` keeps the host forward without measuring (``forward_times`` None);
+    ``=0`` leaves it out."""
+    _slower_host(monkeypatch)
+    target, _ = hf_pair("llama", vocab=32, seed=2)
+    monkeypatch.setenv("GBV_HOST_FORWARD", "1")
+    forced = LeanCausalLM(target)
+    assert forced.host_forward is not None and forced.forward_times is None
+    assert host_forward_pays(forced, forced.host_forward)[0]
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    assert LeanCausalLM(target).host_forward is None
+
+
+def test_measuring_leaves_the_model_as_it_was(monkeypatch):
+    """The measurement runs on scratch caches: the lean view's forward afterwards (whichever was chosen)
+    gives the logits of a fresh view of the same model with the torch forward."""
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    target, _ = hf_pair("llama", vocab=32, seed=2)
+    measured = LeanCausalLM(target)
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    reference = LeanCausalLM(target)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        got = measured.chain(ids, 0, measured.new_cache(1, 16), last_only=False)
+        want = reference.chain(ids, 0, reference.new_cache(1, 16), last_only=False)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
