@@ -23,13 +23,14 @@ SLOWER_MS = 3.0  # far above a toy step's few tenths of a ms: the choice is not 
 
 
 def _slower_host(monkeypatch):
-    original = HostForward.__call__
+    for name in ("__call__", "sampled"):  # (a forward, and a forward with its softmax and draw in one call)
+        original = getattr(HostForward, name)
 
-    def slow(self, *args, **kwargs):
-        time.sleep(SLOWER_MS / 1e3)
-        return original(self, *args, **kwargs)
+        def slow(self, *args, _original=original, **kwargs):
+            time.sleep(SLOWER_MS / 1e3)
+            return _original(self, *args, **kwargs)
 
-    monkeypatch.setattr(HostForward, "__call__", slow)
+        monkeypatch.setattr(HostForward, name, slow)
 
 
 def _slower_torch(monkeypatch):
