@@ -201,13 +201,13 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
                         matrix(inputs[matrix.in_features])
 
                 out[f"{name}_matmuls_by"] = "torch"
-                if lean.forward_times is not None:  # (the host forward measured slower here: torch's runs)
-                    out[f"{name}_forward_choice"] = ("torch forward (one-token step measured at load: host "
-                                                     f"{lean.forward_times[0]:.2f} ms, torch "
-                                                     f"{lean.forward_times[1]:.2f} ms)")
                 if dev.type == "cuda":  # their device time: recorded as one graph, as the step is replayed
                     matmuls = _recorded(matmuls, dev)
                     out[f"{name}_matmuls_by"] = "torch, one CUDA graph"
+            if lean.forward_times is not None:  # (which CPU forward runs, measured when the lean view was made)
+                out[f"{name}_forward_choice"] = (f"{lean.forward_choice} (one-token steps measured at load: "
+                                                 + ", ".join(f"{form} {ms:.2f} ms"
+                                                             for form, ms in lean.forward_times.items()) + ")")
             # The step and its products timed in alternating rounds, and their ratio taken per round: a
             # change of the machine's speed between two separate medians (one figure of 1.46x in the
             # nineteenth session's bf16 table, 1.03x in the eighteenth's) then moves both alike.

@@ -1,5 +1,6 @@
-"""The CPU forward the engine chooses (measured, ``host_forward_pays``) against the compiled host
-forward kept everywhere (``GBV_HOST_FORWARD=1``, the rule before), in one process, bundled pair.
+"""The CPU forward the engine chooses (measured, ``choose_cpu_forward``) against the host forward with
+its compiled products kept everywhere (``GBV_HOST_FORWARD=1``, the rule before), in one process,
+bundled pair.
 
     python scripts/bench_forward_choice.py                       # float32, 3 + 3 prompts, 128 tokens
     python scripts/bench_forward_choice.py --dtype bfloat16 --prompts 5
@@ -42,9 +43,9 @@ def main() -> None:
         for name, model in (("target", pair.target), ("draft", pair.draft)):
             lean = lean_model(model)
             times = lean.forward_times
-            measured = "not measured" if times is None else f"host {times[0]:.3f} ms, torch {times[1]:.3f} ms"
-            print(f"{variant}: {name} one-token step {measured}; "
-                  f"{'host forward' if lean.host_forward is not None else 'torch forward'}")
+            measured = ("not measured" if times is None
+                        else ", ".join(f"{form} {ms:.3f} ms" for form, ms in times.items()))
+            print(f"{variant}: {name} one-token steps {measured}; runs the {lean.forward_choice}")
     os.environ.pop("GBV_HOST_FORWARD", None)
     prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
     variants = list(pairs)

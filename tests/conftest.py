@@ -9,9 +9,9 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# Where the engine's compiled host forward can run, it measures at load whether it beats torch's
-# forward on this CPU (gbv.engine.lean_host.host_forward_pays). The suite keeps the host forward
-# wherever it can run (GBV_HOST_FORWARD=1), so that which forward a test exercises does not depend on
-# the machine or on timing; tests of the torch path set GBV_HOST_FORWARD=0, and
+# Where the engine's compiled host forward can run, it measures at load which CPU forward is fastest
+# here (gbv.engine.lean_host.choose_cpu_forward). The suite keeps the host forward with its compiled
+# products wherever it can run (GBV_HOST_FORWARD=1), so that which forward a test exercises does not
+# depend on the machine or on timing; tests of the torch path set GBV_HOST_FORWARD=0, and
 # tests/engine/test_forward_choice.py tests the measured choice itself.
 os.environ.setdefault("GBV_HOST_FORWARD", "1")

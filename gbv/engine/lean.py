@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 from typing import Sequence
 
@@ -35,8 +34,8 @@ from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import StaticSteps, steps_mode
 from gbv.engine.static_sampling import sampled_step
 from gbv.verify.common import TorchRandom
-from gbv.engine.lean_host import (PANEL_MAX_PARAMETERS, HostForward, attention_mask, host_forward_pays,
-                                  host_forward_unsupported_reason)
+from gbv.engine.lean_host import (HOST, HOST_TORCH_PRODUCTS, PANEL_MAX_PARAMETERS, TORCH, HostForward, attention_mask,
+                                  choose_cpu_forward, host_forward_unsupported_reason)
 
 logger = logging.getLogger("gbv")
 
@@ -491,17 +490,20 @@ class LeanCausalLM:
         # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
         mode = steps_mode(self.device)
         self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
-        # The host forward runs only where it is the faster of the two here: measured, once per model
-        # (host_forward_pays). (host ms, torch ms) of a one-token step, or None where not measured.
+        # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward).
+        # forward_times: the median ms of a one-token step of each, None where not measured.
+        self.forward_choice = None if self.host_forward is None else HOST
         self.forward_times = None
         if self.host_forward is not None:
-            pays, host_ms, torch_ms = host_forward_pays(self, self.host_forward)
-            if not math.isnan(host_ms):
-                self.forward_times = (host_ms, torch_ms)
-            if not pays:
-                logger.info("gbv: torch's forward takes a one-token step in %.3f ms here, the compiled host "
-                            "forward %.3f ms: using torch's (GBV_HOST_FORWARD=1 keeps the host forward)",
-                            torch_ms, host_ms)
+            self.forward_choice, self.forward_times = choose_cpu_forward(self, self.host_forward)
+            if self.forward_choice != HOST:
+                logger.info("gbv: one-token steps measured here: %s; using the %s (GBV_HOST_FORWARD=1 keeps the "
+                            "host forward's compiled products)", ", ".join(f"{name} {ms:.3f} ms" for name, ms
+                                                                          in self.forward_times.items()),
+                            self.forward_choice)
+            if self.forward_choice == HOST_TORCH_PRODUCTS:
+                self.host_forward.use_torch_products("torch's products measured faster here")
+            elif self.forward_choice == TORCH:
                 self.host_forward = None
                 self.cache_dtype = self.dtype  # (a bfloat16 cache was the host forward's)
 

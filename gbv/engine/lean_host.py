@@ -52,7 +52,8 @@ from gbv.engine.host_kernels import (PanelWeight, attention_into, forward_into, 
 def host_forward_unsupported_reason(lean) -> str | None:
     """None when :class:`HostForward` can run ``lean`` (a ``LeanCausalLM``); else why not.
     ``GBV_HOST_FORWARD=0`` in the environment turns it off (for before/after measurements); whether it
-    runs where it can is measured (:func:`host_forward_pays`) unless ``GBV_HOST_FORWARD=1``."""
+    runs where it can, and with which products, is measured (:func:`choose_cpu_forward`) unless
+    ``GBV_HOST_FORWARD=1``."""
     if os.environ.get("GBV_HOST_FORWARD", "1") == "0":
         return "GBV_HOST_FORWARD=0"
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
@@ -78,71 +79,79 @@ def host_forward_unsupported_reason(lean) -> str | None:
 
 # Timed one-token steps of each forward when choosing between them (after 2 untimed ones each).
 _CHOICE_REPEATS = 7
-# Torch's forward replaces the host forward only when its step takes less than this fraction of the
-# host forward's. Why: a one-token step is not all of decoding (a draft depth of K tips, a tree pass),
-# and where the two are within a few percent the choice flips between runs; with the bundled pair in
-# bfloat16 (host 0.54 ms, torch 0.52 ms for the draft) rows moved by 0.92-1.25x either way.
-_TORCH_MARGIN = 0.95
+# Another forward replaces the host forward with its compiled products only when its step takes less
+# than this fraction of that one's. Why: a one-token step is not all of decoding (a draft depth of K
+# tips, a tree pass), and where two are within a few percent the choice flipped between runs; with the
+# bundled pair in bfloat16 (host 0.54 ms, torch 0.52 ms for the draft) rows moved by 0.92-1.25x.
+_MARGIN = 0.95
+# The forwards a lean view can run on the CPU, the first the default (CPU_FORWARDS[0]).
+HOST, HOST_TORCH_PRODUCTS, TORCH = "host forward", "host forward, torch's products", "torch forward"
 
 
-def host_forward_pays(lean, host: "HostForward") -> tuple[bool, float, float]:
-    """Whether ``host`` runs a one-token decode step of ``lean`` (forward, softmax, draw) faster than
-    torch's forward of the same model does on this machine, at the current thread count: ``(pays,
-    host_ms, torch_ms)``, medians of alternating steps after a 32-token prefix, on scratch caches. ``GBV_HOST_FORWARD=1`` skips the
-    measurement (``(True, nan, nan)``).
+def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float] | None]:
+    """Which forward runs ``lean`` fastest on this machine at the current thread count: ``HOST`` (the
+    host forward with its compiled products and attention), ``HOST_TORCH_PRODUCTS`` (the same with
+    torch's matrix products) or ``TORCH`` (torch's forward), and the median ms of a one-token step of
+    each (None where not measured). A step is taken as the decoders take it (forward, softmax, draw;
+    the host forward's one compiled call where it has one), alternating, after a 32-token prefix on
+    scratch caches; ``HOST`` is kept unless another is faster by ``_MARGIN``. ``GBV_HOST_FORWARD=1``
+    keeps ``HOST`` without measuring.
 
     Why measure: the compiled kernels are AVX2 + FMA. On the AMD Zen 3 machines they were written on,
-    torch's kernels ran at AVX2 too and the host forward took a step of the bundled target in 1.16x
+    torch's kernels ran at AVX2 too, and the host forward took a step of the bundled target in 1.16x
     its products' time against torch's 1.9x. On an Intel Xeon with AVX-512 (and AMX), torch's float32
-    products are the faster ones: 2.15 ms a step against the host forward's 3.54 ms, and ``ar`` ran
-    1.49x faster with ``GBV_HOST_FORWARD=0`` (docs/ENGINE.md, "Which forward runs on the CPU"). Which
-    one wins depends on the CPU, so it is measured once per model, in ~10 steps of each."""
+    products are the faster ones: the bundled target's step took 3.3 ms with the compiled products,
+    2.0 ms on torch's forward and 1.5 ms on the host forward with torch's products (docs/ENGINE.md,
+    "Which forward runs on the CPU"). Which wins depends on the CPU, so it is measured, once per model,
+    in ~10 steps of each."""
     if os.environ.get("GBV_HOST_FORWARD") == "1":
-        return True, float("nan"), float("nan")
+        return HOST, None
     prefix = 32
     ids = np.arange(prefix, dtype=np.int64)[None] % lean.embed.shape[0]
     where = np.arange(prefix, dtype=np.int64)[None]
     # (the torch forward's cache in its own dtype: a bfloat16 cache is the host forward's, cache_dtype)
     saved_dtype = lean.cache_dtype
-    caches = [lean.plain_cache(1, prefix + 1)]
+    host_cache = lean.plain_cache(1, prefix + 1)
     lean.cache_dtype = lean.dtype
-    caches.append(lean.plain_cache(1, prefix + 1))
+    torch_cache = lean.plain_cache(1, prefix + 1)
     lean.cache_dtype = saved_dtype
     one = torch.tensor([[int(ids[0, -1])]])
     at = torch.tensor([[prefix]])
-    saved, lean.host_forward = lean.host_forward, None
-
-    # A step as the decoders take it: the forward, the softmax and one draw (the host forward's one
-    # compiled call where it has one, as LeanCausalLM.sampled_chain; draw_token after torch's).
     vocab = lean.embed.shape[0]
     config, rng = SamplingConfig(1.0), TorchRandom(torch.Generator().manual_seed(0))
+    panels_off = host.panels_off
+    saved, lean.host_forward = lean.host_forward, None
 
-    def host_step():
+    def host_step(products_off):
+        host.panels_off = products_off
         if host.one_call(1):
-            host.sampled(one.numpy()[0], at.numpy()[0], prefix, caches[0], None, True, vocab, 1.0, rng.uniform())
+            host.sampled(one.numpy()[0], at.numpy()[0], prefix, host_cache, None, True, vocab, 1.0, rng.uniform())
         else:
-            draw_token(host(one.numpy(), at.numpy(), prefix, caches[0], None, False, True, 0)[0, -1, :vocab], config,
+            draw_token(host(one.numpy(), at.numpy(), prefix, host_cache, None, False, True, 0)[0, -1, :vocab], config,
                        rng)
 
-    def torch_step():
-        draw_token(lean.forward(one, at, prefix, caches[1], None, last_only=True)[0, -1, :vocab], config, rng)
-
+    steps = {HOST: lambda: host_step(panels_off), TORCH: lambda: draw_token(
+        lean.forward(one, at, prefix, torch_cache, None, last_only=True)[0, -1, :vocab], config, rng)}
+    if panels_off is None:  # (the compiled products run: their alternative, torch's, inside the host forward)
+        steps[HOST_TORCH_PRODUCTS] = lambda: host_step("torch's products measured faster here")
     try:
         with torch.inference_mode():
-            host(ids, where, 0, caches[0], None, True, True, 0)
-            lean.forward(torch.from_numpy(ids), torch.from_numpy(where), 0, caches[1], None, causal=True,
+            host(ids, where, 0, host_cache, None, True, True, 0)
+            lean.forward(torch.from_numpy(ids), torch.from_numpy(where), 0, torch_cache, None, causal=True,
                          last_only=True)
-            times: dict = {host_step: [], torch_step: []}
+            times: dict = {name: [] for name in steps}
+            names = list(steps)
             for repeat in range(_CHOICE_REPEATS + 2):
-                for step in ((host_step, torch_step) if repeat % 2 == 0 else (torch_step, host_step)):
+                for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                     began = time.perf_counter()
-                    step()
+                    steps[name]()
                     if repeat >= 2:
-                        times[step].append(time.perf_counter() - began)
+                        times[name].append(time.perf_counter() - began)
     finally:
-        lean.host_forward = saved
-    host_ms, torch_ms = (1e3 * float(np.median(times[step])) for step in (host_step, torch_step))
-    return torch_ms > _TORCH_MARGIN * host_ms, host_ms, torch_ms
+        lean.host_forward, host.panels_off = saved, panels_off
+    medians = {name: 1e3 * float(np.median(values)) for name, values in times.items()}
+    best = min(medians, key=medians.get)
+    return (best if medians[best] < _MARGIN * medians[HOST] else HOST), medians
 
 
 def attention_mask(mask: Tensor | None, causal: bool, start: int, n: int, device) -> tuple[Tensor | None, bool]:
@@ -301,6 +310,13 @@ class HostForward:
                                       in self.layers)
         self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
+
+    def use_torch_products(self, reason: str) -> None:
+        """Multiply by torch's GEMMs from now on (``reason``: why), and drop the packed panels."""
+        self.panels_off = reason
+        self.layer_panels = None
+        for product in [self.lm_head] + [p for layer in self.layers for p in (layer[0], layer[2], layer[3], layer[4])]:
+            product.panel = None
 
     def takes(self, batch: int, n: int) -> bool:
         """Whether :meth:`LeanCausalLM.forward` should run ``batch`` sequences of ``n`` queries here: one

@@ -1,6 +1,7 @@
-"""The CPU forward a lean view runs: its compiled host forward only where a measured one-token step
-says it is the faster one here (gbv.engine.lean_host.host_forward_pays). The suite otherwise keeps the
-host forward (tests/conftest.py); these tests lift that setting and slow one side down on purpose."""
+"""The CPU forward a lean view runs: the host forward with its compiled products, the same with torch's
+products, or torch's forward, whichever a measured one-token step says is the fastest here
+(gbv.engine.lean_host.choose_cpu_forward). The suite otherwise keeps the host forward (tests/conftest.py);
+these tests lift that setting and slow forms down on purpose."""
 
 from __future__ import annotations
 
@@ -11,13 +12,22 @@ import torch
 
 from gbv.engine.generate import generate
 from gbv.engine.lean import LeanCausalLM
-from gbv.engine.lean_host import HostForward, host_forward_pays
+from gbv.engine.lean_host import HOST, HOST_TORCH_PRODUCTS, TORCH, HostForward, choose_cpu_forward
 from gbv.models.loading import ModelPair
 
 from engine_toy import TEST_DEVICE, hf_pair, sharpen
 from test_engine import PROMPT, greedy_reference
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the host forward runs on the CPU only")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread, where the host forward's compiled one-call steps run (HostForward.one_call)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 SLOWER_MS = 3.0  # far above a toy step's few tenths of a ms: the choice is not a close call
 
@@ -44,6 +54,18 @@ def _slower_torch(monkeypatch):
     monkeypatch.setattr(LeanCausalLM, "forward", slow)
 
 
+def _slower_compiled_products(monkeypatch):
+    """The host forward's step with its compiled products (one compiled call) slower; with torch's
+    products it takes the host forward's other path (``__call__``), left as it is."""
+    original = HostForward.sampled
+
+    def slow(self, *args, **kwargs):
+        time.sleep(SLOWER_MS / 1e3)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostForward, "sampled", slow)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_slower_host_forward_is_not_used(monkeypatch, caplog, dtype):
     """Where torch's one-token step is the faster one, the lean view drops its host forward (and the
@@ -58,10 +80,11 @@ def test_the_slower_host_forward_is_not_used(monkeypatch, caplog, dtype):
         lean = LeanCausalLM(target)
     if dtype == torch.bfloat16 and not lean.bf16_in_float32:
         pytest.skip("no host forward for bfloat16 here (the compiled kernels are not built)")
-    host_ms, torch_ms = lean.forward_times
-    assert lean.host_forward is None and host_ms > torch_ms + SLOWER_MS / 2
+    times = lean.forward_times
+    assert lean.forward_choice == TORCH and lean.host_forward is None
+    assert min(times[HOST], times[HOST_TORCH_PRODUCTS]) > times[TORCH] + SLOWER_MS / 2
     assert lean.cache_dtype == lean.dtype
-    assert sum("using torch's" in r.getMessage() for r in caplog.records) == 1
+    assert sum("using the torch forward" in r.getMessage() for r in caplog.records) == 1
     if dtype != torch.float32:  # (bfloat16 weights computed in float32: logits a bf16 ulp from HF's)
         return
     pair = ModelPair(target, draft)
@@ -78,8 +101,29 @@ def test_the_faster_host_forward_is_kept(monkeypatch):
     _slower_torch(monkeypatch)
     target, _ = hf_pair("llama", vocab=32, seed=2)
     lean = LeanCausalLM(target)
-    host_ms, torch_ms = lean.forward_times
-    assert lean.host_forward is not None and torch_ms > host_ms + SLOWER_MS / 2
+    assert lean.forward_choice in (HOST, HOST_TORCH_PRODUCTS) and lean.host_forward is not None
+    assert lean.forward_times[TORCH] > lean.forward_times[lean.forward_choice] + SLOWER_MS / 2
+
+
+def test_torch_products_in_the_host_forward(monkeypatch):
+    """Where the host forward is fastest with torch's products, it keeps its own attention and glue,
+    multiplies by torch's GEMMs (its packed panels dropped), and greedy decoding still equals the
+    target's argmax."""
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    _slower_torch(monkeypatch)
+    _slower_compiled_products(monkeypatch)
+    target, draft = hf_pair("llama", vocab=32, seed=2)
+    sharpen(target, draft)
+    lean = LeanCausalLM(target)
+    assert lean.forward_choice == HOST_TORCH_PRODUCTS
+    host = lean.host_forward
+    assert host.panels_off and host.layer_panels is None and host.lm_head.panel is None
+    assert not host.one_call(1)
+    expected = greedy_reference(target, PROMPT, 10)
+    for method in ("ar", "block", "gbv"):
+        out = generate(ModelPair(target, draft), prompt_ids=PROMPT, method=method, num_paths=3, block_len=3,
+                       temperature=0.0, max_new_tokens=10, eos_token_id=[])
+        assert out.token_ids == expected, method
 
 
 def test_the_host_forward_forced_on_is_not_measured(monkeypatch):
@@ -89,8 +133,8 @@ def test_the_host_forward_forced_on_is_not_measured(monkeypatch):
     target, _ = hf_pair("llama", vocab=32, seed=2)
     monkeypatch.setenv("GBV_HOST_FORWARD", "1")
     forced = LeanCausalLM(target)
-    assert forced.host_forward is not None and forced.forward_times is None
-    assert host_forward_pays(forced, forced.host_forward)[0]
+    assert forced.host_forward is not None and forced.forward_times is None and forced.forward_choice == HOST
+    assert choose_cpu_forward(forced, forced.host_forward) == (HOST, None)
     monkeypatch.setenv("GBV_HOST_FORWARD", "0")
     assert LeanCausalLM(target).host_forward is None
 
