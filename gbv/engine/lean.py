@@ -496,7 +496,7 @@ class LeanCausalLM:
         self.forward_times = None
         if self.host_forward is not None:
             self.forward_choice, self.forward_times = choose_cpu_forward(self, self.host_forward)
-            if self.forward_choice != HOST:
+            if self.forward_choice != HOST and self.forward_times is not None:
                 logger.info("gbv: one-token steps measured here: %s; using the %s (GBV_HOST_FORWARD=1 keeps the "
                             "host forward's compiled products)", ", ".join(f"{name} {ms:.3f} ms" for name, ms
                                                                           in self.forward_times.items()),

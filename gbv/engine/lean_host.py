@@ -95,7 +95,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     each (None where not measured). A step is taken as the decoders take it (forward, softmax, draw;
     the host forward's one compiled call where it has one), alternating, after a 32-token prefix on
     scratch caches; ``HOST`` is kept unless another is faster by ``_MARGIN``. ``GBV_HOST_FORWARD=1``
-    keeps ``HOST`` without measuring.
+    takes ``HOST`` without measuring, ``GBV_HOST_FORWARD=torch-products`` ``HOST_TORCH_PRODUCTS`` (and
+    ``=0`` makes no host forward: ``TORCH``).
 
     Why measure: the compiled kernels are AVX2 + FMA. On the AMD Zen 3 machines they were written on,
     torch's kernels ran at AVX2 too, and the host forward took a step of the bundled target in 1.16x
@@ -104,8 +105,11 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     2.0 ms on torch's forward and 1.5 ms on the host forward with torch's products (docs/ENGINE.md,
     "Which forward runs on the CPU"). Which wins depends on the CPU, so it is measured, once per model,
     in ~10 steps of each."""
-    if os.environ.get("GBV_HOST_FORWARD") == "1":
+    forced = os.environ.get("GBV_HOST_FORWARD")
+    if forced == "1":
         return HOST, None
+    if forced == "torch-products":
+        return HOST_TORCH_PRODUCTS, None
     prefix = 32
     ids = np.arange(prefix, dtype=np.int64)[None] % lean.embed.shape[0]
     where = np.arange(prefix, dtype=np.int64)[None]
