@@ -18,16 +18,8 @@ from gbv.models.loading import ModelPair
 from engine_toy import TEST_DEVICE, hf_pair, sharpen
 from test_engine import PROMPT, greedy_reference
 
+# (tests/engine/conftest.py runs each test on one torch thread, where the host forward's one-call steps run)
 pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the host forward runs on the CPU only")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread, where the host forward's compiled one-call steps run (HostForward.one_call)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 SLOWER_MS = 3.0  # far above a toy step's few tenths of a ms: the choice is not a close call
 
