@@ -94,7 +94,9 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     torch's matrix products) or ``TORCH`` (torch's forward), and the median ms of a one-token step of
     each (None where not measured). A step is taken as the decoders take it (forward, softmax, draw;
     the host forward's one compiled call where it has one), alternating, after a 32-token prefix on
-    scratch caches; ``HOST`` is kept unless another is faster by ``_MARGIN``. ``GBV_HOST_FORWARD=1``
+    scratch caches; ``HOST`` is kept unless another is faster by ``_MARGIN``. Not measured where the host
+    forward has no compiled products (``panels_off``: no kernels built, or a model above
+    ``PANEL_MAX_PARAMETERS``): its products are torch's there already. ``GBV_HOST_FORWARD=1``
     takes ``HOST`` without measuring, ``GBV_HOST_FORWARD=torch-products`` ``HOST_TORCH_PRODUCTS`` (and
     ``=0`` makes no host forward: ``TORCH``).
 
@@ -110,6 +112,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
         return HOST, None
     if forced == "torch-products":
         return HOST_TORCH_PRODUCTS, None
+    if host.panels_off is not None:  # (its products are torch's already: the AVX2 kernels are not in question,
+        return HOST, None            # and a model above PANEL_MAX_PARAMETERS would take seconds to time)
     prefix = 32
     ids = np.arange(prefix, dtype=np.int64)[None] % lean.embed.shape[0]
     where = np.arange(prefix, dtype=np.int64)[None]
@@ -134,10 +138,9 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
             draw_token(host(one.numpy(), at.numpy(), prefix, host_cache, None, False, True, 0)[0, -1, :vocab], config,
                        rng)
 
-    steps = {HOST: lambda: host_step(panels_off), TORCH: lambda: draw_token(
-        lean.forward(one, at, prefix, torch_cache, None, last_only=True)[0, -1, :vocab], config, rng)}
-    if panels_off is None:  # (the compiled products run: their alternative, torch's, inside the host forward)
-        steps[HOST_TORCH_PRODUCTS] = lambda: host_step("torch's products measured faster here")
+    steps = {HOST: lambda: host_step(None), TORCH: lambda: draw_token(
+                 lean.forward(one, at, prefix, torch_cache, None, last_only=True)[0, -1, :vocab], config, rng),
+             HOST_TORCH_PRODUCTS: lambda: host_step("torch's products measured faster here")}
     try:
         with torch.inference_mode():
             host(ids, where, 0, host_cache, None, True, True, 0)

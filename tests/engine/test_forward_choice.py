@@ -144,3 +144,18 @@ def test_measuring_leaves_the_model_as_it_was(monkeypatch):
         got = measured.chain(ids, 0, measured.new_cache(1, 16), last_only=False)
         want = reference.chain(ids, 0, reference.new_cache(1, 16), last_only=False)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_no_measurement_without_compiled_products(monkeypatch):
+    """Where the host forward has no compiled products (a model above PANEL_MAX_PARAMETERS, or no
+    kernels built), its products are torch's already: nothing is measured (a large model's steps would
+    take seconds) and the host forward stays, as before."""
+    import gbv.engine.lean_host as lean_host
+
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    monkeypatch.setattr(lean_host, "PANEL_MAX_PARAMETERS", 0)
+    _slower_host(monkeypatch)  # (would lose a measurement)
+    target, _ = hf_pair("llama", vocab=32, seed=2)
+    lean = LeanCausalLM(target)
+    assert lean.host_forward is not None and lean.host_forward.panels_off
+    assert lean.forward_choice == HOST and lean.forward_times is None
