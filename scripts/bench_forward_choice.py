@@ -1,8 +1,8 @@
-"""The three CPU forwards of a lean view against each other, in one process, bundled pair: the host
-forward with its compiled products (``GBV_HOST_FORWARD=1``, the rule before this was measured), the
-host forward with torch's products (``GBV_HOST_FORWARD=torch-products``) and torch's forward
-(``GBV_HOST_FORWARD=0``); and which one the engine's measurement at load picks here
-(``choose_cpu_forward``, the default).
+"""The CPU forwards of a lean view against each other, in one process, bundled pair: what the engine's
+measurement at load picks here (``choose_cpu_forward``, the default: the form and the compiled kernels'
+prefetch hint), the host forward with its compiled products prefetching non-temporally
+(``GBV_HOST_FORWARD=1``, the rule before this was measured), the host forward with torch's products
+(``GBV_HOST_FORWARD=torch-products``) and torch's forward (``GBV_HOST_FORWARD=0``).
 
     python scripts/bench_forward_choice.py                       # float32, 3 + 3 prompts, 128 tokens
     python scripts/bench_forward_choice.py --dtype bfloat16 --prompts 5
@@ -24,11 +24,12 @@ import torch
 
 import gbv
 from gbv.data import load_prompts
-from gbv.engine.lean import LeanCausalLM
+import gbv.engine.host_kernels as host_kernels
 from gbv.engine.tree_decoder import lean_model
 
 ROWS = (("ar", 1, 1), ("block", 1, 4), ("gbv", 3, 8), ("traversal", 3, 4), ("auto", 0, 0))
-FORMS = (("compiled products", "1"), ("torch's products", "torch-products"), ("torch forward", "0"))
+FORMS = (("measured (default)", None), ("compiled products, non-temporal", "1"), ("torch's products", "torch-products"),
+         ("torch forward", "0"))
 
 
 def main() -> None:
@@ -40,26 +41,31 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    os.environ.pop("GBV_HOST_FORWARD", None)
-    measured = gbv.load_pair("bundled", dtype=dtype)
-    for name, model in (("target", measured.target), ("draft", measured.draft)):
-        lean = LeanCausalLM(model)
-        times = ", ".join(f"{form} {ms:.3f} ms" for form, ms in (lean.forward_times or {}).items())
-        print(f"measured at load: {name} one-token steps {times or 'not measured'}; the engine runs the "
-              f"{lean.forward_choice or 'torch forward'}")
-    pairs = {}
+    pairs, hints = {}, {}
     for label, setting in FORMS:
-        os.environ["GBV_HOST_FORWARD"] = setting
+        if setting is None:
+            os.environ.pop("GBV_HOST_FORWARD", None)
+        else:
+            os.environ["GBV_HOST_FORWARD"] = setting
         pairs[label] = gbv.load_pair("bundled", dtype=dtype)
-        for model in (pairs[label].target, pairs[label].draft):
-            lean_model(model)  # (made now, under this form's setting)
+        for name, model in (("target", pairs[label].target), ("draft", pairs[label].draft)):
+            lean = lean_model(model)  # (made now, under this form's setting)
+            if setting is None:
+                times = ", ".join(f"{form} {ms:.3f} ms" for form, ms in (lean.forward_times or {}).items())
+                print(f"measured at load: {name} one-token steps {times or 'not measured'}; the engine runs the "
+                      f"{lean.forward_choice or 'torch forward'}")
+        # (the kernels' prefetch hint is process-wide: each form runs with its own)
+        hints[label] = bool(host_kernels.prefetch_temporal()) if setting is None else False
     os.environ.pop("GBV_HOST_FORWARD", None)
+    print(f"measured: the compiled kernels prefetch {'temporally' if hints[FORMS[0][0]] else 'non-temporally'}")
     prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
     labels = list(pairs)
     for temperature in (float(t) for t in args.temperature.split(",")):
         totals: dict = {}
         for index, prompt in enumerate(prompts):
             for label in labels[index % len(labels):] + labels[:index % len(labels)]:
+                if host_kernels.host_kernels_unavailable() is None:
+                    host_kernels.set_prefetch_temporal(hints[label], chosen=False)
                 for method, k, length in ROWS:
                     shape = dict(num_paths=k, block_len=length) if k else {}
                     if index == 0:  # (a warm-up generation per row and form, untimed)

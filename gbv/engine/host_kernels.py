@@ -62,6 +62,27 @@ def host_kernels_unavailable() -> str | None:
     return None
 
 
+# How the panel kernel prefetches its weights, process-wide: non-temporally (False, its default) or into
+# every cache level (True); None until gbv.engine.lean_host.choose_cpu_forward has measured which one
+# this machine wants (on the Zen 3 machines the non-temporal hint was the faster one, on an Intel Xeon
+# with AVX-512 and a large L3 the other, by 2.7x: docs/ENGINE.md, "Which forward runs on the CPU").
+_prefetch_temporal: bool | None = None
+
+
+def prefetch_temporal() -> bool | None:
+    """The panel kernel's prefetch hint as chosen in this process (None: not chosen, the default)."""
+    return _prefetch_temporal
+
+
+def set_prefetch_temporal(temporal: bool, chosen: bool = True) -> None:
+    """Prefetch the weights into every cache level (True) or non-temporally (False); ``chosen``:
+    record it as this process's choice (False while measuring)."""
+    global _prefetch_temporal
+    _host_kernels.set_prefetch_temporal(bool(temporal))
+    if chosen:
+        _prefetch_temporal = bool(temporal)
+
+
 # The column order of a bfloat16 panel row as stored: the kernel widens the 16 values to float32 with
 # two interleaves, which take words 0-3 and 8-11 to columns 0-7 and words 4-7 and 12-15 to columns 8-15.
 _BF16_ORDER = np.array([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])

@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.host_kernels import host_kernels_unavailable
+from gbv.engine.host_kernels import host_kernels_unavailable, prefetch_temporal
 from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import StaticSteps, steps_mode
 from gbv.engine.static_sampling import sampled_step
 from gbv.verify.common import TorchRandom
-from gbv.engine.lean_host import (HOST, HOST_TORCH_PRODUCTS, PANEL_MAX_PARAMETERS, TORCH, HostForward, attention_mask,
+from gbv.engine.lean_host import (HOST, HOST_TEMPORAL, HOST_TORCH_PRODUCTS, PANEL_MAX_PARAMETERS, TORCH, HostForward,
+                                  attention_mask,
                                   choose_cpu_forward, host_forward_unsupported_reason)
 
 logger = logging.getLogger("gbv")
@@ -496,11 +497,11 @@ class LeanCausalLM:
         self.forward_times = None
         if self.host_forward is not None:
             self.forward_choice, self.forward_times = choose_cpu_forward(self, self.host_forward)
-            if self.forward_choice != HOST and self.forward_times is not None:
-                logger.info("gbv: one-token steps measured here: %s; using the %s (GBV_HOST_FORWARD=1 keeps the "
-                            "host forward's compiled products)", ", ".join(f"{name} {ms:.3f} ms" for name, ms
-                                                                          in self.forward_times.items()),
-                            self.forward_choice)
+            if self.forward_times is not None and (self.forward_choice != HOST or HOST_TEMPORAL in self.forward_times):
+                logger.info("gbv: one-token steps measured here: %s; using the %s, the compiled kernels "
+                            "prefetching %s (GBV_HOST_FORWARD=1 keeps the host forward's compiled products)",
+                            ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.forward_times.items()),
+                            self.forward_choice, "temporally" if prefetch_temporal() else "non-temporally")
             if self.forward_choice == HOST_TORCH_PRODUCTS:
                 self.host_forward.use_torch_products("torch's products measured faster here")
             elif self.forward_choice == TORCH:

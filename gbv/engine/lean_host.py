@@ -45,8 +45,8 @@ from torch import Tensor
 
 from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
-from gbv.engine.host_kernels import (PanelWeight, attention_into, forward_into, host_kernels_unavailable,
-                                     kv_bf16, layer_into)
+from gbv.engine.host_kernels import (PanelWeight, attention_into, forward_into, host_kernels_unavailable, kv_bf16,
+                                     layer_into, prefetch_temporal, set_prefetch_temporal)
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -77,15 +77,22 @@ def host_forward_unsupported_reason(lean) -> str | None:
     return None
 
 
-# Timed one-token steps of each forward when choosing between them (after 2 untimed ones each).
-_CHOICE_REPEATS = 7
+# Choosing between the CPU forwards: rounds in rotating order, each form taking a run of this many
+# steps of which the last is timed. Why runs: decoding takes one model's steps back to back, so its
+# weights are where the last step left them; single steps alternating between four forms timed each
+# one after the other three had pushed its weights out (the temporal prefetch's step of the bundled
+# target measured 2.57 ms that way, 1.23 ms in decoding).
+_CHOICE_ROUNDS = 5
+_CHOICE_RUN = 3
 # Another forward replaces the host forward with its compiled products only when its step takes less
 # than this fraction of that one's. Why: a one-token step is not all of decoding (a draft depth of K
 # tips, a tree pass), and where two are within a few percent the choice flipped between runs; with the
 # bundled pair in bfloat16 (host 0.54 ms, torch 0.52 ms for the draft) rows moved by 0.92-1.25x.
 _MARGIN = 0.95
-# The forwards a lean view can run on the CPU, the first the default (CPU_FORWARDS[0]).
+# The forwards a lean view can run on the CPU, HOST the default; HOST_TEMPORAL is HOST with the panel
+# kernel prefetching its weights into every cache level (a process-wide setting: host_kernels).
 HOST, HOST_TORCH_PRODUCTS, TORCH = "host forward", "host forward, torch's products", "torch forward"
+HOST_TEMPORAL = "host forward, temporal prefetch"
 
 
 def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float] | None]:
@@ -100,13 +107,17 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     takes ``HOST`` without measuring, ``GBV_HOST_FORWARD=torch-products`` ``HOST_TORCH_PRODUCTS`` (and
     ``=0`` makes no host forward: ``TORCH``).
 
+    The first lean view measured in a process also chooses the panel kernel's prefetch hint for the
+    process (``HOST_TEMPORAL`` timed beside ``HOST``; the temporal hint where it is faster by
+    ``_MARGIN``), and ``HOST`` then runs with it.
+
     Why measure: the compiled kernels are AVX2 + FMA. On the AMD Zen 3 machines they were written on,
     torch's kernels ran at AVX2 too, and the host forward took a step of the bundled target in 1.16x
     its products' time against torch's 1.9x. On an Intel Xeon with AVX-512 (and AMX), torch's float32
     products are the faster ones: the bundled target's step took 3.3 ms with the compiled products,
     2.0 ms on torch's forward and 1.5 ms on the host forward with torch's products (docs/ENGINE.md,
     "Which forward runs on the CPU"). Which wins depends on the CPU, so it is measured, once per model,
-    in ~10 steps of each."""
+    in 15 steps of each."""
     forced = os.environ.get("GBV_HOST_FORWARD")
     if forced == "1":
         return HOST, None
@@ -130,8 +141,10 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     panels_off = host.panels_off
     saved, lean.host_forward = lean.host_forward, None
 
-    def host_step(products_off):
+    def host_step(products_off, temporal=None):
         host.panels_off = products_off
+        if temporal is not None:
+            set_prefetch_temporal(temporal, chosen=False)
         if host.one_call(1):
             host.sampled(one.numpy()[0], at.numpy()[0], prefix, host_cache, None, True, vocab, 1.0, rng.uniform())
         else:
@@ -141,6 +154,10 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     steps = {HOST: lambda: host_step(None), TORCH: lambda: draw_token(
                  lean.forward(one, at, prefix, torch_cache, None, last_only=True)[0, -1, :vocab], config, rng),
              HOST_TORCH_PRODUCTS: lambda: host_step("torch's products measured faster here")}
+    hint = prefetch_temporal()
+    if hint is None:  # (the kernel's prefetch hint, not chosen yet in this process: both, once)
+        steps[HOST] = lambda: host_step(None, False)
+        steps[HOST_TEMPORAL] = lambda: host_step(None, True)
     try:
         with torch.inference_mode():
             host(ids, where, 0, host_cache, None, True, True, 0)
@@ -148,17 +165,25 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
                          last_only=True)
             times: dict = {name: [] for name in steps}
             names = list(steps)
-            for repeat in range(_CHOICE_REPEATS + 2):
+            for repeat in range(_CHOICE_ROUNDS):
                 for name in names[repeat % len(names):] + names[:repeat % len(names)]:
-                    began = time.perf_counter()
-                    steps[name]()
-                    if repeat >= 2:
-                        times[name].append(time.perf_counter() - began)
+                    for step in range(_CHOICE_RUN):  # (a run of steps, as decoding takes them: the last timed)
+                        began = time.perf_counter()
+                        steps[name]()
+                    times[name].append(time.perf_counter() - began)
     finally:
         lean.host_forward, host.panels_off = saved, panels_off
+        if hint is not None:
+            set_prefetch_temporal(hint)
     medians = {name: 1e3 * float(np.median(values)) for name, values in times.items()}
-    best = min(medians, key=medians.get)
-    return (best if medians[best] < _MARGIN * medians[HOST] else HOST), medians
+    host_ms = medians[HOST]
+    if hint is None:  # the hint, chosen for the process: the temporal one where it is faster by _MARGIN
+        temporal = medians[HOST_TEMPORAL] < _MARGIN * medians[HOST]
+        set_prefetch_temporal(temporal)
+        host_ms = medians[HOST_TEMPORAL] if temporal else medians[HOST]
+    others = {name: ms for name, ms in medians.items() if name in (HOST_TORCH_PRODUCTS, TORCH)}
+    best = min(others, key=others.get)
+    return (best if others[best] < _MARGIN * host_ms else HOST), medians
 
 
 def attention_mask(mask: Tensor | None, causal: bool, start: int, n: int, device) -> tuple[Tensor | None, bool]:

@@ -12,7 +12,8 @@ import torch
 
 from gbv.engine.generate import generate
 from gbv.engine.lean import LeanCausalLM
-from gbv.engine.lean_host import HOST, HOST_TORCH_PRODUCTS, TORCH, HostForward, choose_cpu_forward
+import gbv.engine.host_kernels as host_kernels
+from gbv.engine.lean_host import HOST, HOST_TEMPORAL, HOST_TORCH_PRODUCTS, TORCH, HostForward, choose_cpu_forward
 from gbv.models.loading import ModelPair
 
 from engine_toy import TEST_DEVICE, hf_pair, sharpen
@@ -20,6 +21,15 @@ from test_engine import PROMPT, greedy_reference
 
 # (tests/engine/conftest.py runs each test on one torch thread, where the host forward's one-call steps run)
 pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the host forward runs on the CPU only")
+
+@pytest.fixture(autouse=True)
+def prefetch_hint_unchosen(monkeypatch):
+    """Each test starts with the panel kernel's prefetch hint not chosen, and leaves it at the default."""
+    monkeypatch.setattr(host_kernels, "_prefetch_temporal", None)
+    yield
+    if host_kernels.host_kernels_unavailable() is None:
+        host_kernels._host_kernels.set_prefetch_temporal(False)
+
 
 SLOWER_MS = 3.0  # far above a toy step's few tenths of a ms: the choice is not a close call
 
@@ -159,3 +169,24 @@ def test_no_measurement_without_compiled_products(monkeypatch):
     lean = LeanCausalLM(target)
     assert lean.host_forward is not None and lean.host_forward.panels_off
     assert lean.forward_choice == HOST and lean.forward_times is None
+
+
+@pytest.mark.skipif(host_kernels.host_kernels_unavailable() is not None, reason="the compiled kernels are not built")
+def test_the_prefetch_hint_is_chosen_once_and_changes_no_result(monkeypatch):
+    """The first lean view measured in a process times its host forward with both prefetch hints and
+    sets the hint for the process; the next one times one host form only. Either hint gives the same
+    logits, bit for bit (a prefetch moves no data the kernel computes with)."""
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    target, draft = hf_pair("llama", vocab=32, seed=2)
+    first = LeanCausalLM(target)
+    assert HOST_TEMPORAL in first.forward_times and host_kernels.prefetch_temporal() is not None
+    second = LeanCausalLM(draft)
+    assert second.forward_times is None or HOST_TEMPORAL not in second.forward_times
+    monkeypatch.setenv("GBV_HOST_FORWARD", "1")
+    lean = LeanCausalLM(target)
+    outputs = []
+    with torch.inference_mode():
+        for temporal in (False, True):
+            host_kernels.set_prefetch_temporal(temporal, chosen=False)
+            outputs.append(lean.chain([3, 1, 4, 1, 5, 9, 2, 6], 0, lean.new_cache(1, 16), last_only=False))
+    assert torch.equal(outputs[0], outputs[1])
