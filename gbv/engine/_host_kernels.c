@@ -60,8 +60,9 @@
     } while (0)
 /* Non-temporal (the default, above) or into every cache level (set_prefetch_temporal): on an Intel Xeon
  * with AVX-512 and a large L3 the non-temporal hint kept the weights out of the L3, and the bundled
- * target's step took 3.39 ms against 1.24 ms with _MM_HINT_T0 (gbv.engine.lean_host.choose_cpu_forward
- * measures which one this machine wants). A well-predicted branch per prefetch. */
+ * target's float32 step took 3.74 ms against 1.21 ms with _MM_HINT_T0 (scripts/bench_prefetch_hint.py;
+ * gbv.engine.lean_host.choose_cpu_forward measures which one this machine wants). A well-predicted
+ * branch per prefetch. */
 static int prefetch_temporal = 0;
 #define PREFETCH(p, k)                                                                              \
     do {                                                                                            \

@@ -65,7 +65,9 @@ def host_kernels_unavailable() -> str | None:
 # How the panel kernel prefetches its weights, process-wide: non-temporally (False, its default) or into
 # every cache level (True); None until gbv.engine.lean_host.choose_cpu_forward has measured which one
 # this machine wants (on the Zen 3 machines the non-temporal hint was the faster one, on an Intel Xeon
-# with AVX-512 and a large L3 the other, by 2.7x: docs/ENGINE.md, "Which forward runs on the CPU").
+# with AVX-512 and a large L3 the other, by 3.1x for a float32 step of the bundled target:
+# scripts/bench_prefetch_hint.py; docs/ENGINE.md, "Which forward runs on the CPU, and how its kernels
+# prefetch").
 _prefetch_temporal: bool | None = None
 
 

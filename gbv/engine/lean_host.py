@@ -100,24 +100,25 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     host forward with its compiled products and attention), ``HOST_TORCH_PRODUCTS`` (the same with
     torch's matrix products) or ``TORCH`` (torch's forward), and the median ms of a one-token step of
     each (None where not measured). A step is taken as the decoders take it (forward, softmax, draw;
-    the host forward's one compiled call where it has one), alternating, after a 32-token prefix on
-    scratch caches; ``HOST`` is kept unless another is faster by ``_MARGIN``. Not measured where the host
-    forward has no compiled products (``panels_off``: no kernels built, or a model above
-    ``PANEL_MAX_PARAMETERS``): its products are torch's there already. ``GBV_HOST_FORWARD=1``
-    takes ``HOST`` without measuring, ``GBV_HOST_FORWARD=torch-products`` ``HOST_TORCH_PRODUCTS`` (and
-    ``=0`` makes no host forward: ``TORCH``).
+    the host forward's one compiled call where it has one), in runs of ``_CHOICE_RUN`` steps per form
+    and round after a 32-token prefix on scratch caches; ``HOST`` is kept unless another is faster by
+    ``_MARGIN``. Not measured where the host forward has no compiled products (``panels_off``: no
+    kernels built, or a model above ``PANEL_MAX_PARAMETERS``): its products are torch's there already.
+    ``GBV_HOST_FORWARD=1`` takes ``HOST`` without measuring, ``GBV_HOST_FORWARD=torch-products``
+    ``HOST_TORCH_PRODUCTS`` (and ``=0`` makes no host forward: ``TORCH``).
 
     The first lean view measured in a process also chooses the panel kernel's prefetch hint for the
     process (``HOST_TEMPORAL`` timed beside ``HOST``; the temporal hint where it is faster by
     ``_MARGIN``), and ``HOST`` then runs with it.
 
-    Why measure: the compiled kernels are AVX2 + FMA. On the AMD Zen 3 machines they were written on,
-    torch's kernels ran at AVX2 too, and the host forward took a step of the bundled target in 1.16x
-    its products' time against torch's 1.9x. On an Intel Xeon with AVX-512 (and AMX), torch's float32
-    products are the faster ones: the bundled target's step took 3.3 ms with the compiled products,
-    2.0 ms on torch's forward and 1.5 ms on the host forward with torch's products (docs/ENGINE.md,
-    "Which forward runs on the CPU"). Which wins depends on the CPU, so it is measured, once per model,
-    in 15 steps of each."""
+    Why measure: the compiled kernels were tuned on AMD Zen 3 machines, where they took a step of the
+    bundled target in 1.16x its products' time against torch's 1.9x, prefetching their weights
+    non-temporally. On an Intel Xeon with AVX-512, AMX and a large L3 that hint kept the weights out of
+    the L3 (a float32 step 3.74 ms against 1.21 ms prefetching into every level), and with it torch's
+    products (1.5 ms in the host forward) and even torch's forward (2.0 ms) beat the compiled ones
+    (docs/ENGINE.md, "Which forward runs on the CPU, and how its kernels prefetch"). Which wins depends
+    on the CPU, so it is measured, once per model, in 15 steps of each form (0.04-0.23 s for the bundled
+    pair)."""
     forced = os.environ.get("GBV_HOST_FORWARD")
     if forced == "1":
         return HOST, None
