@@ -191,17 +191,21 @@ def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
     ``torch.rand`` of the same shape from the same generator, so the random stream and every draw
     are the same); None where it does not apply (not float32 on the CPU, or no kernels here).
     ``probs``: (..., V); returns (...) long."""
-    if (probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.requires_grad
-            or (generator is not None and generator.device.type != "cpu") or host_kernels_unavailable()):
-        return None
+    if not _draws_here(probs) or (generator is not None and generator.device.type != "cpu"):
+        return None  # (checked before drawing: the caller then draws the same uniforms itself)
     return draw_rows_host_at(probs, torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64))
+
+
+def _draws_here(probs: Tensor) -> bool:
+    """Whether the compiled draw takes ``probs``: float32 CPU values, no gradient, the kernels built."""
+    return (probs.device.type == "cpu" and probs.dtype == torch.float32 and not probs.requires_grad
+            and host_kernels_unavailable() is None)
 
 
 def draw_rows_host_at(probs: Tensor, u: Tensor) -> Tensor | None:
     """:func:`gbv.verify.common.draw_rows_at` (the uniforms ``u`` (..., 1) float64 given) by the
     compiled kernel; None where it does not apply (as :func:`draw_rows_host`)."""
-    if (probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.requires_grad
-            or u.device.type != "cpu" or host_kernels_unavailable()):
+    if not _draws_here(probs) or u.device.type != "cpu":
         return None
     vocab = probs.shape[-1]
     rows = probs.detach().numpy()

@@ -35,8 +35,7 @@ from gbv.engine.static_steps import StaticSteps, steps_mode
 from gbv.engine.static_sampling import sampled_step
 from gbv.verify.common import TorchRandom
 from gbv.engine.lean_host import (HOST, HOST_TEMPORAL, HOST_TORCH_PRODUCTS, PANEL_MAX_PARAMETERS, TORCH, HostForward,
-                                  attention_mask,
-                                  choose_cpu_forward, host_forward_unsupported_reason)
+                                  attention_mask, choose_cpu_forward, host_forward_unsupported_reason)
 
 logger = logging.getLogger("gbv")
 

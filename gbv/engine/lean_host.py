@@ -139,7 +139,6 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     at = torch.tensor([[prefix]])
     vocab = lean.embed.shape[0]
     config, rng = SamplingConfig(1.0), TorchRandom(torch.Generator().manual_seed(0))
-    panels_off = host.panels_off
     saved, lean.host_forward = lean.host_forward, None
 
     def host_step(products_off, temporal=None):
@@ -173,7 +172,7 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
                         steps[name]()
                     times[name].append(time.perf_counter() - began)
     finally:
-        lean.host_forward, host.panels_off = saved, panels_off
+        lean.host_forward, host.panels_off = saved, None  # (its compiled products: measured only with them)
         if hint is not None:
             set_prefetch_temporal(hint)
     medians = {name: 1e3 * float(np.median(values)) for name, values in times.items()}

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from gbv.engine import static_steps
 from gbv.engine.sampling import SamplingConfig, fill_token_uniform, process_logits
-from gbv.engine.static_steps import FEW_QUERY_ATTENTION, MAX_QUERIES, Recorded, StaticStep, StaticSteps
+from gbv.engine.static_steps import MAX_QUERIES, Recorded, StaticStep, StaticSteps, static_forward
 from gbv.verify.common import TorchRandom, draw_rows_at
 
 # Unseen chains longer than this are fed first (all but their last token) as a chain of their own:
@@ -100,14 +100,10 @@ class DraftLoop(Recorded):
 
     def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache,
                  last_only: bool) -> Tensor:
-        """A static step's forward of one row's (N,) ``tokens`` at ``positions`` into ``slots`` under
+        """:func:`static_forward` of one row's (N,) ``tokens`` at ``positions`` into ``slots`` under
         ``mask`` (1, 1, N, capacity): (N or 1, vocab) logits."""
-        lean, n = self.lean, tokens.shape[0]
-        cos, sin = lean._rotary(positions[None], self.columns.shape[0])
-        hidden = torch.embedding(lean.embed, tokens)
-        bias = lean.attention_bias(mask, 1) if FEW_QUERY_ATTENTION else None
-        hidden = lean._layers(hidden, 1, n, cos, sin, cache, 0, 0, slots, mask, False, bias)
-        return lean._head(hidden, 1, n, last_only)[0, :, :self.vocab]
+        return static_forward(self.lean, tokens[None], positions[None], slots, mask, cache, self.columns.shape[0],
+                              last_only=last_only)[0, :, :self.vocab]
 
     def _draw(self, probs: Tensor, depth: int) -> Tensor:
         """One token per row of (rows, vocab) ``probs``, from the uniforms of ``depth`` (a copy: the

@@ -135,6 +135,20 @@ class StaticSteps:
         return call
 
 
+def static_forward(lean, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache, capacity: int,
+                   first_row: int = 0, last_only: bool = False) -> Tensor:
+    """The lean forward as every static call records it: (B, N) ``tokens`` at ``positions`` ((B, N))
+    written into ``slots`` ((N,), on the device) of cache rows ``first_row ..``, attending every one of
+    the cache's ``capacity`` slots under ``mask`` ((B or 1, 1, N, capacity) bool), so that its shapes do
+    not depend on where it writes. Returns (B, N or 1, V) logits."""
+    batch, n = tokens.shape
+    cos, sin = lean._rotary(positions, capacity)
+    hidden = torch.embedding(lean.embed, tokens.reshape(-1))
+    bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
+    hidden = lean._layers(hidden, batch, n, cos, sin, cache, first_row, 0, slots, mask, False, bias)
+    return lean._head(hidden, batch, n, last_only)
+
+
 class Recorded:
     """A call over buffers of its own, run as it is or, on CUDA, recorded once as a graph and replayed.
     Subclasses make the buffers, fill them before each call and define :meth:`_run` over them."""
@@ -233,16 +247,12 @@ class StaticStep(Recorded):
         return self._forward(self.tokens, self.positions, self.slots, self.mask, cache)
 
     def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor | None, cache) -> Tensor:
-        """The forward of (B, N) ``tokens`` at ``positions`` into ``slots`` ((N,)) under ``mask`` ((B or 1,
-        1, N, capacity); None: each query attends every slot up to its own)."""
-        lean, batch, n = self.lean, self.batch, self.n
-        cos, sin = lean._rotary(positions, self.columns.shape[0])
-        hidden = torch.embedding(lean.embed, tokens.reshape(-1))
-        if mask is None:  # query i attends every slot up to its own: the prefix, and the chain causally
+        """:func:`static_forward` of this step's rows; ``mask`` None: each query attends every slot up to
+        its own."""
+        if mask is None:  # (the prefix, and the chain causally)
             mask = (self.columns[None, :] <= slots[:, None])[None, None]
-        bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
-        hidden = lean._layers(hidden, batch, n, cos, sin, cache, self.first_row, 0, slots, mask, False, bias)
-        return lean._head(hidden, batch, n, self.last_only)
+        return static_forward(self.lean, tokens, positions, slots, mask, cache, self.columns.shape[0],
+                              self.first_row, self.last_only)
 
     def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, cache) -> Tensor:
         """``LeanCausalLM.forward`` of (B, N) ``tokens`` at ``positions`` written from slot ``start``
