@@ -639,7 +639,7 @@ class LeanCausalLM:
             if mask is None:  # (a chain: its ids come as a list from the decoders; a tensor is read back)
                 return step.chain(ids if isinstance(ids, list) else ids.tolist(), start, cache)
             tokens = torch.tensor([ids], device=self.device) if isinstance(ids, list) else ids[None]
-            return step.sampled(tokens, positions[None], start, mask, cache)
+            return step(tokens, positions[None], start, mask, cache)
         tokens = np.array(ids, dtype=np.int64) if isinstance(ids, list) else ids.numpy()
         where = np.arange(start, start + n, dtype=np.int64) if positions is None else positions.numpy()
         probs = torch.empty(n, vocab, dtype=torch.float32)

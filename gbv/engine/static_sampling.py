@@ -106,11 +106,8 @@ class DraftLoop(Recorded):
                               last_only=last_only)[0, :, :self.vocab]
 
     def _draw(self, probs: Tensor, depth: int) -> Tensor:
-        """One token per row of (rows, vocab) ``probs``, from the uniforms of ``depth`` (a copy: the
-        draw overwrites them, and a replay must find them as they were copied in)."""
-        if self.config.greedy:
-            return probs.argmax(-1)
-        return draw_rows_at(probs, self.uniforms[depth].clone())
+        """One token per row of (rows, vocab) ``probs``, from the uniforms of ``depth``."""
+        return _draw(probs, self.config, self.uniforms[depth])
 
     def _run(self, cache) -> tuple[Tensor, Tensor]:
         chain, rows, block, columns = self.chain, self.rows, self.block, self.columns
@@ -137,6 +134,14 @@ class DraftLoop(Recorded):
         return q, drafted
 
 
+def _draw(probs: Tensor, config: SamplingConfig, uniforms: Tensor) -> Tensor:
+    """One token per row of (R, vocab) ``probs`` by ``sample``'s rule, from ``uniforms`` ((R or 1, 1): a
+    copy is drawn on, since the draw overwrites it and a replay must find the buffer as copied in)."""
+    if config.greedy:
+        return probs.argmax(-1)
+    return draw_rows_at(probs, uniforms.clone())
+
+
 def sampled_step(lean, cache, n: int, masked: bool, start: int, vocab: int, config: SamplingConfig,
                  draw: bool) -> "SampledStep | None":
     """The sampled step of this shape over row 0 of ``cache`` (made on first use), or None where the
@@ -156,7 +161,7 @@ class SampledStep(StaticStep):
     step were about ten more launches from Python, against one replay for the whole forward.
 
     A chain (not ``masked``) takes its ids and first slot in one copy (:meth:`chain`); its positions
-    and slots are made inside. A tree takes the static step's buffers (:meth:`sampled`)."""
+    and slots are made inside. A tree takes the static step's buffers (a call, as a ``StaticStep``)."""
 
     def __init__(self, cache, n: int, masked: bool, vocab: int, config: SamplingConfig, draw: bool,
                  owner: StaticSteps) -> None:
@@ -174,11 +179,7 @@ class SampledStep(StaticStep):
         else:
             logits = super()._run(cache)
         probs = process_logits(logits[0, :, :self.vocab], self.config)
-        if not self.draw:
-            return probs
-        if self.config.greedy:
-            return probs.argmax(-1)
-        return draw_rows_at(probs, self.uniforms.clone())
+        return _draw(probs, self.config, self.uniforms) if self.draw else probs
 
     def chain(self, ids: list[int], start: int, cache, rng: TorchRandom | None = None) -> Tensor:
         """The chain ``ids`` at slots (= positions) ``start ..``; ``rng``: the source of a drawing step's
@@ -190,7 +191,3 @@ class SampledStep(StaticStep):
             if rng is not None:
                 fill_token_uniform(self.uniforms, rng)
             return self._replay(cache)
-
-    def sampled(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor, cache) -> Tensor:
-        """As :meth:`StaticStep.__call__` for a tree's (1, N) ``tokens``: (N, vocab) laws, a new tensor."""
-        return self(tokens, positions, start, mask, cache)
