@@ -53,7 +53,7 @@ def main() -> None:
             if setting is None:
                 times = ", ".join(f"{form} {ms:.3f} ms" for form, ms in (lean.forward_times or {}).items())
                 print(f"measured at load: {name} one-token steps {times or 'not measured'}; the engine runs the "
-                      f"{lean.forward_choice or 'torch forward'}")
+                      f"{lean.forward_choice}")
         # (the kernels' prefetch hint is process-wide: each form runs with its own)
         hints[label] = bool(host_kernels.prefetch_temporal()) if setting is None else False
     os.environ.pop("GBV_HOST_FORWARD", None)

@@ -490,10 +490,10 @@ class LeanCausalLM:
         # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
         mode = steps_mode(self.device)
         self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
-        # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward).
-        # forward_times: the median ms of a one-token step of each, None where not measured.
-        self.forward_choice = None if self.host_forward is None else HOST
-        self.forward_times = None
+        # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward); TORCH
+        # where there is no host forward. forward_times: the median ms of a one-token step of each form,
+        # None where not measured.
+        self.forward_choice, self.forward_times = TORCH, None
         if self.host_forward is not None:
             self.forward_choice, self.forward_times = choose_cpu_forward(self, self.host_forward)
             if self.forward_times is not None and (self.forward_choice != HOST or HOST_TEMPORAL in self.forward_times):
