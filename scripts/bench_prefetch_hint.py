@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ["GBV_HOST_FORWARD"] = "1"
 
@@ -23,6 +22,8 @@ import torch  # noqa: E402
 import gbv  # noqa: E402
 import gbv.engine.host_kernels as host_kernels  # noqa: E402
 from gbv.engine.lean import LeanCausalLM  # noqa: E402
+
+from bench_engine import _median_ms  # noqa: E402  (scripts/ is on the path when run as a script)
 
 
 def main() -> None:
@@ -54,19 +55,14 @@ def main() -> None:
             for temporal in ((False, True) if round_ % 2 == 0 else (True, False)):
                 host_kernels.set_prefetch_temporal(temporal, chosen=False)
                 for name, call in calls.items():
-                    for _ in range(3):  # (warm: the weights where the last call of this kind left them)
-                        call()
-                    runs = []
-                    for _ in range(10):
-                        began = time.perf_counter()
-                        call()
-                        runs.append(time.perf_counter() - began)
-                    times[(name, temporal)].append(float(np.median(runs)))
+                    for _ in range(2):  # (warm, with _median_ms's own first call: the weights where the
+                        call()          # last call of this kind left them)
+                    times[(name, temporal)].append(_median_ms(call, 10, inner=1))
     host_kernels.set_prefetch_temporal(False, chosen=False)
     print(f"{args.dtype}, {args.rounds} rounds, medians (ms)")
     print("| call | non-temporal (NTA) | temporal (T0) | NTA / T0 |\n|---|---:|---:|---:|")
     for name in calls:
-        nta, t0 = (1e3 * float(np.median(times[(name, temporal)])) for temporal in (False, True))
+        nta, t0 = (float(np.median(times[(name, temporal)])) for temporal in (False, True))
         print(f"| {name} | {nta:.3f} | {t0:.3f} | {nta / t0:.2f}x |")
 
 
