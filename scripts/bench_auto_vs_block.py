@@ -36,10 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", help="the bundled pair's dtype (float32 or bfloat16)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (CUDA graphs, the engine's default there)")
     parser.add_argument("--log-policy", action="store_true", help="per-arm iterations of auto's timed run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    pair = load_pair("bundled", dtype=args.dtype)
+    pair = load_pair("bundled", dtype=args.dtype, device=args.device)
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
                + load_prompts("humaneval", args.prompts)]
     settings = dict(temperature=args.temperature, eos_token_id=[])
@@ -58,16 +60,18 @@ def main(argv: list[str] | None = None) -> None:
     seconds = {row: 0.0 for row in ROWS}
     for seed, prompt_ids in enumerate(prompts):
         for method, block_len in (ROWS if seed % 2 == 0 else ROWS[::-1]):
+            sync()
             start = time.perf_counter()
             out = generate(pair, prompt_ids=prompt_ids, method=method, block_len=max(block_len, 1),
                            max_new_tokens=args.max_new_tokens, seed=seed, **settings)
+            sync()
             seconds[(method, block_len)] += time.perf_counter() - start
             tokens[(method, block_len)] += out.stats.new_tokens
     if args.log_policy:
         auto.AutoPolicy._record = record
     rate = {row: tokens[row] / seconds[row] for row in ROWS}
     best = max((r for r in ROWS if r[0] == "block"), key=rate.get)
-    print(f"{args.dtype}, T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, 1 thread")
+    print(f"{args.dtype} on {args.device}, T = {args.temperature}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, 1 thread")
     print("| row | tokens/s | vs ar | vs best fixed |\n|---|---:|---:|---:|")
     for row in ROWS:
         mark = " (best fixed)" if row == best else ""

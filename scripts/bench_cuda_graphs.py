@@ -80,10 +80,12 @@ def main() -> None:
             tree = torch.tril(torch.ones(nodes, nodes, dtype=torch.bool, device=device))  # (a chain's mask)
             mask = torch.cat([torch.ones(nodes, 64, dtype=torch.bool, device=device), tree], 1)[None, None]
             many, where = torch.full((1, nodes), 7, device=device), torch.arange(64, 64 + nodes, device=device)[None]
+            block = torch.full((1, 5), 7, device=device), torch.arange(64, 69, device=device)[None]
             result = {}
             for on in (False, True):
                 graphs(on)
                 result[on, 1] = timed(lambda: lean.forward(one, at, 64, cache, None), args.repeats)
+                result[on, 5] = timed(lambda: lean.forward(*block, 64, cache, None, causal=True), args.repeats)
                 result[on, nodes] = timed(lambda: lean.forward(many, where, 64, cache, mask), args.repeats)
             floor = ""
             if device.type == "cuda":
@@ -100,6 +102,8 @@ def main() -> None:
                          f"{weight_bytes / result[True, 1] / 1e6:.0f} GB/s")
             print(f"{name} 1-token step: eager {result[False, 1]:.3f} ms, graph {result[True, 1]:.3f} ms "
                   f"({result[False, 1] / result[True, 1]:.2f}x){floor}")
+            print(f"{name} 5-token chain (BV L = 4's pass): eager {result[False, 5]:.3f} ms, graph {result[True, 5]:.3f} "
+                  f"ms; {result[True, 5] / result[True, 1]:.2f}x the 1-token step")
             print(f"{name} {nodes}-node pass: eager {result[False, nodes]:.3f} ms, graph {result[True, nodes]:.3f} "
                   f"ms ({result[False, nodes] / result[True, nodes]:.2f}x); {result[True, nodes] / result[True, 1]:.2f}x"
                   f" the 1-token step")
@@ -227,9 +231,39 @@ def main() -> None:
     variant("graphs")
     sys.stdout.flush()
 
+    # 4b. How busy the device is during decoding (no phase clocks, so no syncs but the engine's own): the
+    # union of the kernels' and copies' intervals in a profiler trace, against the wall time.
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        print("\nDevice busy during decoding (profiler; 1 prompt, 64 tokens, T = 1, graphs):")
+        for method, k, length in (("ar", 1, 1), ("block", 1, 4), ("gbv", 3, 8)):
+            shape = dict(num_paths=k, block_len=length) if method != "ar" else {}
+            run = lambda: gbv.generate(pair, prompt=prompts[0], method=method, temperature=1.0, max_new_tokens=64,
+                                       eos_token_id=[], seed=0, **shape)
+            run()  # (shapes recorded before the trace)
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                began = time.perf_counter()
+                out = run()
+                sync()
+                wall = time.perf_counter() - began
+            spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA)
+            busy, end = 0.0, None
+            for a, b in spans:
+                if end is None or a > end:
+                    busy, end = busy + (b - a), b
+                elif b > end:
+                    busy, end = busy + (b - end), b
+            its = out.stats.target_calls
+            print(f"  {method if method == 'ar' else f'{method} K={k} L={length}'}: {its} iterations, "
+                  f"{1e3 * wall / its:.3f} ms each under the profiler, device busy {busy / 1e3 / its:.3f} ms "
+                  f"({busy / 1e6 / wall:.0%}), {len(spans) / its:.0f} device events each")
+
     # 3. Recording.
     for name in views:
-        print(f"{name}: {steps[name].captures} graphs recorded in {steps[name].capture_seconds:.2f} s in all")
+        print(f"{name}: {steps[name].captures} graphs recorded in {steps[name].capture_seconds:.2f} s in all; shapes' "
+              f"eager uses before their recording {steps[name].first_use_seconds:.2f} s")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import torch
 
 from gbv.data import load_prompts
 from gbv.engine.generate import generate
+from gbv.engine import tree_decoder
+from gbv.engine.static_steps import StaticSteps
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
 from gbv.verify import METHODS
@@ -95,14 +97,25 @@ def run_hf(pair, ids: list[int], kind: str, block_len: int, max_new: int, temper
     return {"tokens": int(out.shape[1] - input_ids.shape[1]), "seconds": elapsed, "target_calls": calls[0]}
 
 
+def _recordings(pair) -> tuple[int, float, float]:
+    """CUDA graphs the pair's static steps have recorded so far, the seconds spent recording them and
+    the seconds of shapes' eager uses before their recording (0s where none run: the CPU)."""
+    views = [tree_decoder._LEAN.get(model) for model in (pair.target, pair.draft) if model is not None]
+    steps = [s for s in (getattr(view, "steps", None) for view in views) if isinstance(s, StaticSteps)]
+    return (sum(s.captures for s in steps), sum(s.capture_seconds for s in steps),
+            sum(s.first_use_seconds for s in steps))
+
+
 def run_ours(pair, ids: list[int], method: str, k: int, length: int, max_new: int, temperature: float,
              seed: int) -> dict:
+    before = _recordings(pair)
     out = generate(pair, prompt_ids=ids, method=method, num_paths=max(k, 1), block_len=max(length, 1),
                    temperature=temperature, max_new_tokens=max_new, eos_token_id=[], seed=seed)
     s = out.stats
     return {"tokens": s.new_tokens, "seconds": s.time_total, "target_calls": s.target_calls,
             "phases": s.time_draft + s.time_target, "tree_nodes": s.tree_nodes, "tree_calls": s.tree_calls,
-            "arms": s.auto_arms}
+            "arms": s.auto_arms, **dict(zip(("graphs", "recording_s", "first_uses_s"),
+                                            (a - b for a, b in zip(_recordings(pair), before))))}
 
 
 def _median_ms(fn, repeats: int, inner: int = 50, device="cpu") -> float:
@@ -293,6 +306,13 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {label}{' (best fixed)' if label == best_fixed else ''} | {rate:.1f} | "
                              f"{rate / ar_rate:.2f}x | {tokens / calls:.2f} | {f'{nodes:.1f}' if nodes else '-'} | "
                              f"{f'{share:.0%}' if share is not None else '-'} |")
+            recorded = {label: (_sum(results, "graphs"), _sum(results, "recording_s"), _sum(results, "first_uses_s"))
+                        for label, results in totals.items()}
+            if any(graphs or first for graphs, _, first in recorded.values()):  # (CUDA: once per process)
+                lines += ["", "CUDA graphs recorded during the timed prompts, and the eager uses of shapes before "
+                          "their recording (both counted in the rows' times): " + ", ".join(
+                              f"{label} {graphs:.0f} in {seconds * 1e3:.0f} ms + {first * 1e3:.0f} ms"
+                              for label, (graphs, seconds, first) in recorded.items() if graphs or first) + "."]
             arms: dict[str, int] = {}
             for r in totals["auto"]:
                 for arm, count in (r.get("arms") or {}).items():

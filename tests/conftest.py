@@ -15,3 +15,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # depend on the machine or on timing; tests of the torch path set GBV_HOST_FORWARD=0, and
 # tests/engine/test_forward_choice.py tests the measured choice itself.
 os.environ.setdefault("GBV_HOST_FORWARD", "1")
+
+# On CUDA a static call's shape is recorded as a graph at its fourth use (gbv.engine.static_steps.RECORD_AT);
+# the suite's short decodes record at the second, so that recording and replaying are exercised (on CUDA,
+# and on the CPU by tests/engine/test_static_sampling.py's stand-in). test_static_steps.py tests the default.
+os.environ.setdefault("GBV_RECORD_AT", "2")

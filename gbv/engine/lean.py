@@ -31,7 +31,7 @@ from torch import Tensor
 
 from gbv.engine.host_kernels import host_kernels_unavailable, prefetch_temporal
 from gbv.engine.sampling import SamplingConfig, host_samples
-from gbv.engine.static_steps import StaticSteps, steps_mode
+from gbv.engine.static_steps import MAX_QUERIES, StaticSteps, steps_mode
 from gbv.engine.static_sampling import sampled_step
 from gbv.verify.common import TorchRandom
 from gbv.engine.lean_host import (HOST, HOST_TEMPORAL, HOST_TORCH_PRODUCTS, PANEL_MAX_PARAMETERS, TORCH, HostForward,
@@ -572,6 +572,14 @@ class LeanCausalLM:
         if self.host_forward is not None and self.host_forward.takes(1, n):
             return self.host_forward(np.array([ids], dtype=np.int64), np.arange(start, start + n, dtype=np.int64)[None],
                                      start, cache, None, True, last_only, 0)
+        if self.steps is not None and last_only and n <= MAX_QUERIES and n & (n - 1):
+            # Static steps (CUDA graphs): a chain in pieces of a power of two queries, largest first, so
+            # that 7 shapes serve every length up to MAX_QUERIES, the draft's lags after ``auto``'s
+            # plain steps and short prompts alike; a shape per length was recorded for lengths met a
+            # few times (static_steps.RECORD_AT). Each piece attends what the pieces before wrote.
+            piece = 1 << (n.bit_length() - 1)
+            self.chain(ids[:piece], start, cache)
+            return self.chain(ids[piece:], start + piece, cache)
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)[None]
         return self.forward(tokens, positions, start, cache, None, causal=True, last_only=last_only)
@@ -645,6 +653,17 @@ class LeanCausalLM:
         probs = torch.empty(n, vocab, dtype=torch.float32)
         host.sampled(tokens, where, start, cache, mask, False, vocab, config.temperature, None, probs.numpy())
         return probs
+
+    def sampled_probs_after(self, first: int, rest: Tensor, start: int, cache: KVCache, vocab: int,
+                            config: SamplingConfig) -> Tensor | None:
+        """:meth:`sampled_probs` of the chain ``[first, *rest]`` from slot ``start``, ``rest`` ((N - 1,)
+        long) on the device, where a static sampled step runs it (CUDA graphs) without reading ``rest``
+        back first (:meth:`SampledStep.chain_after`); None elsewhere (the caller reads ``rest`` and takes
+        :meth:`sampled_probs`)."""
+        if self._sampling_host(rest.shape[0] + 1, config, vocab) is not None:
+            return None
+        step = sampled_step(self, cache, rest.shape[0] + 1, False, start, vocab, config, draw=False)
+        return None if step is None else step.chain_after(first, rest, start, cache)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, cache: KVCache, mask: Tensor | None,
                 causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:

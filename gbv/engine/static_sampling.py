@@ -169,13 +169,13 @@ class SampledStep(StaticStep):
         self.vocab, self.config, self.draw = vocab, config, draw
         with torch.inference_mode(False):
             self.uniforms = torch.zeros(1, 1, dtype=torch.float64, device=self.lean.device)
-            self.packed = torch.zeros(n + 1, dtype=torch.long, device=self.lean.device)  # a chain's ids, its start
+            self.packed = torch.zeros(n + 1, dtype=torch.long, device=self.lean.device)  # a chain's start, its ids
             self.offsets = torch.arange(n, device=self.lean.device)
 
     def _run(self, cache) -> Tensor:
         if self.mask is None:
-            slots = self.packed[self.n] + self.offsets
-            logits = self._forward(self.packed[None, :self.n], slots[None], slots, None, cache)
+            slots = self.packed[0] + self.offsets
+            logits = self._forward(self.packed[None, 1:], slots[None], slots, None, cache)
         else:
             logits = super()._run(cache)
         probs = process_logits(logits[0, :, :self.vocab], self.config)
@@ -185,9 +185,20 @@ class SampledStep(StaticStep):
         """The chain ``ids`` at slots (= positions) ``start ..``; ``rng``: the source of a drawing step's
         uniform (:func:`fill_token_uniform`; None when greedy or without ``draw``). Returns a new
         tensor (above)."""
-        packed = torch.tensor([*ids, start], dtype=torch.long)  # (one copy to the device for all)
+        packed = torch.tensor([start, *ids], dtype=torch.long)  # (one copy to the device for all)
         with self.owner.lock:
             self.packed.copy_(packed)
             if rng is not None:
                 fill_token_uniform(self.uniforms, rng)
+            return self._replay(cache)
+
+    def chain_after(self, first: int, rest: Tensor, start: int, cache) -> Tensor:
+        """:meth:`chain` of ``[first, *rest]`` where ``rest`` ((n - 1,) long) is still on the device (one
+        path's drafts), copied in on the device: nothing is read back before the pass. Why: reading the
+        drafts first (``.tolist()``) left the GPU idle from the end of the drafting until the host had
+        built and copied in the chain and launched this pass."""
+        head = torch.tensor([start, first], dtype=torch.long)
+        with self.owner.lock:
+            self.packed[:2].copy_(head)
+            self.packed[2:].copy_(rest)
             return self._replay(cache)

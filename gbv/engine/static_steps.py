@@ -41,8 +41,28 @@ from torch import Tensor
 logger = logging.getLogger("gbv")
 
 # Calls with more queries than this (a prompt's chain) run eagerly: a graph per prompt length would
-# be captured once and never replayed.
+# be captured once and never replayed. Shorter chains run in pieces of a power of two queries
+# (LeanCausalLM.chain), so that a few shapes serve every length.
 MAX_QUERIES = 64
+# A call is recorded at this use of its shape; the uses before run eagerly. Why not the second use:
+# recording costs about what 3-4 eager calls lose against replays. On the H200 (third GPU run, float32)
+# 108 target graphs took 0.71 s to record, 6.6 ms each with their warm-up, where an eager target step
+# cost 2.22 ms against 0.36 replayed (1.9 ms lost a call), a draft step 0.24 against 0.07. Recording at
+# the second use recorded every shape that ``auto``'s exploration met twice (a few trials of each arm,
+# each tree size, each lag of the draft): in the third GPU run ``auto`` ran at 0.79x ``ar`` at T = 1
+# while it chose ``ar`` in 467 iterations and a block arm in about a dozen. A shape used k times costs
+# at most about twice what it would have cost had its number of uses been known in advance (ski
+# rental) when k is recording's cost over a call's loss, about 3.5 for the target. ``GBV_RECORD_AT``
+# sets it (the suite records at the second use: tests/conftest.py).
+def _record_at() -> int:
+    setting = os.environ.get("GBV_RECORD_AT", "4")
+    if not setting.isdigit() or int(setting) < 1:
+        raise ValueError(f"GBV_RECORD_AT must be a whole number of at least 1 (the use of a shape at which it "
+                         f"is recorded), not {setting!r}; unset it for the default, 4")
+    return int(setting)
+
+
+RECORD_AT = _record_at()
 # Steps kept per cache (one per shape seen); past this many, new shapes run eagerly.
 MAX_STEPS_PER_CACHE = 128
 # Caches pooled per model; past this many at once, new ones are plain (their graphs die with them).
@@ -72,10 +92,11 @@ def steps_mode(device: torch.device) -> str | None:
 
 
 def recording_seconds(models) -> float:
-    """Seconds the static steps of ``models`` (lean views; any other object counts 0) have spent
-    recording CUDA graphs so far: a once-per-process cost that ``auto`` does not charge to an arm."""
-    return sum(steps.capture_seconds for steps in (getattr(model, "steps", None) for model in models)
-               if isinstance(steps, StaticSteps))
+    """Seconds the static steps of ``models`` (lean views; any other object counts 0) have spent so far
+    recording CUDA graphs and running shapes before their recording (RECORD_AT): once-per-process work
+    that ``auto`` does not charge to an arm."""
+    return sum(steps.capture_seconds + steps.first_use_seconds
+               for steps in (getattr(model, "steps", None) for model in models) if isinstance(steps, StaticSteps))
 
 
 class StaticSteps:
@@ -84,10 +105,16 @@ class StaticSteps:
     def __init__(self, lean, capture: bool) -> None:
         self.lean = lean
         self.capture = capture
+        self.record_at = RECORD_AT  # (read when made: a test may change the module's setting)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._caches: list[list] = []  # [cache, weak reference to its borrower]
         self.captures = 0  # graphs recorded, and the seconds spent recording them (warm-up included)
         self.capture_seconds = 0.0
+        # Seconds of the eager calls before a shape is recorded (RECORD_AT), timed between device syncs.
+        # Why: ``auto`` credits an arm with its iterations' seconds; an arm's first trials ran its new
+        # shapes eagerly, at 2-6x their replayed cost on the H200, and one such trial could keep an arm
+        # under its ceiling for good (auto.AutoPolicy.ceiling). Like recording, they are not the arm's cost.
+        self.first_use_seconds = 0.0
         self.stream = None  # the side stream that records (one: each stream gets its own cuBLAS workspace)
         # The first graph recorded, kept for good: a memory pool is freed with the last graph that uses
         # it, and recording into a freed pool's handle fails (an internal assert in torch's allocator,
@@ -174,8 +201,10 @@ class Recorded:
         graph (a copy of its output: a later graph of this model may reuse the output's memory).
         Under the owner's lock."""
         self.calls += 1
-        if not self.owner.capture or (self.graph is None and self.calls < 2):
-            return self._run(cache)  # (a shape is recorded at its second call: a prompt's chain runs once)
+        if not self.owner.capture:
+            return self._run(cache)
+        if self.graph is None and self.calls < self.owner.record_at:  # (see RECORD_AT)
+            return self._first_use(cache)
         if self.graph is None:
             try:
                 warm = self._capture(cache)
@@ -190,6 +219,19 @@ class Recorded:
         if isinstance(self.output, tuple):
             return tuple(out.clone() for out in self.output)
         return self.output.clone()
+
+    def _first_use(self, cache):
+        """:meth:`_run` before the shape is recorded, its time added to the owner's ``first_use_seconds``
+        (after a device sync each side on CUDA: a few calls per shape and process)."""
+        device = self.lean.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        result = self._run(cache)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.owner.first_use_seconds += time.perf_counter() - began
+        return result
 
     def _capture(self, cache):
         """Record :meth:`_run` as a CUDA graph; returns the warm-up's result. A warm-up on a side stream

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gbv.engine.decoder import DecoderState
+from gbv.engine.decoder import DecoderState, host_copies
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample_at, sample_into_at
 from gbv.engine.static_sampling import MAX_CHAIN, draft_loop, draft_uniforms
@@ -185,20 +185,28 @@ class TreeDecoder(DecoderState):
         stats.time_draft += t_draft - start
 
         # 2. target: the trie of the paths in one forward over the shared prefix.
-        # the one read of the drafts (the trie is built on the host); one path was read as it was drawn
-        paths = [path] if path is not None else drafted.tolist()
-        if self.verify_on_host:  # the verifier reads the drafts on the host: build them there, not copy back
-            drafted = torch.tensor(paths)
+        p = paths = None
+        if rows == 1 and path is None:
+            # One path still on the device (CUDA graphs): its pass goes right after the drafting, the
+            # drafts copied in on the device and read back with p, for the verifier (one wait, not two).
+            p = self.target.sampled_probs_after(self.tokens[-1], drafted[0], committed, self.target_cache,
+                                                self.vocab, self.target_sampling)
+        if p is None:
+            # the one read of the drafts (the trie is built on the host); one path was read as it was drawn
+            paths = [path] if path is not None else drafted.tolist()
+            if self.verify_on_host:  # the verifier reads the drafts on the host: build them there, not copy back
+                drafted = torch.tensor(paths)
         if rows == 1:
             # One path is a chain: node i (depth i) in slot committed + i, the causal rule its mask, p its
             # logits as they come (building the trie and its mask cost ~0.2 ms here, for nothing).
             path_nodes = [list(range(block + 1))]
-            chain = [self.tokens[-1], *paths[0]]
-            p = self.target.sampled_probs(chain, None, committed, self.target_cache, None, self.vocab,
-                                          self.target_sampling)  # (one compiled call where the kernels run)
             if p is None:
-                logits = self.target.chain(chain, committed, self.target_cache, last_only=False)
-                p = process_logits(logits[0, :, :self.vocab], self.target_sampling)
+                chain = [self.tokens[-1], *paths[0]]
+                p = self.target.sampled_probs(chain, None, committed, self.target_cache, None, self.vocab,
+                                              self.target_sampling)  # (one compiled call where the kernels run)
+                if p is None:
+                    logits = self.target.chain(chain, committed, self.target_cache, last_only=False)
+                    p = process_logits(logits[0, :, :self.vocab], self.target_sampling)
             p = p[None]  # (1, L+1, V)
             num_nodes = block + 1
         else:
@@ -219,8 +227,12 @@ class TreeDecoder(DecoderState):
         stats.time_target += t_target - t_draft
 
         # 3. verify.
+        if paths is None and self.verify_on_host:
+            drafted, q, p = host_copies(drafted, q, p)  # (the drafts with the laws: one wait)
         result = self.verify(drafted, q, p, t_target)
         path, tau = result.path, result.accepted_len
+        if paths is None:
+            paths = drafted.tolist()
 
         # 4. commit: move the accepted nodes next to the prefix (the root is already in place).
         new = paths[path][:tau] + [int(result.next_token)]

@@ -316,6 +316,37 @@ def test_the_leader_is_held_for_a_few_iterations_and_only_while_its_block_fits()
     assert policy.choices == 5 and base.stats.auto_arms["ar"] == 1
 
 
+def test_recording_and_first_uses_of_static_shapes_are_not_an_arms_cost():
+    """Where forwards are CUDA graphs, an iteration's seconds spent recording graphs or running new
+    shapes before their recording (static_steps.RECORD_AT) are once-per-process work: the arm is
+    credited the rest. Without that, an arm's first trials, run eagerly at 2-6x their replayed cost on a
+    GPU, could keep it under its ceiling for good."""
+    import time
+
+    from gbv.engine.auto import AutoDecoder
+    from gbv.engine.static_steps import StaticSteps
+
+    class Model:  # a lean view with static steps whose one-off work this fake step adds to
+        def __init__(self):
+            self.steps = StaticSteps(None, capture=False)
+
+    class Base(_FakeBase):
+        target, draft = Model(), Model()
+
+        def step(self, block_len):
+            time.sleep(0.03)  # 20 ms of it first uses, 9 ms recording: about 1 ms the arm's
+            self.target.steps.first_use_seconds += 0.02
+            self.draft.steps.capture_seconds += 0.009
+            return super().step(block_len)
+
+    policy = AutoPolicy([Arm("block", 1, 2)])
+    decoder = AutoDecoder(Base(), policy)
+    decoder.prompt_len = 1
+    decoder.step()
+    policy.flush()
+    assert 0.0005 < policy.seconds[0] < 0.01
+
+
 @pytest.mark.parametrize("clipped", [True, False])
 def test_one_stalled_iteration_does_not_bury_the_leader(clipped, monkeypatch):
     """ar makes 1000 tokens/s, BV L = 2 about 830. One ar iteration stalls 50x (a garbage collection):

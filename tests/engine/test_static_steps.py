@@ -245,3 +245,62 @@ def test_recording_after_every_graph_of_a_cache_died():
             del caches, outs
             gc.collect()
     assert static.steps.captures >= 2
+
+
+@pytest.mark.parametrize("lengths", [(13, 5, 17, 1, 64), (3, 7, 33)])
+def test_chains_run_in_pieces_of_a_power_of_two(lengths):
+    """Through static steps a chain runs in pieces of a power of two queries, largest first: the last
+    query's logits and every cache entry as the eager forward's single call, and only those shapes made
+    (7 serve every length up to MAX_QUERIES; a shape per length was recorded before)."""
+    target, _ = hf_pair("llama", vocab=40, seed=3, target_size=(64, 2))
+    eager, static = _eager_and_static(target.to(TEST_DEVICE))
+    caches = [lean.plain_cache(1, 256) for lean in (eager, static)]
+    gen = torch.Generator().manual_seed(5)
+    start = 0
+    with torch.inference_mode():
+        for n in lengths:
+            ids = torch.randint(0, 40, (n,), generator=gen).tolist()
+            outs = [lean.chain(ids, start, cache) for lean, cache in zip((eager, static), caches)]
+            assert outs[1].shape == outs[0].shape == (1, 1, 40)
+            torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+            start += n
+    for layer in range(len(eager.layers)):
+        for store in ("keys", "values"):
+            a, b = (getattr(cache, store)[layer][:, :, :start] for cache in caches)
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    sizes = {key[2] for key in caches[1].steps}
+    assert sizes <= {1, 2, 4, 8, 16, 32, 64} and max(sizes) == 1 << (max(lengths).bit_length() - 1)
+
+
+def test_a_shape_is_recorded_at_its_record_at_use(monkeypatch):
+    """A static call runs eagerly until the RECORD_AT-th use of its shape (4 by default; the suite sets
+    2), is recorded then, and replayed after: a shape met three times (an ``auto`` arm's trials) is
+    never recorded. A bad GBV_RECORD_AT is one clear error."""
+    monkeypatch.delenv("GBV_RECORD_AT")
+    assert static_steps._record_at() == 4
+    monkeypatch.setenv("GBV_RECORD_AT", "0")
+    with pytest.raises(ValueError, match="GBV_RECORD_AT must be a whole number of at least 1"):
+        static_steps._record_at()
+    target, _ = hf_pair("llama", vocab=40, seed=3, target_size=(64, 2))
+    eager, static = _eager_and_static(target.to(TEST_DEVICE))
+    recorded_at = []
+
+    def record(self, cache):  # (as on CUDA: a warm-up run for real; replays then run the call again)
+        recorded_at.append(self.calls)
+        warm = self._run(cache)
+        self.graph = type("Replay", (), {"replay": lambda _: setattr(self, "output", self._run(cache))})()
+        return warm
+
+    monkeypatch.setattr(static_steps.StaticStep, "_capture", record)
+    static.steps.capture, static.steps.record_at = True, 4
+    caches = [lean.plain_cache(1, 64) for lean in (eager, static)]
+    with torch.inference_mode():
+        for lean, cache in zip((eager, static), caches):
+            lean.chain(list(range(1, 7)), 0, cache)  # 4 + 2: two shapes, each used once
+        for position in range(6, 12):
+            outs = [lean.chain([position % 40], position, cache) for lean, cache in zip((eager, static), caches)]
+            torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+    one = caches[1].steps[(1, 0, 1, False, True)]
+    assert recorded_at == [4] and one.graph is not None and one.calls == 6
+    assert static.steps.first_use_seconds > 0.0  # (the eager uses before, timed for auto: not an arm's cost)
+    assert all(step.graph is None for key, step in caches[1].steps.items() if key[2] != 1)
