@@ -20,7 +20,9 @@
 #   verify-where.txt  tokens/s verifying on the host against the device forms (GBV_VERIFY_ON_DEVICE=1);
 #   engine-float32.md, engine-bfloat16.md   scripts/bench_engine.py on CUDA (PROMPTS + PROMPTS prompts,
 #                 default 2, in float32; 1 + 1 in bfloat16, with each row's time; 128 tokens, T = 0.2 and 1);
-#   verifiers.md  scripts/bench_verifiers.py --device cuda (one verify call per method, V = 32k and 128k).
+#   verifiers.md  scripts/bench_verifiers.py --device cuda (one verify call per method, V = 32k and 128k);
+#   auto.txt      scripts/bench_auto_vs_block.py on the device, 5 + 5 prompts, T = 1 and 0.2, auto's arms;
+#   compile.txt   scripts/bench_compile_cuda.py: inductor's kernels of a static step against the eager ones.
 # GBV_CHECK_DEVICE=cpu runs the same parts on the CPU (a dry run of this script where no GPU is; about 4
 # minutes on the 2-core CPU machines). GBV_CHECK_PARTS="graphs tests ..." runs only those parts;
 # GBV_CHECK_SYNC_WHERE=host counts syncs with host verification only; GBV_CHECK_BUILD=0 skips building
@@ -163,6 +165,15 @@ for temperature in (1.0, 0.2):
               f"{dev:.1f} on the device: {host / dev:.2f}x")
 os.environ.pop("GBV_VERIFY_ON_DEVICE")
 PY
+
+# auto against ar and every block length of BV, over more prompts than the engine table (auto learns
+# over the run: its exploration is in its time), at both temperatures.
+part auto 90 bash -c "python3 scripts/bench_auto_vs_block.py --device $device --prompts 5 --temperature 1.0 --log-policy &&
+  python3 scripts/bench_auto_vs_block.py --device $device --prompts 5 --temperature 0.2 --log-policy"
+
+# torch.compile (inductor) of the static forward, replayed as a graph, against the engine's graph of eager
+# kernels: what fusing the step's ~150 small kernels would give, and what compiling costs.
+part compile 150 python3 scripts/bench_compile_cuda.py --device "$device"
 
 part verifiers 90 python3 scripts/bench_verifiers.py --device "$device" --vocab 32000 128000 --paths 1 4 \
   --instances 10 --out "$out/verifiers.md"
