@@ -564,15 +564,16 @@ class LeanCausalLM:
         v = qkv[:, :, self.num_heads + self.kv_heads:].transpose(1, 2)
         return q, k, v
 
-    def chain(self, ids: list[int], start: int, cache: KVCache, last_only: bool = True) -> Tensor:
+    def chain(self, ids: list[int], start: int, cache: KVCache, last_only: bool = True, static: bool = True) -> Tensor:
         """:meth:`forward` of one sequence's chain ``ids`` at slots (= positions) ``start ..``, causal.
         Where the host forward takes it, its ids and positions go as numpy arrays: two torch tensors
-        made and read back cost ~60 us a plain step here, from a cold cache."""
+        made and read back cost ~60 us a plain step here, from a cold cache. ``static=False``: never
+        through static steps (a prompt, met once: recorded, its pieces would cost ~7 ms each on a GPU)."""
         n = len(ids)
         if self.host_forward is not None and self.host_forward.takes(1, n):
             return self.host_forward(np.array([ids], dtype=np.int64), np.arange(start, start + n, dtype=np.int64)[None],
                                      start, cache, None, True, last_only, 0)
-        if self.steps is not None and last_only and n <= MAX_QUERIES and n & (n - 1):
+        if self.steps is not None and static and last_only and n <= MAX_QUERIES and n & (n - 1):
             # Static steps (CUDA graphs): a chain in pieces of a power of two queries, largest first, so
             # that 7 shapes serve every length up to MAX_QUERIES, the draft's lags after ``auto``'s
             # plain steps and short prompts alike; a shape per length was recorded for lengths met a
@@ -582,7 +583,7 @@ class LeanCausalLM:
             return self.chain(ids[piece:], start + piece, cache)
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)[None]
-        return self.forward(tokens, positions, start, cache, None, causal=True, last_only=last_only)
+        return self.forward(tokens, positions, start, cache, None, causal=True, last_only=last_only, static=static)
 
     def _sampling_host(self, n: int, config: SamplingConfig, vocab: int) -> HostForward | None:
         """The host forward where ``n`` queries run as one compiled call that samples under ``config``
@@ -666,7 +667,7 @@ class LeanCausalLM:
         return None if step is None else step.chain_after(first, rest, start, cache)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, cache: KVCache, mask: Tensor | None,
-                causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:
+                causal: bool = False, last_only: bool = False, first_row: int = 0, static: bool = True) -> Tensor:
         """Run ``tokens`` and write their keys/values into slots ``start .. start+N-1`` of cache rows
         ``first_row .. first_row+B-1`` (views of the cache: nothing is gathered or copied).
 
@@ -677,6 +678,7 @@ class LeanCausalLM:
                 query attends every slot before ``start`` and itself and nothing after (a chain whose
                 queries are also causal among themselves when ``causal``; a single query otherwise).
             last_only: return the logits of the last query only.
+            static: through a static step where the model has them (CUDA graphs); False: eagerly.
         Returns:
             (B, N, V) logits (N = 1 with ``last_only``), in the model's dtype.
         """
@@ -685,7 +687,7 @@ class LeanCausalLM:
         if self.host_forward is not None and self.host_forward.takes(batch, n):
             return self.host_forward(tokens.numpy(), positions.numpy(), start, cache, mask, causal, last_only,
                                      first_row)
-        if self.steps is not None:  # (CUDA: a graph of this call's shape, replayed)
+        if self.steps is not None and static:  # (CUDA: a graph of this call's shape, replayed)
             step = self.steps.get(cache, batch, n, mask is not None, causal, last_only, first_row, start)
             if step is not None:
                 return step(tokens, positions, start, mask, cache)

@@ -44,21 +44,22 @@ logger = logging.getLogger("gbv")
 # be captured once and never replayed. Shorter chains run in pieces of a power of two queries
 # (LeanCausalLM.chain), so that a few shapes serve every length.
 MAX_QUERIES = 64
-# A call is recorded at this use of its shape; the uses before run eagerly. Why not the second use:
-# recording costs about what 3-4 eager calls lose against replays. On the H200 (third GPU run, float32)
-# 108 target graphs took 0.71 s to record, 6.6 ms each with their warm-up, where an eager target step
-# cost 2.22 ms against 0.36 replayed (1.9 ms lost a call), a draft step 0.24 against 0.07. Recording at
-# the second use recorded every shape that ``auto``'s exploration met twice (a few trials of each arm,
-# each tree size, each lag of the draft): in the third GPU run ``auto`` ran at 0.79x ``ar`` at T = 1
-# while it chose ``ar`` in 467 iterations and a block arm in about a dozen. A shape used k times costs
-# at most about twice what it would have cost had its number of uses been known in advance (ski
-# rental) when k is recording's cost over a call's loss, about 3.5 for the target. ``GBV_RECORD_AT``
-# sets it (the suite records at the second use: tests/conftest.py).
+# A call is recorded at this use of its shape; the uses before run eagerly. At the first use: recording
+# runs the call for real (its warm-up), so a shape used again loses nothing by being recorded at once,
+# and each eager use before its recording is spent on top. In the third H200 run (float32) a target
+# graph took 7.5 ms to record, warm-up included, a target step 1.9 ms eagerly and a 5-token pass 2.7
+# (bench_cuda_graphs.py). Recorded at the second use (that run's first call) or the fourth (its second),
+# the shapes that ``auto``'s exploration meets (a few trials of each of its 12 arms; each drafting chain
+# length, trie size and moved length) and their eager uses cost it so much that it made 0.79x ``ar``'s
+# tokens/s over 4 prompts at T = 1 while running ``ar`` in 467 of its ~480 iterations (second use), and
+# 0.61-0.64x (fourth use: 1.6 s of eager uses against 0.7 s of recording in the whole benchmark).
+# ``GBV_RECORD_AT`` sets it (the suite records at the second use, so that both paths run:
+# tests/conftest.py).
 def _record_at() -> int:
-    setting = os.environ.get("GBV_RECORD_AT", "4")
+    setting = os.environ.get("GBV_RECORD_AT", "1")
     if not setting.isdigit() or int(setting) < 1:
         raise ValueError(f"GBV_RECORD_AT must be a whole number of at least 1 (the use of a shape at which it "
-                         f"is recorded), not {setting!r}; unset it for the default, 4")
+                         f"is recorded), not {setting!r}; unset it for the default, 1")
     return int(setting)
 
 
@@ -134,11 +135,15 @@ class StaticSteps:
         if free:
             entry = min(free, key=lambda e: e[0].capacity)
             entry[1] = weakref.ref(owner)
-            return entry[0]
-        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            cache = self.lean.plain_cache(batch, capacity)
-        if len(self._caches) < MAX_POOLED:
-            self._caches.append([cache, weakref.ref(owner)])
+            cache = entry[0]
+        else:
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                cache = self.lean.plain_cache(batch, capacity)
+            if len(self._caches) < MAX_POOLED:
+                self._caches.append([cache, weakref.ref(owner)])
+        # The rotary tables every static call of this cache reads, grown now: growing them inside the
+        # first iteration (the prompt runs eagerly, over fewer positions) would read the host there.
+        self.lean.ensure_rotary(cache.capacity)
         return cache
 
     def get(self, cache, batch: int, n: int, masked: bool, causal: bool, last_only: bool, first_row: int,
@@ -339,11 +344,15 @@ class StaticMove(Recorded):
 
 
 def move(lean, cache, src: list[int], dst: list[int]) -> None:
-    """``cache.move(src, dst)`` (row 0), as a :class:`StaticMove` where ``lean`` has static steps."""
+    """``cache.move(src, dst)`` (row 0), as a :class:`StaticMove` where ``lean`` has static steps: of a
+    power of two moves, the last one repeated (it writes the same values again), so that a few recorded
+    moves serve every accepted length."""
     steps = lean.steps
     call = None
     if RECORD_ITERATION and isinstance(steps, StaticSteps) and cache.keys[0].shape[0] == 1:
-        call = steps.kept(cache, ("move", len(src)), 0, lambda: StaticMove(len(src), steps))
+        count = 1 << (len(src) - 1).bit_length()
+        src, dst = src + src[-1:] * (count - len(src)), dst + dst[-1:] * (count - len(dst))
+        call = steps.kept(cache, ("move", count), 0, lambda: StaticMove(count, steps))
     if call is None:
         cache.move(src, dst)
     else:

@@ -24,6 +24,8 @@ class TokenTree:
     path_nodes: (K, L+1) long, ``path_nodes[k, i]`` = node of the prefix ``x^k_{1:i}``.
     path_nodes_list: the same as nested lists (host copy, for committing without a device read).
     ancestors: (N, N) bool, ``ancestors[a, b]`` = node ``b`` is node ``a`` or one of its ancestors.
+    nodes: the trie's nodes; where it was padded (``build_tree``'s ``multiple``), N is more: the padding
+    nodes come last, each its own only ancestor, at depth 0, token 0, and no path goes through them.
     """
 
     tokens: Tensor
@@ -31,17 +33,20 @@ class TokenTree:
     path_nodes: Tensor
     path_nodes_list: list[list[int]]
     ancestors: Tensor
+    nodes: int
 
     @property
     def num_nodes(self) -> int:
-        return int(self.tokens.shape[0])
+        """The trie's nodes, padding left out."""
+        return self.nodes
 
 
-def build_tree(root_token: int, paths: list[list[int]], device: torch.device | str = "cpu") -> TokenTree:
+def build_tree(root_token: int, paths: list[list[int]], device: torch.device | str = "cpu",
+               multiple: int = 1) -> TokenTree:
     """Merge ``paths`` (K lists of L tokens, already on the host) under ``root_token``. Built on the
     host with numpy and handed over as tensors (views on the CPU; one copy for all four elsewhere,
     :func:`packed_to`): the same trie as torch code, which took ~240 us for K = 3, L = 8 here (a
-    dozen small indexing ops)."""
+    dozen small indexing ops). ``multiple``: pad the node arrays to a multiple of it (see TokenTree)."""
     node_tokens = [root_token]
     parents = [0]
     depths = [0]
@@ -61,8 +66,11 @@ def build_tree(root_token: int, paths: list[list[int]], device: torch.device | s
             row.append(node)
         path_nodes.append(row)
     n = len(node_tokens)
+    padded = -(-n // multiple) * multiple
+    node_tokens += [0] * (padded - n)
+    depths += [0] * (padded - n)
     # A parent comes before its children, so each node's ancestors are its parent's plus itself.
-    ancestors = np.eye(n, dtype=bool)
+    ancestors = np.eye(padded, dtype=bool)
     for node in range(1, n):
         ancestors[node] |= ancestors[parents[node]]
     arrays = (np.array(node_tokens, dtype=np.int64), np.array(depths, dtype=np.int64),
@@ -71,7 +79,8 @@ def build_tree(root_token: int, paths: list[list[int]], device: torch.device | s
         tokens, depth, nodes, ancestors_t = (torch.from_numpy(a) for a in arrays)  # views, no copy
     else:
         tokens, depth, nodes, ancestors_t = packed_to(arrays, device)
-    return TokenTree(tokens=tokens, depth=depth, path_nodes=nodes, path_nodes_list=path_nodes, ancestors=ancestors_t)
+    return TokenTree(tokens=tokens, depth=depth, path_nodes=nodes, path_nodes_list=path_nodes, ancestors=ancestors_t,
+                     nodes=n)
 
 
 def packed_to(arrays: tuple[np.ndarray, ...], device: torch.device | str) -> list[Tensor]:

@@ -32,6 +32,8 @@ from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, samp
 from gbv.engine.static_sampling import MAX_CHAIN, draft_loop, draft_uniforms
 from gbv.engine.static_steps import move
 from gbv.engine.tree import build_tree, prefix_then
+# Trie sizes through static steps are padded to a multiple of this many nodes (see step).
+TREE_MULTIPLE = 8
 # Room added to the prompt length when a cache is first allocated; it grows (doubling) when needed.
 _INITIAL_ROOM = 512
 
@@ -67,9 +69,10 @@ class TreeDecoder(DecoderState):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _chain(self, model: LeanCausalLM, cache, ids: Sequence[int], start: int):
-        """Feed ``ids`` at slots (= positions) ``start ..``; the last position's logits (V',)."""
-        return model.chain(list(ids), start, cache)[0, -1, :self.vocab]
+    def _chain(self, model: LeanCausalLM, cache, ids: Sequence[int], start: int, static: bool = True):
+        """Feed ``ids`` at slots (= positions) ``start ..``; the last position's logits (V',). ``static``:
+        see :meth:`LeanCausalLM.chain` (False for a prompt)."""
+        return model.chain(list(ids), start, cache, static=static)[0, -1, :self.vocab]
 
     # -------------------------------------------------------------------------------- decoding
     def _feed_prompt(self, head: list[int]) -> None:
@@ -79,9 +82,9 @@ class TreeDecoder(DecoderState):
         if self.draft is not None:
             self.draft_cache = self.draft.new_cache(1, capacity, owner=self)
         if head:
-            self._chain(self.target, self.target_cache, head, 0)
+            self._chain(self.target, self.target_cache, head, 0, static=False)
             if self.draft is not None and not self.defer_draft:
-                self._chain(self.draft, self.draft_cache, head, 0)
+                self._chain(self.draft, self.draft_cache, head, 0, static=False)
 
     def catch_up_draft(self, upto: int) -> None:
         """Feed the draft, as one chain, the committed tokens it has not seen before position ``upto``
@@ -90,7 +93,7 @@ class TreeDecoder(DecoderState):
         if self.draft is None or not lag:
             return
         start = self._clock()
-        self._chain(self.draft, self.draft_cache, lag, self.draft_len)
+        self._chain(self.draft, self.draft_cache, lag, self.draft_len, static=self.draft_len > 0)  # (0: a prompt)
         self.draft_len += len(lag)
         self.stats.time_draft += self._clock() - start
 
@@ -210,7 +213,11 @@ class TreeDecoder(DecoderState):
             p = p[None]  # (1, L+1, V)
             num_nodes = block + 1
         else:
-            tree = build_tree(self.tokens[-1], paths, self.device)
+            # Through static steps (CUDA graphs) the trie is padded to a multiple of TREE_MULTIPLE nodes: a
+            # recorded pass per trie size (9 to 25 nodes at K = 3, L = 8) cost a recording each, and a
+            # pass costs about the same from 5 to 25 nodes on the H200 (0.88 ms replayed).
+            multiple = TREE_MULTIPLE if self.target.steps is not None else 1
+            tree = build_tree(self.tokens[-1], paths, self.device, multiple)
             path_nodes = tree.path_nodes_list
             positions, mask = committed + tree.depth, prefix_then(tree.ancestors, committed)
             p_nodes = self.target.sampled_probs(tree.tokens, positions, committed, self.target_cache, mask,

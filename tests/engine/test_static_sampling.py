@@ -10,6 +10,7 @@ import torch
 
 import gbv.engine.static_sampling as static_sampling
 import gbv.engine.static_steps as static_steps
+import gbv.engine.tree_decoder as tree_decoder
 from gbv.engine.decoder import make_decoder
 from gbv.engine.sampling import SamplingConfig
 
@@ -93,6 +94,9 @@ def test_static_calls_equal_the_step_by_step_path(monkeypatch, method, rows, tem
     assert {key[-1] for key in target_keys} == {True, False}  # plain steps draw; passes give laws
     moves = [key for cache in (decoder.target_cache, decoder.draft_cache) for key in cache.steps if key[0] == "move"]
     assert bool(moves) == (rows > 1 and temperature > 0)  # (one path's nodes sit at their depth: nothing moves)
+    # Fewer shapes to record: tries padded to a multiple of 8 nodes, moves to a power of two.
+    assert all(key[1] % tree_decoder.TREE_MULTIPLE == 0 for key in target_keys if key[2])
+    assert all(key[1] & (key[1] - 1) == 0 for key in moves)
 
 
 def _cache_gap(eager, static) -> float:

@@ -273,11 +273,11 @@ def test_chains_run_in_pieces_of_a_power_of_two(lengths):
 
 
 def test_a_shape_is_recorded_at_its_record_at_use(monkeypatch):
-    """A static call runs eagerly until the RECORD_AT-th use of its shape (4 by default; the suite sets
-    2), is recorded then, and replayed after: a shape met three times (an ``auto`` arm's trials) is
-    never recorded. A bad GBV_RECORD_AT is one clear error."""
+    """A static call runs eagerly until the RECORD_AT-th use of its shape (the first by default; the
+    suite sets 2), its time counted as first_use_seconds, is recorded then, and replayed after: at 4, a
+    shape met three times is never recorded. A bad GBV_RECORD_AT is one clear error."""
     monkeypatch.delenv("GBV_RECORD_AT")
-    assert static_steps._record_at() == 4
+    assert static_steps._record_at() == 1
     monkeypatch.setenv("GBV_RECORD_AT", "0")
     with pytest.raises(ValueError, match="GBV_RECORD_AT must be a whole number of at least 1"):
         static_steps._record_at()

@@ -38,6 +38,21 @@ def test_build_tree_merges_shared_prefixes():
     assert torch.equal(tree.ancestors, expected)
     mask = prefix_then(tree.ancestors, 3)
     assert mask.shape == (1, 1, 8, 11) and bool(mask[..., :3].all())
+    assert tree.num_nodes == 8 and build_tree(9, [[1, 2, 3]] * 2, multiple=8).num_nodes == 4
+
+
+def test_a_padded_tree_is_the_trie_and_padding_nodes_that_see_only_themselves():
+    """Padded to a multiple of 8 nodes (static steps: fewer recorded shapes), the trie's part is as
+    before; each padding node is its own only ancestor and no path goes through it."""
+    paths = [[1, 2], [1, 3], [4, 5]]  # root, 1, 1-2, 1-3, 4, 4-5
+    plain, padded = build_tree(9, paths), build_tree(9, paths, multiple=8)
+    assert padded.tokens.shape == (8,) and padded.num_nodes == plain.num_nodes == 6
+    n = plain.num_nodes
+    assert torch.equal(padded.tokens[:n], plain.tokens) and torch.equal(padded.depth[:n], plain.depth)
+    assert torch.equal(padded.path_nodes, plain.path_nodes)
+    assert torch.equal(padded.ancestors[:n, :n], plain.ancestors) and not padded.ancestors[:n, n:].any()
+    assert torch.equal(padded.ancestors[n:], torch.eye(8, dtype=torch.bool)[n:])
+    assert build_tree(9, [[1, 2, 3], [1, 2, 4], [5, 2, 3]], multiple=8).tokens.shape == (8,)  # (8 nodes: as is)
 
 
 @pytest.mark.parametrize("views", [True, False], ids=["numpy-views", "tensor-path"])
@@ -275,10 +290,10 @@ def test_negative_control_off_by_one_node_gather_is_caught(llama_toy, monkeypatc
     """Hand the verifier each position's parent node (an off-by-one in the p gather): the law breaks."""
     real = tree_decoder.build_tree
 
-    def shifted(root, paths, device):
-        tree = real(root, paths, device)
+    def shifted(root, paths, device, multiple=1):
+        tree = real(root, paths, device, multiple)
         nodes = torch.cat([tree.path_nodes[:, :1], tree.path_nodes[:, :-1]], dim=1)
-        return TokenTree(tree.tokens, tree.depth, nodes, tree.path_nodes_list, tree.ancestors)
+        return TokenTree(tree.tokens, tree.depth, nodes, tree.path_nodes_list, tree.ancestors, tree.nodes)
 
     monkeypatch.setattr(tree_decoder, "build_tree", shifted)
     stat, threshold = check(llama_toy, CONTROL_RUNS, 1.0, method="gbv", num_paths=3, block_len=3)
