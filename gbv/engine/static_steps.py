@@ -48,13 +48,12 @@ MAX_QUERIES = 64
 # runs the call for real (its warm-up), so a shape used again loses nothing by being recorded at once,
 # and each eager use before its recording is spent on top. In the third H200 run (float32) a target
 # graph took 7.5 ms to record, warm-up included, a target step 1.9 ms eagerly and a 5-token pass 2.7
-# (bench_cuda_graphs.py). Recorded at the second use (that run's first call) or the fourth (its second),
-# the shapes that ``auto``'s exploration meets (a few trials of each of its 12 arms; each drafting chain
-# length, trie size and moved length) and their eager uses cost it so much that it made 0.79x ``ar``'s
-# tokens/s over 4 prompts at T = 1 while running ``ar`` in 467 of its ~480 iterations (second use), and
-# 0.61-0.64x (fourth use: 1.6 s of eager uses against 0.7 s of recording in the whole benchmark).
-# ``GBV_RECORD_AT`` sets it (the suite records at the second use, so that both paths run:
-# tests/conftest.py).
+# (bench_cuda_graphs.py). Recorded at the fourth use, the shapes that ``auto``'s exploration meets (a
+# few trials of each of its 12 arms; each drafting chain length, trie size and moved length) spent 1.6 s
+# in eager uses against 0.7 s of recording over that run's benchmark, and ``auto`` made 0.61-0.64x
+# ``ar``'s tokens/s (0.79x / 1.03x recorded at the second use, 0.79x at T = 1 at the first, 38 ms of it
+# recording). ``GBV_RECORD_AT`` sets it (the suite records at the second use, so that both paths run:
+# tests/conftest.py). docs/ENGINE.md, "The third GPU run".
 def _record_at() -> int:
     setting = os.environ.get("GBV_RECORD_AT", "1")
     if not setting.isdigit() or int(setting) < 1:
