@@ -27,10 +27,10 @@
 # minutes on the 2-core CPU machines). GBV_CHECK_PARTS="graphs tests ..." runs only those parts;
 # GBV_CHECK_SYNC_WHERE=host counts syncs with host verification only; GBV_CHECK_BUILD=0 skips building
 # the (CPU-only) C helpers; GBV_CHECK_ARCHIVE=FILE.tgz packs OUT_DIR after each part. On a GPU plan
-# about 7 minutes: on the H200 with CUDA graphs, graphs 52 s (before its third form, recorded drafting and
-# sampling, was added: allow ~90 s), tests 49 s, greedy 14 s, syncs 13 s,
-# verify-where 29 s, engine-float32 49 s, engine-bfloat16 65 s (most of it transformers' assisted
-# generation).
+# about 8 minutes: on the H200 with CUDA graphs (third run), graphs 63 s (before its trace of how busy the
+# device is was added), tests 53 s, greedy 15 s,
+# syncs 15-19 s, engine-float32 56 s, engine-bfloat16 65 s (most of it transformers' assisted
+# generation), auto 35 s, compile 39 s; verify-where 29 s (second run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_check}
