@@ -62,6 +62,23 @@ def host_kernels_unavailable() -> str | None:
     return None
 
 
+def avx512_tiles() -> bool:
+    """Whether the panel kernel's products of 2 rows or more take its AVX-512 tiles (the default where the
+    CPU has AVX-512F; on an Intel Xeon with AVX-512 a 25-query pass of the bundled target took 4.3 ms
+    against 5.6 with the AVX2 tiles: scripts/bench_avx512_tiles.py). False without the kernels."""
+    return _host_kernels is not None and _host_kernels.avx512()
+
+
+def set_avx512_tiles(on: bool) -> None:
+    """Products of 2 rows or more by the AVX-512 tiles (True; a ValueError where the CPU lacks AVX-512F)
+    or the AVX2 ones (False), process-wide. ``GBV_HOST_AVX512=0`` in the environment sets False at import."""
+    _host_kernels.set_avx512(bool(on))
+
+
+if _host_kernels is not None and os.environ.get("GBV_HOST_AVX512", "1") == "0":
+    _host_kernels.set_avx512(False)
+
+
 # How the panel kernel prefetches its weights, process-wide: non-temporally (False, its default) or into
 # every cache level (True); None until gbv.engine.lean_host.choose_cpu_forward has measured which one
 # this machine wants (on the Zen 3 machines the non-temporal hint was the faster one, on an Intel Xeon

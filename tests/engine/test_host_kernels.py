@@ -24,13 +24,30 @@ def _bf16_values(array: np.ndarray) -> np.ndarray:
     return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def tiles(request):
+    """The panel kernel's tiles for products of several rows: AVX2 (tiles of 6 rows) or AVX-512 (of 16;
+    the default where the CPU has AVX-512F), put back as they were after the test."""
+    import gbv.engine.host_kernels as host_kernels
+    if host_kernels_unavailable() is not None:
+        pytest.skip(host_kernels_unavailable())
+    before = host_kernels.avx512_tiles()
+    try:
+        host_kernels.set_avx512_tiles(request.param == "avx512")
+    except ValueError as error:
+        pytest.skip(str(error))
+    yield request.param
+    host_kernels.set_avx512_tiles(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 5), (16, 16), (33, 47), (64, 256), (256, 768)])
-def test_panel_products_equal_numpy(in_features, out_features, bf16):
-    """Every row count the host forward gives the kernel (0 to 13, tiles of 6 and their remainders),
-    widths that are and are not multiples of 16, written and accumulated; float32 and bfloat16 panels
-    (the latter of bf16 values: the same sums, bit for bit, as float32 panels of those values)."""
+def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
+    """Every row count the host forward gives the kernel (0 to 17, 25, 33 and 37: tiles of 6 or 16 and
+    their remainders), widths that are and are not multiples of 16, written and accumulated; float32 and
+    bfloat16 panels (the latter of bf16 values: the same sums, bit for bit, as float32 panels of those
+    values); both kinds of tiles."""
     rng = np.random.default_rng(in_features * 1000 + out_features)
     weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
     if bf16:
@@ -38,7 +55,7 @@ def test_panel_products_equal_numpy(in_features, out_features, bf16):
         as_float32 = PanelWeight(weight)
     panel = PanelWeight(weight, bf16=bf16)
     assert panel.panels.dtype == (np.uint16 if bf16 else np.float32)
-    for rows in range(0, 14):
+    for rows in [*range(0, 18), 25, 33, 37]:
         x = rng.standard_normal((rows, in_features)).astype(np.float32)
         exact = x.astype(np.float64) @ weight.astype(np.float64)
         out = np.full((rows, out_features), np.nan, dtype=np.float32)

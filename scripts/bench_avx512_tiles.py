@@ -1,0 +1,112 @@
+"""The panel kernel's AVX-512 tiles against its AVX2 ones, in one process (bundled pair, 1 thread, CPU).
+
+    python scripts/bench_avx512_tiles.py                       # float32, 3 GSM8K + 3 HumanEval prompts
+    python scripts/bench_avx512_tiles.py --dtype bfloat16 --prompts 5
+
+Products of 2 rows or more take the AVX-512 tiles where the CPU has AVX-512F (gbv/engine/_host_kernels.c;
+``host_kernels.set_avx512_tiles`` switches them, at no cost, so both run in the same process):
+1. the target's forward of 1, 2, 5, 9, 13 and 25 queries after a 128-token prefix (the tree mask of a
+   chain), medians of 7 rounds of 20, the two kinds alternating per round;
+2. whole generations of ``ar``, BV L = 4 and 8 and the multi-path rows at K = 3, the two kinds
+   alternating per prompt (drift hits both alike), T = 0.2 and 1, 128 tokens: pooled tokens/s and
+   milliseconds per iteration (the two give the same tokens up to the sums' order: block efficiencies
+   are printed to show it).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import gbv
+import gbv.engine.host_kernels as host_kernels
+from gbv.data import load_prompts
+from gbv.engine.tree_decoder import lean_model
+
+ROWS = (("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("traversal", 3, 4),
+        ("specinfer", 3, 4))
+KINDS = ("AVX2", "AVX-512")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per data set (GSM8K, HumanEval)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if host_kernels.host_kernels_unavailable() is not None:
+        raise SystemExit(f"bench_avx512_tiles: {host_kernels.host_kernels_unavailable()}")
+    try:
+        host_kernels.set_avx512_tiles(True)
+    except ValueError as error:
+        raise SystemExit(f"bench_avx512_tiles: {error}")
+    pair = gbv.load_pair("bundled", dtype=args.dtype)
+    lean = lean_model(pair.target)
+    print(f"{args.dtype}; the target's forward: {lean.forward_choice}")
+    if lean.host_forward is None:
+        raise SystemExit("bench_avx512_tiles: the target runs without the host forward here: no panel products")
+
+    # 1. Forwards of n queries.
+    cache = lean.new_cache(1, 1024)
+    sizes = (1, 2, 5, 9, 13, 25)
+    times: dict = {}
+    with torch.inference_mode():
+        lean.chain(list(range(1, 129)), 0, cache)
+        calls = {}
+        for n in sizes:
+            tokens, positions = torch.full((1, n), 7), torch.arange(128, 128 + n)[None]
+            mask = torch.cat([torch.ones(n, 128, dtype=torch.bool), torch.tril(torch.ones(n, n, dtype=torch.bool))],
+                             1)[None, None]
+            calls[n] = (lambda t=tokens, p=positions, m=mask if n > 1 else None:
+                        lean.forward(t, p, 128, cache, m))
+        for _ in range(7):
+            for kind in KINDS:
+                host_kernels.set_avx512_tiles(kind == "AVX-512")
+                for n in sizes:
+                    for _ in range(3):
+                        calls[n]()
+                    began = time.perf_counter()
+                    for _ in range(20):
+                        calls[n]()
+                    times.setdefault((kind, n), []).append((time.perf_counter() - began) / 20 * 1e3)
+    print("| queries | AVX2 tiles ms | AVX-512 tiles ms | AVX2 / AVX-512 |\n|---:|---:|---:|---:|")
+    for n in sizes:
+        a, b = (statistics.median(times[kind, n]) for kind in KINDS)
+        print(f"| {n} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
+
+    # 2. Generations.
+    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
+               + load_prompts("humaneval", args.prompts)]
+    for temperature in (0.2, 1.0):
+        totals: dict = {}
+        for method, k, length in ROWS:
+            gbv.generate(pair, prompt_ids=prompts[0], method=method, num_paths=k, block_len=length, max_new_tokens=16,
+                         temperature=temperature, eos_token_id=[])  # warm-up
+        for index, ids in enumerate(prompts):
+            for method, k, length in ROWS:
+                for kind in (KINDS if index % 2 == 0 else KINDS[::-1]):
+                    host_kernels.set_avx512_tiles(kind == "AVX-512")
+                    began = time.perf_counter()
+                    out = gbv.generate(pair, prompt_ids=ids, method=method, num_paths=k, block_len=length,
+                                       max_new_tokens=args.max_new_tokens, temperature=temperature,
+                                       eos_token_id=[], seed=index)
+                    total = totals.setdefault((method, k, length, kind), [0.0, 0, 0])
+                    total[0] += time.perf_counter() - began
+                    total[1] += out.stats.new_tokens
+                    total[2] += out.stats.target_calls
+        print(f"\nT = {temperature}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
+        print("| row | AVX2 tokens/s | AVX-512 tokens/s | ratio | AVX2 ms/it | AVX-512 ms/it | ratio | block efficiency |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
+        for method, k, length in ROWS:
+            (sa, ta, ca), (sb, tb, cb) = (totals[method, k, length, kind] for kind in KINDS)
+            label = "ar" if method == "ar" else f"{method} K={k} L={length}"
+            print(f"| {label} | {ta / sa:.0f} | {tb / sb:.0f} | {(tb / sb) / (ta / sa):.3f}x | {1e3 * sa / ca:.2f} | "
+                  f"{1e3 * sb / cb:.2f} | {(1e3 * sa / ca) / (1e3 * sb / cb):.3f}x | {ta / ca:.2f} / {tb / cb:.2f} |")
+    host_kernels.set_avx512_tiles(True)
+
+
+if __name__ == "__main__":
+    main()
