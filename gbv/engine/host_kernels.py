@@ -1,4 +1,5 @@
-"""The host forward's compiled kernels (``_host_kernels.c``; CPU, float32, AVX2 + FMA).
+"""The host forward's compiled kernels (``_host_kernels.c``; CPU, float32, AVX2 + FMA; products of several
+rows by AVX-512 tiles where the CPU has AVX-512F: :func:`avx512_tiles`).
 
 Everything is float32 except the weights of the products, which are float32 or bfloat16 panels (a
 bfloat16 model runs in float32 over its bf16 weight values: ``gbv.engine.lean.bf16_weights_in_float32_reason``),
