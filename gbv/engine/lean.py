@@ -575,9 +575,9 @@ class LeanCausalLM:
                                      start, cache, None, True, last_only, 0)
         if self.steps is not None and static and last_only and n <= MAX_QUERIES and n & (n - 1):
             # Static steps (CUDA graphs): a chain in pieces of a power of two queries, largest first, so
-            # that 7 shapes serve every length up to MAX_QUERIES, the draft's lags after ``auto``'s
-            # plain steps and short prompts alike; a shape per length was recorded for lengths met a
-            # few times (static_steps.RECORD_AT). Each piece attends what the pieces before wrote.
+            # that 7 shapes serve every length up to MAX_QUERIES (the draft's lags after ``auto``'s plain
+            # steps), where a shape per length would cost a recording (~7 ms on an H200) for lengths met
+            # once or twice. Each piece attends what the pieces before it wrote.
             piece = 1 << (n.bit_length() - 1)
             self.chain(ids[:piece], start, cache)
             return self.chain(ids[piece:], start + piece, cache)

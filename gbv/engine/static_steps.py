@@ -110,10 +110,12 @@ class StaticSteps:
         self._caches: list[list] = []  # [cache, weak reference to its borrower]
         self.captures = 0  # graphs recorded, and the seconds spent recording them (warm-up included)
         self.capture_seconds = 0.0
-        # Seconds of the eager calls before a shape is recorded (RECORD_AT), timed between device syncs.
-        # Why: ``auto`` credits an arm with its iterations' seconds; an arm's first trials ran its new
-        # shapes eagerly, at 2-6x their replayed cost on the H200, and one such trial could keep an arm
-        # under its ceiling for good (auto.AutoPolicy.ceiling). Like recording, they are not the arm's cost.
+        # Seconds of the eager calls before a shape is recorded (RECORD_AT > 1), timed between device
+        # syncs. Why: ``auto`` credits an arm with its iterations' seconds, and eager uses run at 2-6x
+        # their replayed cost on the H200: one such trial could keep an arm under its ceiling for good
+        # (auto.AutoPolicy.ceiling). Subtracted whole (the replay they stand for too), they flatter the
+        # arm instead, until its shapes are recorded: in the third GPU run, at RECORD_AT = 4, `auto` ran
+        # such arms often. Recorded at the first use (the default) there are none.
         self.first_use_seconds = 0.0
         self.stream = None  # the side stream that records (one: each stream gets its own cuBLAS workspace)
         # The first graph recorded, kept for good: a memory pool is freed with the last graph that uses
