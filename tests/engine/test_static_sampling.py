@@ -149,11 +149,11 @@ def test_a_loop_whose_tips_see_their_cousins_is_caught(monkeypatch):
 @pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="on CUDA the tests above record real graphs")
 @pytest.mark.parametrize("method,rows", [("gbv", 3), ("block", 1)])
 def test_recorded_then_replayed_as_on_cuda(monkeypatch, method, rows):
-    """The record-then-replay sequence of CUDA (a call made, recorded at its second use with a warm-up
-    run for real, replayed from then on) with replays that run the call again: the same tokens, laws
-    and caches as the step-by-step path. A commit's move is not repeatable (its sources and targets
-    may overlap), so the replay right after its recording is skipped; without that the move runs
-    twice and the caches differ."""
+    """The record-then-replay sequence of CUDA (a call made, recorded at its second use, the suite's
+    GBV_RECORD_AT, with a warm-up run for real, replayed from then on) with replays that run the call
+    again: the same tokens, laws and caches as the step-by-step path. A commit's move is not
+    repeatable (its sources and targets may overlap), so the replay right after its recording is
+    skipped; without that the move runs twice and the caches differ."""
     eager_news, eager_drafts, eager = _run(monkeypatch, "0", method, rows, 1.0, "llama")
     news, drafts, decoder = _run(monkeypatch, "static", method, rows, 1.0, "llama", replay_by_running=True)
     assert news == eager_news and _cache_gap(eager, decoder) < ATOL

@@ -41,7 +41,7 @@ def _tree_mask(n: int, prefix: int, gen: torch.Generator) -> torch.Tensor:
 def _calls(gen: torch.Generator, vocab: int):
     """(tokens, positions, start, mask, causal, last_only) of a decoding-like sequence of forwards:
     a prompt chain, single queries, chains after a prefix, tree passes; shapes repeat, so steps are
-    reused (and, on CUDA, recorded at their second call and replayed)."""
+    reused (and, on CUDA, recorded at their second call, the suite's GBV_RECORD_AT, and replayed)."""
     def ids(n):
         return torch.randint(0, vocab, (1, n), generator=gen).to(TEST_DEVICE)
 
