@@ -175,7 +175,8 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
 
     with torch.inference_mode():
         for name, model in (("draft", pair.draft), ("target", pair.target)):
-            lean = lean_model(model)
+            # (the draft as decoding drafts with it: bfloat16-rounded weights where tree_decoder does so)
+            lean = tree_decoder.draft_lean_model(model, pair.target) if name == "draft" else lean_model(model)
             cache = lean.new_cache(1, 512)
             prefix = 128
             lean.forward(torch.arange(prefix, device=dev)[None] % 100, torch.arange(prefix, device=dev)[None], 0, cache,

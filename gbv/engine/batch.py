@@ -27,7 +27,7 @@ from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, samp
 from gbv.engine.static_sampling import draft_uniforms
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import build_tree
-from gbv.engine.tree_decoder import lean_model
+from gbv.engine.tree_decoder import draft_lean_model, lean_model
 from gbv.verify import TorchRandom
 
 _ROOM = 512
@@ -59,7 +59,7 @@ class BatchTreeDecoder:
     @torch.inference_mode()
     def __init__(self, target, draft, vocab: int, device, max_rows: int) -> None:
         self.target = lean_model(target)
-        self.draft = lean_model(draft) if draft is not None else None
+        self.draft = draft_lean_model(draft, target) if draft is not None else None
         self.vocab = vocab
         self.device = torch.device(device)
         self.max_rows = max_rows

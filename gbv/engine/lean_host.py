@@ -336,12 +336,24 @@ class HostForward:
         # where the kernels do not run.
         self.layer_panels = None
         if panels and self.attention_off is None:
-            self.layer_panels = tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels,
-                                       w_down.panel.panels, eps_in, eps_post, scaling)
-                                      for w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling
-                                      in self.layers)
+            self.layer_panels = self._layer_panels()
         self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
+
+    def _layer_panels(self) -> tuple:
+        return tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels, w_down.panel.panels,
+                      eps_in, eps_post, scaling)
+                     for w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling in self.layers)
+
+    def pack_bf16_panels(self) -> bool:
+        """Repack every product's panels as bfloat16 (its weights must be bfloat16 values already: see
+        ``LeanCausalLM.round_to_bf16_weights``); False where the compiled products do not run."""
+        if self.layer_panels is None or self.panels_off is not None:
+            return False
+        for product in [self.lm_head] + [p for layer in self.layers for p in (layer[0], layer[2], layer[3], layer[4])]:
+            product.panel = PanelWeight(product.weight_t, True)
+        self.layer_panels = self._layer_panels()
+        return True
 
     def use_torch_products(self, reason: str) -> None:
         """Multiply by torch's GEMMs from now on (``reason``: why), and drop the packed panels."""

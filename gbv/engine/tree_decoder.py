@@ -20,6 +20,7 @@ clock; on CUDA they run only when ``profile`` is set, since each sync stalls the
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -48,6 +49,31 @@ def lean_model(model) -> LeanCausalLM:
     return lean
 
 
+_DRAFT_LEAN: "weakref.WeakKeyDictionary[torch.nn.Module, LeanCausalLM]" = weakref.WeakKeyDictionary()
+
+
+def draft_lean_model(model, target) -> LeanCausalLM:
+    """The lean view that drafts with ``model`` for ``target``: on the CPU, for a float32 draft whose
+    products run on the compiled kernels, a view of its own whose matrices are rounded to bfloat16 values
+    and streamed as bfloat16 panels (``LeanCausalLM.round_to_bf16_weights``: half the bytes a draft step
+    reads; lossless, since the verifier is given the laws the drafts were drawn from); else the model's
+    lean view (``lean_model``). ``GBV_DRAFT_BF16=0`` keeps the float32 draft. A model that is also the
+    target keeps one view."""
+    lean = lean_model(model)
+    if model is target or os.environ.get("GBV_DRAFT_BF16", "1") == "0":
+        return lean
+    draft = _DRAFT_LEAN.get(model)
+    if draft is None:
+        if (lean.host_forward is None or lean.host_forward.layer_panels is None or lean.dtype != torch.float32
+                or lean.bf16_in_float32 or not lean.transposed):
+            return lean  # (nothing to round: the view every role shares)
+        draft = LeanCausalLM(model)
+        if not draft.round_to_bf16_weights():
+            draft = lean
+        _DRAFT_LEAN[model] = draft
+    return draft
+
+
 class TreeDecoder(DecoderState):
     """The decoding state of one sequence over lean models; the same interface as ``Decoder``
     (``prefill``, ``step``, ``truncate``, ``tokens``, ``draft_len``, ``stats``)."""
@@ -57,7 +83,7 @@ class TreeDecoder(DecoderState):
                  profile: bool | None = None) -> None:
         super().__init__(method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, device)
         self.target = lean_model(target)
-        self.draft = lean_model(draft) if self.verifier is not None else None
+        self.draft = draft_lean_model(draft, target) if self.verifier is not None else None
         self.target_cache = None
         self.draft_cache = None
         self.profile = self.device.type == "cpu" if profile is None else profile

@@ -283,3 +283,34 @@ def test_host_forward_in_and_out_of_inference_mode():
     reference = plain.forward(tokens, positions, 0, plain.new_cache(1, 8), None, causal=True)
     assert torch.equal(inside, outside)
     torch.testing.assert_close(outside, reference.detach(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(host_kernels_unavailable() is not None, reason="compiled kernels unavailable")
+def test_a_float32_draft_drafts_with_bf16_rounded_weights(monkeypatch):
+    """On the CPU, where the compiled products run, a float32 draft drafts through a view of its own whose
+    matrices are bfloat16 values streamed as bfloat16 panels (tree_decoder.draft_lean_model: half the
+    bytes a draft step reads). Its logits are the float32 draft's to bfloat16's rounding, the model's
+    own view is left exact, and GBV_DRAFT_BF16=0 or a draft that is the target keeps the one view. The
+    engine's law through it is checked by test_exactness.py's hf tests, which decode through it."""
+    import gbv.engine.tree_decoder as tree_decoder
+
+    target, draft = hf_pair("llama", vocab=40, seed=8)
+    plain = tree_decoder.lean_model(draft)
+    rounded = tree_decoder.draft_lean_model(draft, target)
+    assert rounded is not plain and tree_decoder.draft_lean_model(draft, target) is rounded
+    assert tree_decoder.draft_lean_model(draft, draft) is plain
+    for matrix in rounded.matrices():
+        assert torch.equal(matrix.weight_t, matrix.weight_t.to(torch.bfloat16).float())
+    host = rounded.host_forward
+    assert all(product.panel.bf16 for layer in host.layers for product in (layer[0], layer[2], layer[3], layer[4]))
+    assert not any(product.panel.bf16 for layer in plain.host_forward.layers for product in (layer[0], layer[2]))
+    ids = torch.randint(0, 40, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        exact = draft(input_ids=ids).logits[0]
+        outs = [view.forward(ids, torch.arange(12)[None], 0, view.plain_cache(1, 16), None, causal=True)[0]
+                for view in (plain, rounded)]
+    torch.testing.assert_close(outs[0], exact, atol=1e-4, rtol=0)
+    gap = (outs[1] - exact).abs().max().item()
+    assert 1e-6 < gap < 0.05  # (rounded, and by no more than bfloat16's rounding of the weights)
+    monkeypatch.setenv("GBV_DRAFT_BF16", "0")
+    assert tree_decoder.draft_lean_model(draft, target) is plain
