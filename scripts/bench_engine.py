@@ -194,8 +194,7 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
             # forward uses it (gbv/engine/host_kernels.py).
             host = lean.host_forward
             if host is not None and host.panels_off is None and torch.get_num_threads() == 1:
-                panels = [product.panel for layer in host.layers for product in (layer[0], layer[2], layer[3], layer[4])]
-                panels.append(host.lm_head.panel)
+                panels = [product.panel for product in host.products()]
                 rows = [(np.zeros((1, w.in_features), np.float32), np.zeros((1, w.out_features), np.float32))
                         for w in panels]
 

@@ -19,7 +19,7 @@ numpy ``uint16`` views of the bits (numpy has no bfloat16): see :func:`kv_bf16`.
   :func:`gbv.verify.common.draw_rows` on the same uniforms: 73 -> 46 us a draw at V = 4096 (the
   kernel itself takes about 10 us; the rest is the uniform's ``torch.rand`` and the calls around it).
 - **Softmax and draw in one call** (:func:`softmax_into`): ``sampling.process_logits`` for plain
-  settings, and the draws of :func:`gbv.engine.sampling.draw_token` / ``sample_into``.
+  settings, and the draws of :func:`gbv.engine.sampling.draw_token` / ``sample_into_at``.
 - **A whole forward of one sequence in one call** (:func:`forward_into`): embedding, every layer,
   final norm and head, optionally followed by the softmax and the draw of its output rows. Between
   forwards that stream tens of MB of weights, Python and torch run from a cold cache: a bundled

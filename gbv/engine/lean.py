@@ -515,14 +515,19 @@ class LeanCausalLM:
         session), and any draft keeps decoding lossless, since the drafts are drawn from the laws q the
         verifier is given. Returns whether it did: only where the host forward's compiled products run
         over this view's own transposed copies of float32 weights."""
-        host = self.host_forward
-        if (host is None or host.layer_panels is None or self.dtype != torch.float32 or self.bf16_in_float32
-                or not self.transposed):
+        if not self.can_round_to_bf16_weights():
             return False
         with torch.no_grad():
             for matrix in self.matrices():
                 matrix.weight_t.copy_(matrix.weight_t.to(torch.bfloat16))  # (the view's own copies)
-        return host.pack_bf16_panels()
+        return self.host_forward.pack_bf16_panels()
+
+    def can_round_to_bf16_weights(self) -> bool:
+        """Whether :meth:`round_to_bf16_weights` applies: float32 weights of this view's own transposed
+        copies, multiplied by the host forward's compiled products."""
+        host = self.host_forward
+        return (host is not None and host.layer_panels is not None and self.dtype == torch.float32
+                and not self.bf16_in_float32 and self.transposed)
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of a forward, in order (for measuring their share of its time)."""

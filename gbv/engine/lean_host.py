@@ -345,12 +345,16 @@ class HostForward:
                       eps_in, eps_post, scaling)
                      for w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling in self.layers)
 
+    def products(self) -> list[_Product]:
+        """Every product of a forward, in order: each layer's q/k/v, o, gate/up and down, then the head."""
+        return [product for layer in self.layers for product in (layer[0], layer[2], layer[3], layer[4])] + [self.lm_head]
+
     def pack_bf16_panels(self) -> bool:
         """Repack every product's panels as bfloat16 (its weights must be bfloat16 values already: see
         ``LeanCausalLM.round_to_bf16_weights``); False where the compiled products do not run."""
         if self.layer_panels is None or self.panels_off is not None:
             return False
-        for product in [self.lm_head] + [p for layer in self.layers for p in (layer[0], layer[2], layer[3], layer[4])]:
+        for product in self.products():
             product.panel = PanelWeight(product.weight_t, True)
         self.layer_panels = self._layer_panels()
         return True
@@ -359,7 +363,7 @@ class HostForward:
         """Multiply by torch's GEMMs from now on (``reason``: why), and drop the packed panels."""
         self.panels_off = reason
         self.layer_panels = None
-        for product in [self.lm_head] + [p for layer in self.layers for p in (layer[0], layer[2], layer[3], layer[4])]:
+        for product in self.products():
             product.panel = None
 
     def takes(self, batch: int, n: int) -> bool:

@@ -99,23 +99,9 @@ def fill_token_uniform(out: Tensor, rng: TorchRandom) -> Tensor:
 
 def token_uniform(rng: TorchRandom) -> Tensor:
     """The uniform of one token's draw: (1, 1) float64 on the device of ``rng``'s generator; a CPU
-    generator's from ``rng.uniform()`` (its buffered block), a device's from one ``torch.rand`` there."""
-    generator = rng.generator
-    if generator.device.type == "cpu":
-        return torch.tensor([[rng.uniform()]], dtype=torch.float64)
-    return torch.rand((1, 1), generator=generator, dtype=torch.float64, device=generator.device)
-
-
-def sample_into(logits: Tensor, config: SamplingConfig, rng: TorchRandom, probs: Tensor) -> Tensor:
-    """``probs[:] = process_logits(logits, config)`` and one draw per row from them, by
-    ``sample``'s rule, in one compiled call where :func:`process_logits` would be one (its uniforms
-    then from ``rng.uniforms``). ``logits``, ``probs``: (R, V); returns (R,) long."""
-    if _host_softmax(logits, config) and rng.generator.device.type == "cpu":
-        tokens = np.empty(logits.shape[0], dtype=np.int64)
-        softmax_into(logits.numpy(), config.temperature, probs.numpy(), rng.uniforms(logits.shape[0]), tokens)
-        return torch.from_numpy(tokens)
-    probs.copy_(process_logits(logits, config))
-    return sample(probs, rng.generator, config.greedy)
+    generator's from ``rng.uniform()`` (its buffered block), a device's from one ``uniform_`` there
+    (``torch.rand``'s draw)."""
+    return fill_token_uniform(torch.empty((1, 1), dtype=torch.float64, device=rng.generator.device), rng)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None, greedy: bool = False) -> Tensor:
@@ -141,8 +127,8 @@ def sample_at(probs: Tensor, u: Tensor | None, greedy: bool = False) -> Tensor:
 
 
 def sample_into_at(logits: Tensor, config: SamplingConfig, probs: Tensor, u: Tensor | None) -> Tensor:
-    """:func:`sample_into` with its uniforms given (as :func:`sample_at`): ``probs[:] =
-    process_logits(logits, config)`` ((R, V)) and one draw per row, in one compiled call where
+    """``probs[:] = process_logits(logits, config)`` ((R, V)) and one draw per row from them by
+    :func:`sample`'s rule, with its uniforms given (as :func:`sample_at`), in one compiled call where
     :func:`process_logits` would be one. Returns (R,) long."""
     if u is not None and _host_softmax(logits, config) and u.device.type == "cpu":
         tokens = np.empty(logits.shape[0], dtype=np.int64)

@@ -64,8 +64,7 @@ def draft_lean_model(model, target) -> LeanCausalLM:
         return lean
     draft = _DRAFT_LEAN.get(model)
     if draft is None:
-        if (lean.host_forward is None or lean.host_forward.layer_panels is None or lean.dtype != torch.float32
-                or lean.bf16_in_float32 or not lean.transposed):
+        if not lean.can_round_to_bf16_weights():
             return lean  # (nothing to round: the view every role shares)
         draft = LeanCausalLM(model)
         if not draft.round_to_bf16_weights():

@@ -302,8 +302,8 @@ def test_a_float32_draft_drafts_with_bf16_rounded_weights(monkeypatch):
     for matrix in rounded.matrices():
         assert torch.equal(matrix.weight_t, matrix.weight_t.to(torch.bfloat16).float())
     host = rounded.host_forward
-    assert all(product.panel.bf16 for layer in host.layers for product in (layer[0], layer[2], layer[3], layer[4]))
-    assert not any(product.panel.bf16 for layer in plain.host_forward.layers for product in (layer[0], layer[2]))
+    assert all(product.panel.bf16 for product in host.products())
+    assert not any(product.panel.bf16 for product in plain.host_forward.products())
     ids = torch.randint(0, 40, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         exact = draft(input_ids=ids).logits[0]
