@@ -51,7 +51,7 @@ def collect(args) -> None:
             index = forced["index"]
             return 0 if max_block is not None and self.arms[index].block_len > max_block else index
 
-        def record(self, index, tokens, seconds):
+        def defer(self, index, tokens, seconds, switching=0.0):  # (AutoDecoder's record of an iteration)
             if index == forced["index"]:
                 log.append((tokens, seconds))
 

@@ -1,6 +1,6 @@
 """Before/after in one run (1 thread, bundled pair): ``auto`` with a setting of its policy off and on,
 each variant with its own policy learning over the same prompts, interleaved per prompt with plain
-``ar`` and BV L = 2.
+``ar`` and BV rows (``--blocks``, default L = 2).
 
     python scripts/bench_auto_ab.py                                   # aging of the estimates (auto._AGE)
     python scripts/bench_auto_ab.py --switch depth-prior              # the depth prior of the acceptance
@@ -35,6 +35,7 @@ parser.add_argument("--dtype", default="float32")
 parser.add_argument("--prompts", type=int, default=20, help="GSM8K and HumanEval prompts each")
 parser.add_argument("--temperature", default="0.2,1.0")
 parser.add_argument("--before", help="a git revision: its auto.py against the working tree's")
+parser.add_argument("--blocks", default="2", help="BV block lengths of the fixed rows (default 2), e.g. 3,4,6,8")
 args = parser.parse_args()
 name, off = SWITCHES[args.switch]
 variants = {"before": off, "after": getattr(auto, name)}
@@ -56,11 +57,13 @@ if name is None:
     print(f"`auto` of {args.before} (before) and of the working tree (after), {args.dtype}\n")
 else:
     print(f"`auto` with auto.{name} = {variants['before']} (before) and {variants['after']} (after), {args.dtype}\n")
-print("| T | ar tok/s | BV L=2 / ar | auto before / ar | auto after / ar | after / before |")
-print("|---|---:|---:|---:|---:|---:|")
+blocks = [int(b) for b in args.blocks.split(",")]
+print("| T | ar tok/s | " + " | ".join(f"BV L={b} / ar" for b in blocks)
+      + " | auto before / ar | auto after / ar | after / before | before / best BV | after / best BV |")
+print("|---|---:|" + "---:|" * (len(blocks) + 5))
 for temperature in [float(t) for t in args.temperature.split(",")]:
     stores = {variant: {} for variant in variants}  # each variant's own policies (auto keys them per target)
-    rows = ["ar", "block", *variants]
+    rows = ["ar", *(f"block{b}" for b in blocks), *variants]
     totals = {row: [0, 0.0] for row in rows}
     for seed, prompt in enumerate(prompts):
         for row in (rows if seed % 2 == 0 else rows[::-1]):
@@ -69,15 +72,17 @@ for temperature in [float(t) for t in args.temperature.split(",")]:
                 if name is not None:
                     setattr(auto, name, variants[row])
                     auto._POLICIES[pair.target] = stores[row]
-            method = row if row in ("ar", "block") else "auto"
-            out = gbv.generate(pair, prompt=prompt, method=method, block_len=2, num_paths=1, temperature=temperature,
+            method = "ar" if row == "ar" else "block" if row.startswith("block") else "auto"
+            block_len = int(row[5:]) if method == "block" else 2
+            out = gbv.generate(pair, prompt=prompt, method=method, block_len=block_len, num_paths=1, temperature=temperature,
                                max_new_tokens=128, eos_token_id=[], seed=seed)
             totals[row][0] += out.stats.new_tokens
             totals[row][1] += out.stats.time_total
     rate = {row: t / s for row, (t, s) in totals.items()}
-    print(f"| {temperature} | {rate['ar']:.1f} | {rate['block'] / rate['ar']:.3f}x | "
-          f"{rate['before'] / rate['ar']:.3f}x | {rate['after'] / rate['ar']:.3f}x | "
-          f"{rate['after'] / rate['before']:.3f} |", flush=True)
+    best = max(rate[f"block{b}"] for b in blocks)
+    print(f"| {temperature} | {rate['ar']:.1f} | " + " | ".join(f"{rate[f'block{b}'] / rate['ar']:.3f}x" for b in blocks)
+          + f" | {rate['before'] / rate['ar']:.3f}x | {rate['after'] / rate['ar']:.3f}x | "
+          f"{rate['after'] / rate['before']:.3f} | {rate['before'] / best:.3f} | {rate['after'] / best:.3f} |", flush=True)
 gbv.engine.auto = auto
 if name is not None:
     setattr(auto, name, variants["after"])
