@@ -3,6 +3,7 @@
     python scripts/auto_replay.py collect traces.json --prompts 10 --temperature 0.2,1.0   # ~7 min, 1 thread
     python scripts/auto_replay.py replay traces.json --seeds 40
     python scripts/auto_replay.py replay traces.json --age 1     # the policy without aging
+    python scripts/auto_replay.py pooled traces.json             # BV arms' own means against the pooled estimate
     python scripts/auto_replay.py drift                          # aging (auto._AGE) on synthetic arms
 
 ``collect`` runs each arm of :func:`gbv.engine.auto.default_arms` as a fixed choice on the bundled pair
@@ -78,7 +79,7 @@ def simulate(arms: list[auto.Arm], traces: dict, prompts: int, max_new: int, see
     """Tokens/s of a fresh policy over ``prompts`` replayed prompts.
 
     ``aligned`` (the default): at text position ``n`` of a replayed prompt, an arm replays the
-    iteration of its own recording of that prompt that started at the latest position ``<= n``, so
+    iteration of its own recording of that prompt that started nearest to ``n``, so
     the arms' tries follow one another along the text as in a real run (the start of an answer is
     harder to draft than its middle: at T = 0.2 a first BV L = 8 iteration commits about half the
     tokens of a later one). Otherwise each arm replays its recording from the start, in order, which
@@ -103,11 +104,19 @@ def simulate(arms: list[auto.Arm], traces: dict, prompts: int, max_new: int, see
             label = arms[index].label
             trace = traces[label][source]
             if aligned:
-                at = bisect.bisect_right(starts[label][source], made) - 1
+                # The recorded iteration that started nearest to ``made``, either side. (The latest one
+                # at or before it, credited in full, counted the tokens between its start and ``made``
+                # twice: auto at 1.00-1.04x the best arm; crediting only the tokens past ``made``
+                # undercounts as much: 0.92x.)
+                begun = starts[label][source]
+                at = bisect.bisect_right(begun, made) - 1
+                if at + 1 < len(begun) and begun[at + 1] - made < made - begun[at]:
+                    at += 1
+                tokens, seconds = trace[at]
             else:
                 at = position[label] % len(trace)
                 position[label] += 1
-            tokens, seconds = trace[at]
+                tokens, seconds = trace[at]
             policy.record(index, tokens, seconds)
             made += tokens
             total_tokens += tokens
@@ -134,6 +143,31 @@ def replay(args) -> None:
         print(f"T={temperature}: auto = {statistics.median(shares):.3f}x the best arm (median of {args.seeds}), "
               f"10th percentile {shares[len(shares) // 10]:.3f}x, worst {shares[0]:.3f}x; "
               f"arms (tokens/s): {top}, ar {rates['ar']:.0f}")
+
+
+def pooled(args) -> None:
+    """Each BV arm's own tokens per iteration (run alone) against the estimate of the acceptance pooled
+    over every BV length, as ``auto`` rates it (all iterations counted once, no decay)."""
+    with open(args.file) as f:
+        data = json.load(f)
+    arms = [auto.Arm(arm["method"], arm["num_paths"], arm["block_len"]) for arm in data["arms"]]
+    blocks = [arm for arm in arms if arm.method == "block"]
+    decay, auto._DECAY = auto._DECAY, 1.0
+    try:
+        for temperature, traces in data["traces"].items():
+            family = auto._Acceptance()
+            family.grow(max(arm.block_len for arm in blocks))
+            own = {}
+            for arm in blocks:
+                made = [tokens for prompt in traces[arm.label] for tokens, _ in prompt]
+                own[arm.block_len] = sum(made) / len(made)
+                for tokens in made:
+                    family.record(min(tokens - 1, arm.block_len), arm.block_len)
+            print(f"T={temperature}: " + "; ".join(
+                f"L={length} own {mean:.2f}, pooled {family.expected_tokens(length):.2f} "
+                f"({family.expected_tokens(length) / mean - 1:+.1%})" for length, mean in own.items()))
+    finally:
+        auto._DECAY = decay
 
 
 def drift(args) -> None:
@@ -186,10 +220,12 @@ def main(argv=None) -> None:
                    help="override auto._PRIOR_DEPTH_TRIALS (1e-9 replays the rule without the prior)")
     r.add_argument("--age", type=float, default=None,
                    help="override auto._AGE (1 replays the policy whose estimates do not age)")
+    p = sub.add_parser("pooled", help="each BV arm's own tokens per iteration against the pooled estimate")
+    p.add_argument("file")
     d = sub.add_parser("drift", help="aging the estimates on synthetic arms (no models)")
     d.add_argument("--ages", default="0.999,0.9995,1", help="values of auto._AGE to compare")
     args = parser.parse_args(argv)
-    {"collect": collect, "replay": replay, "drift": drift}[args.command](args)
+    {"collect": collect, "replay": replay, "pooled": pooled, "drift": drift}[args.command](args)
 
 
 if __name__ == "__main__":
