@@ -1,12 +1,18 @@
-"""The panel kernel's AVX-512 tiles against its AVX2 ones, in one process (bundled pair, 1 thread, CPU).
+"""The panel kernel's AVX-512 tiles against its AVX2 ones (or its two-panel tiles against one-panel
+ones), in one process (bundled pair, 1 thread, CPU).
 
     python scripts/bench_avx512_tiles.py                       # float32, 3 GSM8K + 3 HumanEval prompts
     python scripts/bench_avx512_tiles.py --dtype bfloat16 --prompts 5
+    python scripts/bench_avx512_tiles.py --compare one-panel   # AVX-512 tiles of one panel against two
+
+``--compare one-panel``: products of 8 rows or more by AVX-512 tiles of one panel against those of two
+(``host_kernels.set_two_panel_tiles``; the same sums, so the same tokens), and the forwards include a
+prompt of 64 and of 102 tokens (the prefill's product sizes).
 
 Products of 2 rows or more take the AVX-512 tiles where the CPU has AVX-512F (gbv/engine/_host_kernels.c;
 ``host_kernels.set_avx512_tiles`` switches them, at no cost, so both run in the same process):
 1. the target's forward of 1, 2, 5, 9, 13 and 25 queries after a 128-token prefix (the tree mask of a
-   chain), medians of 7 rounds of 20, the two kinds alternating per round;
+   chain), medians of 7 rounds of 20 (of 3 for 64 and 102), the two kinds alternating per round;
 2. whole generations of ``ar``, BV L = 4 and 8 and the multi-path rows at K = 3, the two kinds
    alternating per prompt (drift hits both alike), T = 0.2 and 1, 128 tokens: pooled tokens/s and
    milliseconds per iteration (the two give the same tokens up to the sums' order: block efficiencies
@@ -27,7 +33,13 @@ from gbv.engine.tree_decoder import lean_model
 
 ROWS = (("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("traversal", 3, 4),
         ("specinfer", 3, 4))
-KINDS = ("AVX2", "AVX-512")
+KINDS = {"avx2": ("AVX2", "AVX-512"), "one-panel": ("one panel", "two panels")}
+
+
+def use(kind: str) -> None:
+    """Switch the kernel to ``kind`` (one of the names in KINDS)."""
+    host_kernels.set_avx512_tiles(kind != "AVX2")
+    host_kernels.set_two_panel_tiles(kind != "one panel")
 
 
 def main() -> None:
@@ -35,7 +47,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompts", type=int, default=3, help="prompts per data set (GSM8K, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--compare", default="avx2", choices=sorted(KINDS),
+                        help="avx2: AVX2 against AVX-512 tiles (default); one-panel: one- against two-panel tiles")
     args = parser.parse_args()
+    kinds = KINDS[args.compare]
     torch.set_num_threads(1)
     if host_kernels.host_kernels_unavailable() is not None:
         raise SystemExit(f"bench_avx512_tiles: {host_kernels.host_kernels_unavailable()}")
@@ -51,7 +66,7 @@ def main() -> None:
 
     # 1. Forwards of n queries.
     cache = lean.new_cache(1, 1024)
-    sizes = (1, 2, 5, 9, 13, 25)
+    sizes = (1, 2, 5, 9, 13, 25) + ((64, 102) if args.compare == "one-panel" else ())
     times: dict = {}
     with torch.inference_mode():
         lean.chain(list(range(1, 129)), 0, cache)
@@ -63,18 +78,19 @@ def main() -> None:
             calls[n] = (lambda t=tokens, p=positions, m=mask if n > 1 else None:
                         lean.forward(t, p, 128, cache, m))
         for _ in range(7):
-            for kind in KINDS:
-                host_kernels.set_avx512_tiles(kind == "AVX-512")
+            for kind in kinds:
+                use(kind)
                 for n in sizes:
+                    repeats = 20 if n <= 25 else 3
                     for _ in range(3):
                         calls[n]()
                     began = time.perf_counter()
-                    for _ in range(20):
+                    for _ in range(repeats):
                         calls[n]()
-                    times.setdefault((kind, n), []).append((time.perf_counter() - began) / 20 * 1e3)
-    print("| queries | AVX2 tiles ms | AVX-512 tiles ms | AVX2 / AVX-512 |\n|---:|---:|---:|---:|")
+                    times.setdefault((kind, n), []).append((time.perf_counter() - began) / repeats * 1e3)
+    print(f"| queries | {kinds[0]} ms | {kinds[1]} ms | ratio |\n|---:|---:|---:|---:|")
     for n in sizes:
-        a, b = (statistics.median(times[kind, n]) for kind in KINDS)
+        a, b = (statistics.median(times[kind, n]) for kind in kinds)
         print(f"| {n} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
 
     # 2. Generations.
@@ -87,8 +103,8 @@ def main() -> None:
                          temperature=temperature, eos_token_id=[])  # warm-up
         for index, ids in enumerate(prompts):
             for method, k, length in ROWS:
-                for kind in (KINDS if index % 2 == 0 else KINDS[::-1]):
-                    host_kernels.set_avx512_tiles(kind == "AVX-512")
+                for kind in (kinds if index % 2 == 0 else kinds[::-1]):
+                    use(kind)
                     began = time.perf_counter()
                     out = gbv.generate(pair, prompt_ids=ids, method=method, num_paths=k, block_len=length,
                                        max_new_tokens=args.max_new_tokens, temperature=temperature,
@@ -98,14 +114,15 @@ def main() -> None:
                     total[1] += out.stats.new_tokens
                     total[2] += out.stats.target_calls
         print(f"\nT = {temperature}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
-        print("| row | AVX2 tokens/s | AVX-512 tokens/s | ratio | AVX2 ms/it | AVX-512 ms/it | ratio | block efficiency |")
+        print(f"| row | {kinds[0]} tokens/s | {kinds[1]} tokens/s | ratio | {kinds[0]} ms/it | {kinds[1]} ms/it | ratio "
+              "| block efficiency |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")
         for method, k, length in ROWS:
-            (sa, ta, ca), (sb, tb, cb) = (totals[method, k, length, kind] for kind in KINDS)
+            (sa, ta, ca), (sb, tb, cb) = (totals[method, k, length, kind] for kind in kinds)
             label = "ar" if method == "ar" else f"{method} K={k} L={length}"
             print(f"| {label} | {ta / sa:.0f} | {tb / sb:.0f} | {(tb / sb) / (ta / sa):.3f}x | {1e3 * sa / ca:.2f} | "
                   f"{1e3 * sb / cb:.2f} | {(1e3 * sa / ca) / (1e3 * sb / cb):.3f}x | {ta / ca:.2f} / {tb / cb:.2f} |")
-    host_kernels.set_avx512_tiles(True)
+    use(kinds[1])
 
 
 if __name__ == "__main__":

@@ -252,6 +252,71 @@ static const tile_fn TILES_BF16[TILE_ROWS + 1] = {NULL, tile_bf16_1, tile_bf16_2
 DEFINE_TILES512(f32, float, LOAD512_F32, 0)
 DEFINE_TILES512(bf16, uint16_t, LOAD512_BF16, 1)
 
+/* Tiles of two adjacent panels (32 columns) by up to TILE512X2_ROWS rows, for products of at least
+ * TILE512X2_MIN_ROWS rows. Why: the one-panel tiles above issue a broadcast load of x per FMA (16 + 1
+ * loads for 16 FMAs a value of k), so the load ports, not the two FMA units, bound a pass of many rows
+ * (a prompt's prefill made ~90 GFLOP/s here where torch's GEMM makes 160-170). Two panels share each
+ * broadcast: R + 2 loads for 2R FMAs. 2 x 12 accumulators, 2 panel rows and a broadcast fit the 32
+ * registers. Each output's sum runs over k in one accumulator, in order, as in the one-panel tiles of
+ * 8 rows or more: the same sums, bit for bit. ``width`` is the second panel's (the first is whole). */
+#define TILE512X2_ROWS 14
+#define TILE512X2_MIN_ROWS 8
+#define DEFINE_TILE512X2(R, NAME, WTYPE, LOAD, BF16)                                                \
+    __attribute__((target("avx512f"))) static void tile512x2_##NAME##_##R(                          \
+        const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
+        int width, int accumulate) {                                                                \
+        const WTYPE *panel0 = (const WTYPE *)panel_bytes, *panel1 = panel0 + K * PANEL;             \
+        __m512 acc0[R], acc1[R];                                                                    \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                      \
+            acc0[r] = _mm512_setzero_ps();                                                          \
+            acc1[r] = _mm512_setzero_ps();                                                          \
+        }                                                                                           \
+        _Pragma("GCC unroll 2") for (Py_ssize_t k = 0; k < K; k++) {                                \
+            if (sizeof(WTYPE) == 4 || k % 2 == 0) { /* once per 64-byte line */                     \
+                PREFETCH(panel0, k);                                                                \
+                PREFETCH(panel1, k);                                                                \
+            }                                                                                       \
+            const __m512 w0 = LOAD(panel0, k), w1 = LOAD(panel1, k);                                \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
+                const __m512 b = _mm512_set1_ps(x[r * xs + k]);                                     \
+                acc0[r] = _mm512_fmadd_ps(b, w0, acc0[r]);                                          \
+                acc1[r] = _mm512_fmadd_ps(b, w1, acc1[r]);                                          \
+            }                                                                                       \
+        }                                                                                           \
+        const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15); \
+        const __mmask16 lanes = (__mmask16)((1u << width) - 1u);                                    \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                      \
+            if (BF16) { /* back to column order */                                                  \
+                acc0[r] = _mm512_permutexvar_ps(order, acc0[r]);                                    \
+                acc1[r] = _mm512_permutexvar_ps(order, acc1[r]);                                    \
+            }                                                                                       \
+            float *out = y + r * ys;                                                                \
+            if (accumulate) acc0[r] = _mm512_add_ps(acc0[r], _mm512_loadu_ps(out));                 \
+            _mm512_storeu_ps(out, acc0[r]);                                                         \
+            if (width == PANEL) {                                                                   \
+                if (accumulate) acc1[r] = _mm512_add_ps(acc1[r], _mm512_loadu_ps(out + PANEL));     \
+                _mm512_storeu_ps(out + PANEL, acc1[r]);                                             \
+            } else {                                                                                \
+                if (accumulate) acc1[r] = _mm512_add_ps(acc1[r], _mm512_maskz_loadu_ps(lanes, out + PANEL)); \
+                _mm512_mask_storeu_ps(out + PANEL, lanes, acc1[r]);                                 \
+            }                                                                                       \
+        }                                                                                           \
+    }
+#define DEFINE_TILES512X2(NAME, WTYPE, LOAD, BF16)                                                  \
+    DEFINE_TILE512X2(4, NAME, WTYPE, LOAD, BF16)                                                    \
+    DEFINE_TILE512X2(5, NAME, WTYPE, LOAD, BF16)                                                    \
+    DEFINE_TILE512X2(6, NAME, WTYPE, LOAD, BF16)                                                    \
+    DEFINE_TILE512X2(7, NAME, WTYPE, LOAD, BF16)                                                    \
+    DEFINE_TILE512X2(8, NAME, WTYPE, LOAD, BF16)                                                    \
+    DEFINE_TILE512X2(9, NAME, WTYPE, LOAD, BF16)                                                    \
+    DEFINE_TILE512X2(10, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512X2(11, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512X2(12, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512X2(13, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512X2(14, NAME, WTYPE, LOAD, BF16)
+DEFINE_TILES512X2(f32, float, LOAD512_F32, 0)
+DEFINE_TILES512X2(bf16, uint16_t, LOAD512_BF16, 1)
+
 static const tile_fn TILES512_F32[TILE512_ROWS + 1] = {
     NULL, tile512_f32_1, tile512_f32_2, tile512_f32_3, tile512_f32_4, tile512_f32_5, tile512_f32_6, tile512_f32_7,
     tile512_f32_8, tile512_f32_9, tile512_f32_10, tile512_f32_11, tile512_f32_12, tile512_f32_13, tile512_f32_14,
@@ -260,6 +325,17 @@ static const tile_fn TILES512_BF16[TILE512_ROWS + 1] = {
     NULL, tile512_bf16_1, tile512_bf16_2, tile512_bf16_3, tile512_bf16_4, tile512_bf16_5, tile512_bf16_6,
     tile512_bf16_7, tile512_bf16_8, tile512_bf16_9, tile512_bf16_10, tile512_bf16_11, tile512_bf16_12,
     tile512_bf16_13, tile512_bf16_14, tile512_bf16_15, tile512_bf16_16};
+
+static const tile_fn TILES512X2_F32[TILE512X2_ROWS + 1] = {
+    NULL, NULL, NULL, NULL, tile512x2_f32_4, tile512x2_f32_5, tile512x2_f32_6, tile512x2_f32_7, tile512x2_f32_8,
+    tile512x2_f32_9, tile512x2_f32_10, tile512x2_f32_11, tile512x2_f32_12, tile512x2_f32_13, tile512x2_f32_14};
+static const tile_fn TILES512X2_BF16[TILE512X2_ROWS + 1] = {
+    NULL, NULL, NULL, NULL, tile512x2_bf16_4, tile512x2_bf16_5, tile512x2_bf16_6, tile512x2_bf16_7,
+    tile512x2_bf16_8, tile512x2_bf16_9, tile512x2_bf16_10, tile512x2_bf16_11, tile512x2_bf16_12, tile512x2_bf16_13,
+    tile512x2_bf16_14};
+/* Whether products of TILE512X2_MIN_ROWS rows or more take the two-panel tiles (where the AVX-512 tiles
+ * run); set_two_panel_tiles (GBV_HOST_TWO_PANEL=0 in gbv/engine/host_kernels.py) turns them off. */
+static int two_panel_tiles = 1;
 
 /* Whether products of 2 rows or more take the AVX-512 tiles: -1 until decided (the CPU's AVX-512F),
  * then 0 or 1; set_avx512 overrides it (GBV_HOST_AVX512=0 in gbv/engine/host_kernels.py). */
@@ -284,6 +360,31 @@ static void panel_product(const float *x, const void *panels, int bf16, float *y
     if (M >= 2 && use_avx512()) { /* rows in tiles of at most TILE512_ROWS, as even as they come */
         const tile_fn *tiles512 = bf16 ? TILES512_BF16 : TILES512_F32;
         const Py_ssize_t num_tiles = (M + TILE512_ROWS - 1) / TILE512_ROWS;
+        if (two_panel_tiles && M >= TILE512X2_MIN_ROWS && num_panels >= 2) {
+            /* pairs of panels by tiles of up to TILE512X2_ROWS rows (a last odd panel: the one-panel tiles) */
+            const tile_fn *pairs = bf16 ? TILES512X2_BF16 : TILES512X2_F32;
+            const Py_ssize_t pair_tiles = (M + TILE512X2_ROWS - 1) / TILE512X2_ROWS;
+            for (Py_ssize_t p = 0; p + 1 < num_panels; p += 2) {
+                const void *panel = (const char *)panels + p * panel_bytes;
+                const int width = (int)(N - (p + 1) * PANEL < PANEL ? N - (p + 1) * PANEL : PANEL);
+                for (Py_ssize_t t = 0, r = 0; t < pair_tiles; t++) {
+                    const int rows = (int)((M - r) / (pair_tiles - t) + ((M - r) % (pair_tiles - t) != 0));
+                    pairs[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
+                    r += rows;
+                }
+            }
+            if (num_panels % 2) {
+                const Py_ssize_t p = num_panels - 1;
+                const void *panel = (const char *)panels + p * panel_bytes;
+                const int width = (int)(N - p * PANEL);
+                for (Py_ssize_t t = 0, r = 0; t < num_tiles; t++) {
+                    const int rows = (int)((M - r) / (num_tiles - t) + ((M - r) % (num_tiles - t) != 0));
+                    tiles512[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
+                    r += rows;
+                }
+            }
+            return;
+        }
         for (Py_ssize_t p = 0; p < num_panels; p++) {
             const void *panel = (const char *)panels + p * panel_bytes;
             const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
@@ -906,6 +1007,16 @@ static PyObject *set_avx512(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "the AVX-512 tiles need an x86-64 CPU");
         return NULL;
     }
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *set_two_panel_tiles(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on))
+        return NULL;
+#ifdef GBV_PANELS_X86
+    two_panel_tiles = on;
 #endif
     Py_RETURN_NONE;
 }
@@ -1540,6 +1651,9 @@ static PyMethodDef METHODS[] = {
     {"set_prefetch_temporal", set_prefetch_temporal, METH_VARARGS,
      "set_prefetch_temporal(flag): the panel kernel prefetches its weights into every cache level (True) "
      "or non-temporally (False, the default)."},
+    {"set_two_panel_tiles", set_two_panel_tiles, METH_VARARGS,
+     "set_two_panel_tiles(flag): products of 8 rows or more take AVX-512 tiles of two panels (True, the default) "
+     "or of one (False); the same sums either way."},
     {"set_avx512", set_avx512, METH_VARARGS,
      "set_avx512(flag): products of 2 rows or more take the AVX-512 tiles (True; the default where the CPU has "
      "AVX-512F) or the AVX2 ones (False)."},

@@ -80,6 +80,20 @@ if _host_kernels is not None and os.environ.get("GBV_HOST_AVX512", "1") == "0":
     _host_kernels.set_avx512(False)
 
 
+def set_two_panel_tiles(on: bool) -> None:
+    """Products of 8 rows or more by AVX-512 tiles of two panels (True, the default) or of one (False),
+    process-wide; the same sums, bit for bit. Two panels share each broadcast value of ``x``: on an
+    Intel Xeon a 25-query pass of the bundled target ran 1.10x (float32) and 1.16x (bfloat16) faster,
+    a 102-token prompt 1.19x and 1.15x (``scripts/bench_avx512_tiles.py --compare one-panel``).
+    ``GBV_HOST_TWO_PANEL=0`` in the environment sets False at import. Nothing changes where the
+    AVX-512 tiles do not run."""
+    _host_kernels.set_two_panel_tiles(bool(on))
+
+
+if _host_kernels is not None and os.environ.get("GBV_HOST_TWO_PANEL", "1") == "0":
+    _host_kernels.set_two_panel_tiles(False)
+
+
 # How the panel kernel prefetches its weights, process-wide: non-temporally (False, its default) or into
 # every cache level (True); None until gbv.engine.lean_host.choose_cpu_forward has measured which one
 # this machine wants (on the Zen 3 machines the non-temporal hint was the faster one, on an Intel Xeon

@@ -24,30 +24,35 @@ def _bf16_values(array: np.ndarray) -> np.ndarray:
     return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
 
 
-@pytest.fixture(params=["avx2", "avx512"])
+@pytest.fixture(params=["avx2", "avx512", "avx512-one-panel"])
 def tiles(request):
-    """The panel kernel's tiles for products of several rows: AVX2 (tiles of 6 rows) or AVX-512 (of 16;
-    the default where the CPU has AVX-512F), put back as they were after the test."""
+    """The panel kernel's tiles for products of several rows: AVX2 (tiles of 6 rows) or AVX-512 (of 16,
+    and from 8 rows on of two panels by up to 14 rows: the default where the CPU has AVX-512F; or of one
+    panel only), put back as they were after the test."""
     import gbv.engine.host_kernels as host_kernels
     if host_kernels_unavailable() is not None:
         pytest.skip(host_kernels_unavailable())
     before = host_kernels.avx512_tiles()
     try:
-        host_kernels.set_avx512_tiles(request.param == "avx512")
+        host_kernels.set_avx512_tiles(request.param != "avx2")
     except ValueError as error:
         pytest.skip(str(error))
+    host_kernels.set_two_panel_tiles(request.param != "avx512-one-panel")
     yield request.param
+    host_kernels.set_two_panel_tiles(True)
     host_kernels.set_avx512_tiles(before)
 
 
 @needs_kernels
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 5), (16, 16), (33, 47), (64, 256), (256, 768)])
+@pytest.mark.parametrize("in_features,out_features",
+                         [(1, 1), (7, 5), (16, 16), (8, 20), (33, 47), (64, 256), (256, 768)])
 def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
-    """Every row count the host forward gives the kernel (0 to 17, 25, 33 and 37: tiles of 6 or 16 and
-    their remainders), widths that are and are not multiples of 16, written and accumulated; float32 and
-    bfloat16 panels (the latter of bf16 values: the same sums, bit for bit, as float32 panels of those
-    values); both kinds of tiles."""
+    """Every row count the host forward gives the kernel (0 to 17, 25, 28, 29, 33, 37 and 64: tiles of 6,
+    14 or 16 and their remainders), widths that are and are not multiples of 16 or 32 (pairs of panels,
+    a last odd one, a partial second one), written and accumulated; float32 and bfloat16 panels (the
+    latter of bf16 values: the same sums, bit for bit, as float32 panels of those values); every kind of
+    tiles."""
     rng = np.random.default_rng(in_features * 1000 + out_features)
     weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
     if bf16:
@@ -55,7 +60,7 @@ def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
         as_float32 = PanelWeight(weight)
     panel = PanelWeight(weight, bf16=bf16)
     assert panel.panels.dtype == (np.uint16 if bf16 else np.float32)
-    for rows in [*range(0, 18), 25, 33, 37]:
+    for rows in [*range(0, 18), 25, 28, 29, 33, 37, 64]:
         x = rng.standard_normal((rows, in_features)).astype(np.float32)
         exact = x.astype(np.float64) @ weight.astype(np.float64)
         out = np.full((rows, out_features), np.nan, dtype=np.float32)
@@ -69,6 +74,40 @@ def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
         out = before.copy()
         panel.matmul_into(x, out, accumulate=True)
         np.testing.assert_allclose(out, before + exact, rtol=0, atol=tolerance + 1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bf16", [False, True])
+def test_two_panel_tiles_give_the_one_panel_tiles_sums_bit_for_bit(bf16):
+    """From 8 rows on, the AVX-512 tiles of two panels sum each output over k in one accumulator, in
+    order, as the one-panel tiles of 8 rows or more do: equal bits, so switching them changes no law.
+    The comparison can fail: the AVX2 tiles (sets of sums for a few rows) differ in the last bits."""
+    import gbv.engine.host_kernels as host_kernels
+    if not host_kernels.avx512_tiles():
+        pytest.skip("this CPU has no AVX-512F")
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((768, 300)).astype(np.float32)
+    if bf16:
+        weight = _bf16_values(weight)
+    panel = PanelWeight(weight, bf16=bf16)
+    products = {}
+    try:
+        for kind in ("two", "one", "avx2"):
+            host_kernels.set_two_panel_tiles(kind == "two")
+            host_kernels.set_avx512_tiles(kind != "avx2")
+            for rows in (2, 5, 8, 13, 14, 15, 25, 29, 64, 102):
+                x = rng.standard_normal((rows, 768)).astype(np.float32) if kind == "two" else products["x", rows]
+                products["x", rows] = x
+                before = np.ones((rows, 300), dtype=np.float32)
+                products[kind, rows] = (panel.matmul_into(x, np.empty((rows, 300), dtype=np.float32)),
+                                        panel.matmul_into(x, before.copy(), accumulate=True))
+    finally:
+        host_kernels.set_two_panel_tiles(True)
+        host_kernels.set_avx512_tiles(True)
+    for rows in (2, 5, 8, 13, 14, 15, 25, 29, 64, 102):
+        for written, other in zip(products["two", rows], products["one", rows]):
+            np.testing.assert_array_equal(written, other)
+    assert any(not np.array_equal(products["two", rows][0], products["avx2", rows][0]) for rows in (25, 64, 102))
 
 
 def test_bf16_panels_hold_the_values_in_the_kernels_column_order():
