@@ -36,6 +36,18 @@ from gbv.verify import METHODS
 # Each observation's weight decays by this factor per later observation of the same arm: the
 # estimates follow a machine whose speed changes (another process starts), over ~100 iterations.
 _DECAY = 0.99
+# The same for a family's acceptance counts (_Acceptance.record), per iteration of the family: its
+# estimates follow the last ~1,000 iterations (~30 prompts of 128 tokens), not ~100. Why: at 0.99 the
+# acceptance followed the text of the last few prompts, so the policy moved between block lengths with
+# it (long blocks after easy stretches, short ones after hard ones), and an arm's rating mixed what it
+# makes with where it happened to run: BV L = 3 made 2.85 tokens an iteration inside auto against 3.11
+# alone (docs/ENGINE.md, "`auto` at the size"). On the bundled pair in float32 (40 prompts,
+# eight runs of scripts/bench_auto_ab.py --before HEAD --blocks 3,4,6,8; docs/results/engine/
+# auto-acceptance-decay-twentyninth.txt), 0.999 against 0.99: 0.952-1.050x (mean 0.994) at T = 0.2 and
+# 0.984-1.049x (mean 1.029, 7 runs of 8 above 1) at T = 1; auto against the best BV length 0.936 and
+# 0.971 on average, against 0.942 and 0.944. A change of workload (chat to code) still comes through,
+# over ~1,000 iterations; costs keep _DECAY (the machine's speed drifts faster than the text).
+_ACCEPTANCE_DECAY = 0.999
 # Exploration: every arm runs this many times before the estimates are trusted.
 _MIN_TRIALS = 2
 _BONUS = 0.15
@@ -487,8 +499,8 @@ class _Acceptance:
     def record(self, accepted: int, block_len: int) -> None:
         self._stale = True
         for depth in range(1, len(self.kept)):
-            self.kept[depth] *= _DECAY
-            self.tried[depth] *= _DECAY
+            self.kept[depth] *= _ACCEPTANCE_DECAY
+            self.tried[depth] *= _ACCEPTANCE_DECAY
         for depth in range(1, min(accepted + 1, block_len) + 1):
             self.tried[depth] += 1.0
             if accepted >= depth:
