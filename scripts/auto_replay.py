@@ -129,6 +129,8 @@ def replay(args) -> None:
         auto._PRIOR_DEPTH_TRIALS = args.depth_prior
     if args.age is not None:
         auto._AGE = args.age
+    if args.acceptance_decay is not None:
+        auto._ACCEPTANCE_DECAY = args.acceptance_decay
     with open(args.file) as f:
         data = json.load(f)
     arms = [auto.Arm(arm["method"], arm["num_paths"], arm["block_len"]) for arm in data["arms"]]
@@ -220,6 +222,8 @@ def main(argv=None) -> None:
                    help="override auto._PRIOR_DEPTH_TRIALS (1e-9 replays the rule without the prior)")
     r.add_argument("--age", type=float, default=None,
                    help="override auto._AGE (1 replays the policy whose estimates do not age)")
+    r.add_argument("--acceptance-decay", type=float, default=None,
+                   help="override auto._ACCEPTANCE_DECAY (0.99 replays the rule before the twenty-ninth session)")
     p = sub.add_parser("pooled", help="each BV arm's own tokens per iteration against the pooled estimate")
     p.add_argument("file")
     d = sub.add_parser("drift", help="aging the estimates on synthetic arms (no models)")
