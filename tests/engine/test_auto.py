@@ -121,6 +121,34 @@ def test_policy_pools_acceptance_so_unlucky_first_trials_do_not_bury_a_long_bloc
     assert policy.best() == arms[2]
 
 
+def _burst_then_shift(policy: AutoPolicy) -> tuple[float, float, float]:
+    """Expected tokens of BV L = 4 after 2,000 iterations keeping every drafted token, then 100 that keep
+    none (a few hard prompts), then 4,000 that keep none (the workload changed)."""
+    for _ in range(2000):
+        policy.record(0, 5, 0.01)
+    steady = policy.expected_tokens(0)
+    for _ in range(100):
+        policy.record(0, 1, 0.01)
+    burst = policy.expected_tokens(0)
+    for _ in range(4000):
+        policy.record(0, 1, 0.01)
+    return steady, burst, policy.expected_tokens(0)
+
+
+def test_acceptance_follows_a_workload_not_a_few_prompts(monkeypatch):
+    """A family's acceptance counts decay by ``_ACCEPTANCE_DECAY`` (0.999) per iteration: 100 hard
+    iterations (three prompts) move the estimate of a block that kept everything for 2,000 by less than
+    a third, and 4,000 more (a new workload) bring it near the new rate. The check can fail: with the
+    decay of the costs (0.99), the same burst took the estimate down by more than half."""
+    steady, burst, shifted = _burst_then_shift(AutoPolicy([auto.Arm("block", 1, 4)]))
+    assert steady == pytest.approx(5.0, abs=0.01)
+    assert burst > steady - (steady - 1.0) / 3
+    assert shifted < 1.2
+    monkeypatch.setattr(auto, "_ACCEPTANCE_DECAY", 0.99)
+    steady, burst, _ = _burst_then_shift(AutoPolicy([auto.Arm("block", 1, 4)]))
+    assert not burst > steady - (steady - 1.0) / 3
+
+
 def test_one_early_rejection_does_not_zero_the_deeper_depths():
     """Two tries stopped at depth 3 (blocks of 8 accepting 2) must not make P(accepted >= 3) zero for
     the whole family: the rate at depth 3 is shrunk towards the rate above it (all accepted), so a block
