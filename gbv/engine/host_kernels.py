@@ -73,7 +73,15 @@ def avx512_tiles() -> bool:
 def set_avx512_tiles(on: bool) -> None:
     """Products of 2 rows or more by the AVX-512 tiles (True; a ValueError where the CPU lacks AVX-512F)
     or the AVX2 ones (False), process-wide. ``GBV_HOST_AVX512=0`` in the environment sets False at import."""
+    _require_kernels()
     _host_kernels.set_avx512(bool(on))
+
+
+def _require_kernels() -> None:
+    """A ValueError saying why, where the compiled kernels cannot run here."""
+    reason = host_kernels_unavailable()
+    if reason is not None:
+        raise ValueError(f"the host kernels do not run here: {reason}")
 
 
 if _host_kernels is not None and os.environ.get("GBV_HOST_AVX512", "1") == "0":
@@ -87,6 +95,7 @@ def set_two_panel_tiles(on: bool) -> None:
     a 102-token prompt 1.19x and 1.15x (``scripts/bench_avx512_tiles.py --compare one-panel``).
     ``GBV_HOST_TWO_PANEL=0`` in the environment sets False at import. Nothing changes where the
     AVX-512 tiles do not run."""
+    _require_kernels()
     _host_kernels.set_two_panel_tiles(bool(on))
 
 

@@ -465,3 +465,12 @@ def test_one_call_kernels_refuse_bad_input():
     forward.layer_panels = tuple(broken)
     with torch.inference_mode(), pytest.raises(ValueError, match="each layer must be"):
         forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)
+
+
+def test_tile_switches_say_why_where_the_kernels_cannot_run(monkeypatch):
+    """Without the compiled kernels, switching their tiles is one clear error, not an AttributeError."""
+    import gbv.engine.host_kernels as host_kernels
+    monkeypatch.setattr(host_kernels, "_host_kernels", None)
+    for switch in (host_kernels.set_two_panel_tiles, host_kernels.set_avx512_tiles):
+        with pytest.raises(ValueError, match="not built"):
+            switch(True)
