@@ -104,9 +104,8 @@ static int prefetch_temporal = 0;
  * order of s: a chain of fused multiply-adds waits on its own latency (4-5 cycles on the machines
  * measured), so a tile of few rows needs more independent sums than its 2R to keep the FMA units
  * busy. */
-#define DEFINE_TILE(R, S, NAME, WTYPE, LOAD) DEFINE_TILE_FOR(R, S, NAME, WTYPE, LOAD, tile, "avx2,fma")
-#define DEFINE_TILE_FOR(R, S, NAME, WTYPE, LOAD, PREFIX, TARGET)                                    \
-    __attribute__((target(TARGET))) static void PREFIX##_##NAME##_##R(                              \
+#define DEFINE_TILE(R, S, NAME, WTYPE, LOAD)                                                        \
+    __attribute__((target("avx2,fma"))) static void tile_##NAME##_##R(                              \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
         int width, int accumulate) {                                                                \
         const WTYPE *panel = (const WTYPE *)panel_bytes;                                            \
@@ -256,8 +255,8 @@ DEFINE_TILES512(bf16, uint16_t, LOAD512_BF16, 1)
  * TILE512X2_MIN_ROWS rows. Why: the one-panel tiles above issue a broadcast load of x per FMA (16 + 1
  * loads for 16 FMAs a value of k), so the load ports, not the two FMA units, bound a pass of many rows
  * (a prompt's prefill made ~90 GFLOP/s here where torch's GEMM makes 160-170). Two panels share each
- * broadcast: R + 2 loads for 2R FMAs. 2 x 12 accumulators, 2 panel rows and a broadcast fit the 32
- * registers. Each output's sum runs over k in one accumulator, in order, as in the one-panel tiles of
+ * broadcast: R + 2 loads for 2R FMAs. 2 x 14 accumulators, 2 panel rows and a broadcast fit the 32
+ * registers. Split as evenly as they come, 8 rows or more give tiles of 7 to 14 rows (15 = 8 + 7). Each output's sum runs over k in one accumulator, in order, as in the one-panel tiles of
  * 8 rows or more: the same sums, bit for bit. ``width`` is the second panel's (the first is whole). */
 #define TILE512X2_ROWS 14
 #define TILE512X2_MIN_ROWS 8
@@ -303,9 +302,6 @@ DEFINE_TILES512(bf16, uint16_t, LOAD512_BF16, 1)
         }                                                                                           \
     }
 #define DEFINE_TILES512X2(NAME, WTYPE, LOAD, BF16)                                                  \
-    DEFINE_TILE512X2(4, NAME, WTYPE, LOAD, BF16)                                                    \
-    DEFINE_TILE512X2(5, NAME, WTYPE, LOAD, BF16)                                                    \
-    DEFINE_TILE512X2(6, NAME, WTYPE, LOAD, BF16)                                                    \
     DEFINE_TILE512X2(7, NAME, WTYPE, LOAD, BF16)                                                    \
     DEFINE_TILE512X2(8, NAME, WTYPE, LOAD, BF16)                                                    \
     DEFINE_TILE512X2(9, NAME, WTYPE, LOAD, BF16)                                                    \
@@ -327,12 +323,11 @@ static const tile_fn TILES512_BF16[TILE512_ROWS + 1] = {
     tile512_bf16_13, tile512_bf16_14, tile512_bf16_15, tile512_bf16_16};
 
 static const tile_fn TILES512X2_F32[TILE512X2_ROWS + 1] = {
-    NULL, NULL, NULL, NULL, tile512x2_f32_4, tile512x2_f32_5, tile512x2_f32_6, tile512x2_f32_7, tile512x2_f32_8,
-    tile512x2_f32_9, tile512x2_f32_10, tile512x2_f32_11, tile512x2_f32_12, tile512x2_f32_13, tile512x2_f32_14};
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, tile512x2_f32_7, tile512x2_f32_8, tile512x2_f32_9, tile512x2_f32_10,
+    tile512x2_f32_11, tile512x2_f32_12, tile512x2_f32_13, tile512x2_f32_14};
 static const tile_fn TILES512X2_BF16[TILE512X2_ROWS + 1] = {
-    NULL, NULL, NULL, NULL, tile512x2_bf16_4, tile512x2_bf16_5, tile512x2_bf16_6, tile512x2_bf16_7,
-    tile512x2_bf16_8, tile512x2_bf16_9, tile512x2_bf16_10, tile512x2_bf16_11, tile512x2_bf16_12, tile512x2_bf16_13,
-    tile512x2_bf16_14};
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, tile512x2_bf16_7, tile512x2_bf16_8, tile512x2_bf16_9,
+    tile512x2_bf16_10, tile512x2_bf16_11, tile512x2_bf16_12, tile512x2_bf16_13, tile512x2_bf16_14};
 /* Whether products of TILE512X2_MIN_ROWS rows or more take the two-panel tiles (where the AVX-512 tiles
  * run); set_two_panel_tiles (GBV_HOST_TWO_PANEL=0 in gbv/engine/host_kernels.py) turns them off. */
 static int two_panel_tiles = 1;
@@ -352,47 +347,38 @@ static int use_avx512(void) {
     return avx512_tiles;
 }
 
+/* One panel (or pair of panels) of y = [y +] x @ W for all M rows of x, by ``tiles`` of at most
+ * ``max_rows`` rows, as even as they come (25 = 13 + 12). */
+static void rows_in_tiles(const tile_fn *tiles, Py_ssize_t max_rows, const float *x, Py_ssize_t M, Py_ssize_t K,
+                          const void *panel, float *y, Py_ssize_t N, int width, int accumulate) {
+    const Py_ssize_t num_tiles = (M + max_rows - 1) / max_rows;
+    for (Py_ssize_t t = 0, r = 0; t < num_tiles; t++) {
+        const int rows = (int)((M - r) / (num_tiles - t) + ((M - r) % (num_tiles - t) != 0));
+        tiles[rows](x + r * K, K, panel, K, y + r * N, N, width, accumulate);
+        r += rows;
+    }
+}
+
 /* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (bf16 = 0) or bfloat16 (bf16 = 1). */
 static void panel_product(const float *x, const void *panels, int bf16, float *y, Py_ssize_t M, Py_ssize_t K,
                           Py_ssize_t N, int accumulate) {
     const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
     const Py_ssize_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
-    if (M >= 2 && use_avx512()) { /* rows in tiles of at most TILE512_ROWS, as even as they come */
+    if (M >= 2 && use_avx512()) {
         const tile_fn *tiles512 = bf16 ? TILES512_BF16 : TILES512_F32;
-        const Py_ssize_t num_tiles = (M + TILE512_ROWS - 1) / TILE512_ROWS;
-        if (two_panel_tiles && M >= TILE512X2_MIN_ROWS && num_panels >= 2) {
-            /* pairs of panels by tiles of up to TILE512X2_ROWS rows (a last odd panel: the one-panel tiles) */
+        Py_ssize_t p = 0; /* the first panel the one-panel tiles take */
+        if (two_panel_tiles && M >= TILE512X2_MIN_ROWS) { /* pairs of panels; a last odd one below */
             const tile_fn *pairs = bf16 ? TILES512X2_BF16 : TILES512X2_F32;
-            const Py_ssize_t pair_tiles = (M + TILE512X2_ROWS - 1) / TILE512X2_ROWS;
-            for (Py_ssize_t p = 0; p + 1 < num_panels; p += 2) {
-                const void *panel = (const char *)panels + p * panel_bytes;
+            for (; p + 1 < num_panels; p += 2) {
                 const int width = (int)(N - (p + 1) * PANEL < PANEL ? N - (p + 1) * PANEL : PANEL);
-                for (Py_ssize_t t = 0, r = 0; t < pair_tiles; t++) {
-                    const int rows = (int)((M - r) / (pair_tiles - t) + ((M - r) % (pair_tiles - t) != 0));
-                    pairs[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
-                    r += rows;
-                }
+                rows_in_tiles(pairs, TILE512X2_ROWS, x, M, K, (const char *)panels + p * panel_bytes, y + p * PANEL,
+                              N, width, accumulate);
             }
-            if (num_panels % 2) {
-                const Py_ssize_t p = num_panels - 1;
-                const void *panel = (const char *)panels + p * panel_bytes;
-                const int width = (int)(N - p * PANEL);
-                for (Py_ssize_t t = 0, r = 0; t < num_tiles; t++) {
-                    const int rows = (int)((M - r) / (num_tiles - t) + ((M - r) % (num_tiles - t) != 0));
-                    tiles512[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
-                    r += rows;
-                }
-            }
-            return;
         }
-        for (Py_ssize_t p = 0; p < num_panels; p++) {
-            const void *panel = (const char *)panels + p * panel_bytes;
+        for (; p < num_panels; p++) {
             const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
-            for (Py_ssize_t t = 0, r = 0; t < num_tiles; t++) {
-                const int rows = (int)((M - r) / (num_tiles - t) + ((M - r) % (num_tiles - t) != 0));
-                tiles512[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
-                r += rows;
-            }
+            rows_in_tiles(tiles512, TILE512_ROWS, x, M, K, (const char *)panels + p * panel_bytes, y + p * PANEL, N,
+                          width, accumulate);
         }
         return;
     }
