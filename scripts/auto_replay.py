@@ -154,7 +154,7 @@ def pooled(args) -> None:
         data = json.load(f)
     arms = [auto.Arm(arm["method"], arm["num_paths"], arm["block_len"]) for arm in data["arms"]]
     blocks = [arm for arm in arms if arm.method == "block"]
-    decay, auto._DECAY = auto._DECAY, 1.0
+    decay, auto._ACCEPTANCE_DECAY = auto._ACCEPTANCE_DECAY, 1.0
     try:
         for temperature, traces in data["traces"].items():
             family = auto._Acceptance()
@@ -169,7 +169,7 @@ def pooled(args) -> None:
                 f"L={length} own {mean:.2f}, pooled {family.expected_tokens(length):.2f} "
                 f"({family.expected_tokens(length) / mean - 1:+.1%})" for length, mean in own.items()))
     finally:
-        auto._DECAY = decay
+        auto._ACCEPTANCE_DECAY = decay
 
 
 def drift(args) -> None:

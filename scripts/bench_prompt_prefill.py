@@ -13,8 +13,6 @@ products of a layer at 102 rows, in GFLOP/s: what a prefill kernel blocked for m
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -23,16 +21,12 @@ from gbv.engine import lean_host
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
 
+from bench_engine import _median_ms  # scripts/ is on the path when run as a script
+
 
 def median_ms(function, repeats: int = 15) -> float:
-    for _ in range(3):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Median ms of ``repeats`` single calls, after a warm-up call (``bench_engine._median_ms``)."""
+    return _median_ms(function, repeats, inner=1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,21 +90,19 @@ def test_two_panel_tiles_give_the_one_panel_tiles_sums_bit_for_bit(bf16):
     if bf16:
         weight = _bf16_values(weight)
     panel = PanelWeight(weight, bf16=bf16)
+    xs = {rows: rng.standard_normal((rows, 768)).astype(np.float32) for rows in (2, 5, 8, 13, 14, 15, 25, 29, 64, 102)}
     products = {}
     try:
         for kind in ("two", "one", "avx2"):
             host_kernels.set_two_panel_tiles(kind == "two")
             host_kernels.set_avx512_tiles(kind != "avx2")
-            for rows in (2, 5, 8, 13, 14, 15, 25, 29, 64, 102):
-                x = rng.standard_normal((rows, 768)).astype(np.float32) if kind == "two" else products["x", rows]
-                products["x", rows] = x
-                before = np.ones((rows, 300), dtype=np.float32)
+            for rows, x in xs.items():
                 products[kind, rows] = (panel.matmul_into(x, np.empty((rows, 300), dtype=np.float32)),
-                                        panel.matmul_into(x, before.copy(), accumulate=True))
+                                        panel.matmul_into(x, np.ones((rows, 300), dtype=np.float32), accumulate=True))
     finally:
         host_kernels.set_two_panel_tiles(True)
         host_kernels.set_avx512_tiles(True)
-    for rows in (2, 5, 8, 13, 14, 15, 25, 29, 64, 102):
+    for rows in xs:
         for written, other in zip(products["two", rows], products["one", rows]):
             np.testing.assert_array_equal(written, other)
     assert any(not np.array_equal(products["two", rows][0], products["avx2", rows][0]) for rows in (25, 64, 102))
