@@ -4,10 +4,16 @@ ones), in one process (bundled pair, 1 thread, CPU).
     python scripts/bench_avx512_tiles.py                       # float32, 3 GSM8K + 3 HumanEval prompts
     python scripts/bench_avx512_tiles.py --dtype bfloat16 --prompts 5
     python scripts/bench_avx512_tiles.py --compare one-panel   # AVX-512 tiles of one panel against two
+    python scripts/bench_avx512_tiles.py --compare amx --dtype bfloat16   # AVX-512 tiles against AMX
 
 ``--compare one-panel``: products of 8 rows or more by AVX-512 tiles of one panel against those of two
 (``host_kernels.set_two_panel_tiles``; the same sums, so the same tokens), and the forwards include a
 prompt of 64 and of 102 tokens (the prefill's product sizes).
+
+``--compare amx``: the bfloat16 weights' products (a bfloat16 target's, and the draft's bfloat16 view)
+by the AVX-512 tiles against the AMX products (``host_kernels.amx_products``; x rounded to bfloat16, so
+the tokens differ a little). Both packings of every bf16 weight are kept and swapped in per round, and
+the forwards include the prompt sizes too.
 
 Products of 2 rows or more take the AVX-512 tiles where the CPU has AVX-512F (gbv/engine/_host_kernels.c;
 ``host_kernels.set_avx512_tiles`` switches them, at no cost, so both run in the same process):
@@ -33,13 +39,40 @@ from gbv.engine.tree_decoder import lean_model
 
 ROWS = (("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("traversal", 3, 4),
         ("specinfer", 3, 4))
-KINDS = {"avx2": ("AVX2", "AVX-512"), "one-panel": ("one panel", "two panels")}
+KINDS = {"avx2": ("AVX2", "AVX-512"), "one-panel": ("one panel", "two panels"), "amx": ("AVX-512 tiles", "AMX")}
+# per kind of --compare amx: (host forward, its panels in HostForward.products' order) of each model
+PACKINGS: dict = {}
+
+
+def keep_packings(pair) -> None:
+    """Both packings of every bfloat16 weight of the pair's lean views (target, and the draft's bf16
+    view), for :func:`use` to swap in."""
+    from gbv.engine.lean_host import choose_cpu_forward
+    from gbv.engine.tree_decoder import draft_lean_model
+    views = {id(view): view for view in (lean_model(pair.target), draft_lean_model(pair.draft, pair.target))}
+    for view in views.values():
+        host = view.host_forward
+        if host is None or host.layer_panels is None:
+            continue
+        for kind, amx in (("AVX-512 tiles", False), ("AMX", True)):
+            PACKINGS.setdefault(kind, []).append((host, [
+                host_kernels.PanelWeight(product.weight_t, True, amx=amx) if product.panel.bf16 else product.panel
+                for product in host.products()]))
+        if host_kernels.prefetch_temporal() is None:
+            # the prefetch hint, as a process without the AMX products chooses it (AMX products leave
+            # it unchosen: lean_host.choose_cpu_forward); the tiles run with it
+            host.set_panels(PACKINGS["AVX-512 tiles"][-1][1])
+            choose_cpu_forward(view, host)
+            host.set_panels(PACKINGS["AMX"][-1][1])
+    print(f"prefetch hint: {'temporal' if host_kernels.prefetch_temporal() else 'non-temporal'}")
 
 
 def use(kind: str) -> None:
     """Switch the kernel to ``kind`` (one of the names in KINDS)."""
     host_kernels.set_avx512_tiles(kind != "AVX2")
     host_kernels.set_two_panel_tiles(kind != "one panel")
+    for host, panels in PACKINGS.get(kind, ()):
+        host.set_panels(panels)
 
 
 def main() -> None:
@@ -48,7 +81,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per data set (GSM8K, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--compare", default="avx2", choices=sorted(KINDS),
-                        help="avx2: AVX2 against AVX-512 tiles (default); one-panel: one- against two-panel tiles")
+                        help="avx2: AVX2 against AVX-512 tiles (default); one-panel: one- against two-panel "
+                             "tiles; amx: the AVX-512 tiles against the AMX products (bfloat16 weights)")
     args = parser.parse_args()
     kinds = KINDS[args.compare]
     torch.set_num_threads(1)
@@ -63,10 +97,16 @@ def main() -> None:
     print(f"{args.dtype}; the target's forward: {lean.forward_choice}")
     if lean.host_forward is None:
         raise SystemExit("bench_avx512_tiles: the target runs without the host forward here: no panel products")
+    if args.compare == "amx":
+        try:
+            host_kernels.set_amx_products(True)
+        except ValueError as error:
+            raise SystemExit(f"bench_avx512_tiles: {error}")
+        keep_packings(pair)
 
     # 1. Forwards of n queries.
     cache = lean.new_cache(1, 1024)
-    sizes = (1, 2, 5, 9, 13, 25) + ((64, 102) if args.compare == "one-panel" else ())
+    sizes = (1, 2, 5, 9, 13, 25) + ((64, 102) if args.compare in ("one-panel", "amx") else ())
     times: dict = {}
     with torch.inference_mode():
         lean.chain(list(range(1, 129)), 0, cache)

@@ -19,6 +19,9 @@
  * Each output is sum_k x[r, k] * W[k, c] accumulated in order of k in float32 (one fused
  * multiply-add per term), then added to y when accumulating: the same sum as any GEMM, in another
  * order. No threads: the engine runs small models on one (gbv/engine/threads.py).
+ *
+ * Where the CPU has AMX, bfloat16 weights are packed for its tiles instead (amx_product below), and
+ * those products round x to bfloat16 first.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,6 +30,17 @@
 #include <string.h>
 
 #define PANEL 16
+/* The kinds of packed weights (the products' `bf16` argument; host_kernels.py, PanelWeight.kind) */
+#define PANELS_F32 0
+#define PANELS_BF16 1
+#define PANELS_AMX 2
+
+/* Bytes of a (K, N) weight packed as `kind` (float32 or bfloat16 panels of 16 columns; the AMX kind's
+ * panels in pairs and K padded to a multiple of 32: see amx_product). */
+static Py_ssize_t panels_bytes(int kind, Py_ssize_t K, Py_ssize_t N) {
+    if (kind == PANELS_AMX) return (N + 2 * PANEL - 1) / (2 * PANEL) * ((K + 31) / 32 * 32) * 2 * PANEL * 2;
+    return (N + PANEL - 1) / PANEL * K * PANEL * (kind == PANELS_BF16 ? 2 : 4);
+}
 #define TILE_ROWS 6
 /* Panel rows (64 bytes each in float32) are prefetched 16 rows (this many bytes) ahead,
  * non-temporally (_MM_HINT_NTA: a weight streamed once per pass should not push the other model's
@@ -347,6 +361,184 @@ static int use_avx512(void) {
     return avx512_tiles;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * AMX products (panels of kind PANELS_AMX): bfloat16 weights times x rounded to bfloat16.
+ *
+ * Why: on a CPU with AMX (Intel Xeon, Sapphire Rapids on), one tile instruction multiplies 16 rows of
+ * 32 bfloat16 inputs by a 32 x 16 block of weights. The AVX-512 tiles above run a bfloat16 model's
+ * products of many rows at the rate of their float32 multiply-adds: a 25-query pass of the bundled
+ * target cost 2.5 ms of products against 0.56 ms for one row, where the weights' bytes set the cost.
+ * Here the arithmetic of 25 rows, or of a 100-token prompt, costs little next to reading the weights.
+ *
+ * The price: the tile multiplies bfloat16 by bfloat16, so each row of x is rounded to bfloat16 (to
+ * nearest even) first, as Hugging Face's bfloat16 forward rounds every activation. Everything else
+ * (the residual stream, norms, attention, softmax) stays float32. Each output is the float32 sum of
+ * the exact products bf16(x[r, k]) * W[k, c] (docs/ENGINE.md, "AMX products").
+ *
+ * Layout (host_kernels.py packs it): the columns in panels of 16, the panels in pairs (an odd last
+ * panel paired with zeros), K padded with zeros to a multiple of 32. For each pair, for each step of
+ * 32 values of k, two 1 KB blocks, one per panel, of 16 rows of (W[k, c], W[k + 1, c]) for c in the
+ * panel's 16 columns: the B operand of the tile instruction (the "VNNI" order), read as one stream.
+ * Rows of x go 16 at a time (two such tiles at once where there are more than 16 rows left), the
+ * last tile padded with zero rows; the tile results are copied (or added) into y column by column.
+ * ------------------------------------------------------------------------------------------- */
+/* (compilers that know the AMX intrinsics, on Linux, where the tile data is asked for by arch_prctl) */
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define GBV_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define AMX_ROWS 16                                     /* rows of a tile */
+#define AMX_STEP 32                                     /* values of k per tile instruction */
+#define AMX_BLOCK (AMX_ROWS * AMX_STEP)                 /* bfloat16 values of one panel's block */
+#define AMX_K(K) (((K) + AMX_STEP - 1) / AMX_STEP * AMX_STEP)
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* The tile configuration (palette 1): every tile 16 rows of 64 bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} amx_config;
+
+#ifndef GBV_AMX
+static int amx_supported(void) { return 0; }
+static int amx_product(const float *x, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
+                       int accumulate) {
+    return -1; /* (never called: kind_error refuses AMX panels where amx_supported is 0) */
+}
+#else
+/* Whether the AMX products can run: -1 until asked (the CPU's AMX-TILE, AMX-BF16 and AVX512-BF16, and
+ * the kernel's permission to use the tile data, asked once per process), then 0 or 1. (Whether they do
+ * is how the weights are packed: host_kernels.py, set_amx_products.) */
+static int amx_permitted = -1;
+
+static int amx_supported(void) {
+    if (amx_permitted < 0) {
+        unsigned a, b, c, d;
+        int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1) && (b >> 16 & 1);
+        cpu = cpu && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1); /* AVX512-BF16 */
+        /* Linux hands out the tile state only on request (arch_prctl since 5.16); 0: granted */
+        amx_permitted = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return amx_permitted;
+}
+
+/* x rounded to bfloat16, in whole tiles of rows, K padded with zeros: per thread, grown as needed. */
+static __thread uint16_t *amx_x;
+static __thread size_t amx_x_values;
+
+/* rows (M, K) float32 -> out (rows_padded, K32) bfloat16 bits, to nearest even; zeros after. */
+__attribute__((target("avx512f,avx512bf16"))) static void amx_round_rows(const float *x, Py_ssize_t M,
+                                                                        Py_ssize_t K, Py_ssize_t rows_padded,
+                                                                        uint16_t *out) {
+    const Py_ssize_t K32 = AMX_K(K);
+    for (Py_ssize_t r = 0; r < M; r++) {
+        const float *row = x + r * K;
+        uint16_t *o = out + r * K32;
+        Py_ssize_t k = 0;
+        for (; k + 16 <= K; k += 16)
+            _mm256_storeu_si256((__m256i *)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
+        if (k < K) {
+            const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
+            _mm256_storeu_si256((__m256i *)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, row + k)));
+            k += 16;
+        }
+        if (k < K32) memset(o + k, 0, (size_t)(K32 - k) * sizeof(uint16_t));
+    }
+    memset(out + M * K32, 0, (size_t)((rows_padded - M) * K32) * sizeof(uint16_t));
+}
+
+/* y[r, c0 .. c0 + width) = [y +] the tile result c (16 x 16 float32) for rows r0 .. r0 + rows. */
+__attribute__((target("avx512f"))) static void amx_write(const float *c, float *y, Py_ssize_t N, Py_ssize_t r0,
+                                                         int rows, Py_ssize_t c0, int width, int accumulate) {
+    if (width <= 0) return;
+    const __mmask16 mask = (__mmask16)(width >= 16 ? 0xFFFF : (1u << width) - 1);
+    for (int r = 0; r < rows; r++) {
+        float *out = y + (r0 + r) * N + c0;
+        __m512 v = _mm512_loadu_ps(c + r * AMX_ROWS);
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out));
+        _mm512_mask_storeu_ps(out, mask, v);
+    }
+}
+
+/* y (M, N) = [y +] bf16(x) (M, K) @ W (K, N), W packed as above. 0 where done; -1 out of memory. */
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static int amx_product(
+    const float *x, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int accumulate) {
+    if (M == 0) return 0;
+    const Py_ssize_t K32 = AMX_K(K), steps = K32 / AMX_STEP, row_tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
+    const Py_ssize_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), values = (size_t)(row_tiles * AMX_ROWS * K32);
+    if ((size_t)values > amx_x_values) {
+        free(amx_x);
+        amx_x = (uint16_t *)aligned_alloc(64, (size_t)values * sizeof(uint16_t));
+        amx_x_values = amx_x == NULL ? 0 : (size_t)values;
+        if (amx_x == NULL) return -1;
+    }
+    amx_round_rows(x, M, K, row_tiles * AMX_ROWS, amx_x);
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = AMX_ROWS;
+        config.bytes_per_row[t] = AMX_STEP * sizeof(uint16_t);
+    }
+    _tile_loadconfig(&config);
+    float c[4][AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
+    const Py_ssize_t a_stride = K32 * (Py_ssize_t)sizeof(uint16_t), b_stride = 2 * PANEL * sizeof(uint16_t);
+    for (Py_ssize_t p = 0; p < pairs; p++) {
+        const uint16_t *pair = panels + p * K32 * 2 * PANEL;
+        const Py_ssize_t c0 = 2 * p * PANEL;
+        const int width0 = (int)(N - c0 < PANEL ? N - c0 : PANEL);
+        const int width1 = (int)(N - c0 - PANEL < PANEL ? N - c0 - PANEL : PANEL);
+        for (Py_ssize_t t = 0; t < row_tiles; t += 2) {
+            const uint16_t *a = amx_x + t * AMX_ROWS * K32;
+            const Py_ssize_t r0 = t * AMX_ROWS;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (t + 1 < row_tiles) { /* two tiles of rows: each block of weights feeds four products */
+                _tile_zero(2);
+                _tile_zero(3);
+                for (Py_ssize_t s = 0; s < steps; s++) {
+                    _tile_loadd(4, a + s * AMX_STEP, a_stride);
+                    _tile_loadd(5, a + AMX_ROWS * K32 + s * AMX_STEP, a_stride);
+                    _tile_loadd(6, pair + 2 * s * AMX_BLOCK, b_stride);
+                    _tile_loadd(7, pair + (2 * s + 1) * AMX_BLOCK, b_stride);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(2, c[2], AMX_ROWS * sizeof(float));
+                _tile_stored(3, c[3], AMX_ROWS * sizeof(float));
+            } else {
+                for (Py_ssize_t s = 0; s < steps; s++) {
+                    _tile_loadd(4, a + s * AMX_STEP, a_stride);
+                    _tile_loadd(6, pair + 2 * s * AMX_BLOCK, b_stride);
+                    _tile_loadd(7, pair + (2 * s + 1) * AMX_BLOCK, b_stride);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+            }
+            _tile_stored(0, c[0], AMX_ROWS * sizeof(float));
+            _tile_stored(1, c[1], AMX_ROWS * sizeof(float));
+            const int rows0 = (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS);
+            amx_write(c[0], y, N, r0, rows0, c0, width0, accumulate);
+            amx_write(c[1], y, N, r0, rows0, c0 + PANEL, width1, accumulate);
+            if (t + 1 < row_tiles) {
+                const int rows1 = (int)(M - r0 - AMX_ROWS < AMX_ROWS ? M - r0 - AMX_ROWS : AMX_ROWS);
+                amx_write(c[2], y, N, r0 + AMX_ROWS, rows1, c0, width0, accumulate);
+                amx_write(c[3], y, N, r0 + AMX_ROWS, rows1, c0 + PANEL, width1, accumulate);
+            }
+        }
+    }
+    _tile_release();
+    return 0;
+}
+#endif /* GBV_AMX */
+
 /* One panel (or pair of panels) of y = [y +] x @ W for all M rows of x, by ``tiles`` of at most
  * ``max_rows`` rows, as even as they come (25 = 13 + 12). */
 static void rows_in_tiles(const tile_fn *tiles, Py_ssize_t max_rows, const float *x, Py_ssize_t M, Py_ssize_t K,
@@ -359,9 +551,13 @@ static void rows_in_tiles(const tile_fn *tiles, Py_ssize_t max_rows, const float
     }
 }
 
-/* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (bf16 = 0) or bfloat16 (bf16 = 1). */
-static void panel_product(const float *x, const void *panels, int bf16, float *y, Py_ssize_t M, Py_ssize_t K,
-                          Py_ssize_t N, int accumulate) {
+/* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (kind PANELS_F32), of bfloat16
+ * (PANELS_BF16) or of bfloat16 for the AMX products (PANELS_AMX: x rounded to bfloat16). 0 where done,
+ * -1 out of memory (the AMX products' rounded copy of x). */
+static int panel_product(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
+                         Py_ssize_t N, int accumulate) {
+    if (kind == PANELS_AMX) return amx_product(x, (const uint16_t *)panels, y, M, K, N, accumulate);
+    const int bf16 = kind == PANELS_BF16;
     const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
     const Py_ssize_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
     if (M >= 2 && use_avx512()) {
@@ -380,7 +576,7 @@ static void panel_product(const float *x, const void *panels, int bf16, float *y
             rows_in_tiles(tiles512, TILE512_ROWS, x, M, K, (const char *)panels + p * panel_bytes, y + p * PANEL, N,
                           width, accumulate);
         }
-        return;
+        return 0;
     }
     const tile_fn *tiles = bf16 ? TILES_BF16 : TILES_F32;
     for (Py_ssize_t p = 0; p < num_panels; p++) {
@@ -391,6 +587,7 @@ static void panel_product(const float *x, const void *panels, int bf16, float *y
             tiles[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
         }
     }
+    return 0;
 }
 
 /* The cache's keys and values are float32, or bfloat16 (kv_bf16: the upper half of a float32's bits,
@@ -909,10 +1106,11 @@ __attribute__((target("avx2,fma"))) static void silu_times(const float *gate, co
  *   k, v written to cache slots start .. start+n-1; attn = attention (see attend());
  *   hidden += attn @ W_o; normed = rms(hidden); gate_up = normed @ W_gate_up;
  *   act = silu(gate) * up; hidden += act @ W_down.
- * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are panels of float32
- * (bf16 = 0) or of bfloat16 (bf16 = 1); the cache's keys and values are float32 (kv_bf16 = 0) or
- * bfloat16, rounded to nearest even as they are written (bf16_bits); everything else is float32. */
-__attribute__((target("avx2,fma"))) static void layer_forward(
+ * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are packed as one kind
+ * (bf16: PANELS_F32, PANELS_BF16 or PANELS_AMX, see panel_product); the cache's keys and values are
+ * float32 (kv_bf16 = 0) or bfloat16, rounded to nearest even as they are written (bf16_bits);
+ * everything else is float32. 0 where done, -1 out of memory (panel_product). */
+__attribute__((target("avx2,fma"))) static int layer_forward(
     float *hidden, float *normed, float *qkv, float *attn, float *gate_up, float *act, const void *w_qkv,
     const float *b_qkv, const void *w_o, const void *w_gate_up, const void *w_down, int bf16, Py_ssize_t n, int H,
     int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, void *keys,
@@ -920,7 +1118,7 @@ __attribute__((target("avx2,fma"))) static void layer_forward(
     float *scores) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     rms_rows(hidden, normed, n, H, eps_in);
-    panel_product(normed, w_qkv, bf16, qkv, n, H, width, 0);
+    if (panel_product(normed, w_qkv, bf16, qkv, n, H, width, 0)) return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         float *row = qkv + i * width;
         if (b_qkv)
@@ -950,14 +1148,32 @@ __attribute__((target("avx2,fma"))) static void layer_forward(
     }
     attend(qkv, width, keys, values, kv_bf16, capacity, attn, mask, n, heads, kv_heads, D, start, start + n, scale,
            scores);
-    panel_product(attn, w_o, bf16, hidden, n, (Py_ssize_t)heads * D, H, 1);
+    if (panel_product(attn, w_o, bf16, hidden, n, (Py_ssize_t)heads * D, H, 1)) return -1;
     rms_rows(hidden, normed, n, H, eps_post);
-    panel_product(normed, w_gate_up, bf16, gate_up, n, H, 2 * (Py_ssize_t)I, 0);
+    if (panel_product(normed, w_gate_up, bf16, gate_up, n, H, 2 * (Py_ssize_t)I, 0)) return -1;
     for (Py_ssize_t i = 0; i < n; i++)
         silu_times(gate_up + i * 2 * I, gate_up + i * 2 * I + I, act + i * I, I);
-    panel_product(act, w_down, bf16, hidden, n, I, H, 1);
+    return panel_product(act, w_down, bf16, hidden, n, I, H, 1);
 }
 #endif
+
+/* Whether AMX panels (PANELS_AMX) can be multiplied here. */
+static int amx_runs(void) {
+#ifdef GBV_PANELS_X86
+    return amx_supported();
+#else
+    return 0;
+#endif
+}
+
+/* NULL where panels of `kind` can be multiplied here, else why not. */
+static const char *kind_error(int kind) {
+    if (kind < PANELS_F32 || kind > PANELS_AMX)
+        return "the panels' kind must be 0 (float32), 1 (bfloat16) or 2 (bfloat16 for the AMX products)";
+    if (kind == PANELS_AMX && !amx_runs())
+        return "AMX panels need a CPU with AMX-BF16 (and the kernel's permission to use it)";
+    return NULL;
+}
 
 static int cpu_supported(void) {
 #ifdef GBV_PANELS_X86
@@ -1022,26 +1238,28 @@ static PyObject *supported(PyObject *self, PyObject *unused) {
 static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_buffer x, panels, y;
     Py_ssize_t M, K, N;
-    int accumulate, bf16;
-    if (!PyArg_ParseTuple(args, "y*y*w*nnnpp", &x, &panels, &y, &M, &K, &N, &accumulate, &bf16))
+    int accumulate, kind, out_of_memory = 0;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnpi", &x, &panels, &y, &M, &K, &N, &accumulate, &kind))
         return NULL;
     const char *error = NULL;
-    const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
     if (!cpu_supported())
         error = "panel products need an x86-64 CPU with AVX2 and FMA";
+    else if ((error = kind_error(kind)) != NULL)
+        ;
     else if (M < 0 || K < 1 || N < 1)
         error = "shapes must be M >= 0, K >= 1, N >= 1";
     else if (x.len != M * K * (Py_ssize_t)sizeof(float))
         error = "x must hold M * K float32 values";
-    else if (panels.len != num_panels * K * PANEL * (bf16 ? 2 : 4))
-        error = bf16 ? "panels must hold ceil(N / 16) * K * 16 bfloat16 values"
-                     : "panels must hold ceil(N / 16) * K * 16 float32 values";
+    else if (panels.len != panels_bytes(kind, K, N))
+        error = kind == PANELS_AMX ? "panels must hold ceil(N / 32) * ceil(K / 32) * 32 * 32 bfloat16 values"
+                : kind == PANELS_BF16 ? "panels must hold ceil(N / 16) * K * 16 bfloat16 values"
+                                      : "panels must hold ceil(N / 16) * K * 16 float32 values";
     else if (y.len != M * N * (Py_ssize_t)sizeof(float))
         error = "y must hold M * N float32 values";
     if (error == NULL) {
 #ifdef GBV_PANELS_X86
         Py_BEGIN_ALLOW_THREADS
-        panel_product((const float *)x.buf, panels.buf, bf16, (float *)y.buf, M, K, N, accumulate);
+        out_of_memory = panel_product((const float *)x.buf, panels.buf, kind, (float *)y.buf, M, K, N, accumulate);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -1052,8 +1270,11 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, error);
         return NULL;
     }
+    if (out_of_memory) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
+
+static PyObject *amx(PyObject *self, PyObject *unused) { return PyBool_FromLong(amx_runs()); }
 
 static PyObject *attention(PyObject *self, PyObject *args) {
     Py_buffer q, keys, values, out, mask = {0};
@@ -1195,15 +1416,19 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 static PyObject *layer(PyObject *self, PyObject *args) {
     PyObject *objects[15];
     Py_ssize_t n, start;
-    int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0;
+    int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, out_of_memory = 0;
     double eps_in, eps_post, scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddp|p", &objects[0], &objects[1], &objects[2], &objects[3],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|p", &objects[0], &objects[1], &objects[2], &objects[3],
                           &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9], &objects[10],
                           &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads, &kv_heads, &D, &I,
                           &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host layer needs an x86-64 CPU with AVX2 and FMA");
+        return NULL;
+    }
+    if (kind_error(bf16) != NULL) {
+        PyErr_SetString(PyExc_ValueError, kind_error(bf16));
         return NULL;
     }
     if (n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 || start < 0) {
@@ -1213,7 +1438,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     }
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t end = start + n;
-#define PANELS(K, N) ((((N) + PANEL - 1) / PANEL) * (K) * PANEL * (bf16 ? 2 : 4))
+#define PANELS(K, N) panels_bytes(bf16, K, N)
     /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask */
     const Py_ssize_t sizes[15] = {n * H * f, n * H * f, n * width * f, n * heads * D * f, n * 2 * I * f, n * I * f,
                                   PANELS(H, width), width * f, PANELS((Py_ssize_t)heads * D, H),
@@ -1257,7 +1482,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     if (!failed) {
 #ifdef GBV_PANELS_X86
         Py_BEGIN_ALLOW_THREADS
-        layer_forward((float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
+        out_of_memory = layer_forward((float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
                       (float *)views[4].buf, (float *)views[5].buf, views[6].buf,
                       given[7] ? (const float *)views[7].buf : NULL, views[8].buf, views[9].buf, views[10].buf,
                       bf16, n, H, heads, kv_heads, D, I, eps_in, eps_post, (const float *)views[11].buf,
@@ -1269,7 +1494,8 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     PyMem_RawFree(scores);
     for (int b = 0; b < 15; b++)
         if (given[b]) PyBuffer_Release(&views[b]);
-    if (failed) return NULL;
+    if (out_of_memory) PyErr_NoMemory();
+    if (failed || out_of_memory) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1443,7 +1669,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab;
-    int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0;
+    int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0;
     double final_eps, temperature, below_one;
     if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|p", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
@@ -1454,6 +1680,10 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
+        return NULL;
+    }
+    if (kind_error(bf16) != NULL) {
+        PyErr_SetString(PyExc_ValueError, kind_error(bf16));
         return NULL;
     }
     if (!PyTuple_Check(layers) || !PyTuple_Check(keys_list) || !PyTuple_Check(values_list) ||
@@ -1474,7 +1704,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D, end = start + n, rows_out = last_only ? 1 : n;
     const Py_ssize_t sequence = (Py_ssize_t)kv_heads * capacity * D; /* values of one cache row */
     const Py_ssize_t kv = kv_bf16 ? 2 : 4;                          /* bytes of a cached value */
-#define PANELS(K, N) ((((N) + PANEL - 1) / PANEL) * (K) * PANEL * (bf16 ? 2 : 4))
+#define PANELS(K, N) panels_bytes(bf16, K, N)
     const Py_ssize_t sizes[13] = {n * 8, n * 8, -1, -1, n * H * f, n * H * f, n * width * f,
                                   n * (Py_ssize_t)heads * D * f, n * 2 * I * f, n * I * f, PANELS(H, vocab),
                                   rows_out * vocab * f, n * end};
@@ -1587,9 +1817,9 @@ static PyObject *forward(PyObject *self, PyObject *args) {
 #ifdef GBV_PANELS_X86
         float *hidden = (float *)fixed[4].buf, *normed = (float *)fixed[5].buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t l = 0; l < num_layers; l++) {
+        for (Py_ssize_t l = 0; l < num_layers && !out_of_memory; l++) {
             const Py_buffer *v = views + l * PER_LAYER;
-            layer_forward(hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
+            out_of_memory = layer_forward(hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
                           (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL,
                           v[2].buf, v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[3 * l],
                           constants[3 * l + 1], rotation, (char *)v[5].buf + first_row * sequence * kv,
@@ -1599,8 +1829,9 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         }
         const float *last = hidden + (n - rows_out) * H;
         rms_rows(last, normed, rows_out, H, final_eps);
-        panel_product(normed, fixed[10].buf, bf16, (float *)fixed[11].buf, rows_out, H, vocab, 0);
-        for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0; r++) {
+        out_of_memory = out_of_memory || panel_product(normed, fixed[10].buf, bf16, (float *)fixed[11].buf, rows_out,
+                                                       H, vocab, 0);
+        for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0 && !out_of_memory; r++) {
             const float *row = (const float *)fixed[11].buf + r * vocab;
             float *out = have_probs ? (float *)probs.buf + r * probs_stride : scratch + r * draw_vocab;
             long long *token = have_drawn ? (long long *)drawn.buf + r : (rows_out == 1 ? &single_token : NULL);
@@ -1627,7 +1858,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyMem_Free(constants);
     PyMem_RawFree(rotation);
     PyMem_RawFree(scores);
-    if (failed) return NULL;
+    if (out_of_memory) PyErr_NoMemory();
+    if (failed || out_of_memory) return NULL;
     if (single_token >= 0) return PyLong_FromLongLong(single_token);
     Py_RETURN_NONE;
 }
@@ -1644,9 +1876,13 @@ static PyMethodDef METHODS[] = {
      "set_avx512(flag): products of 2 rows or more take the AVX-512 tiles (True; the default where the CPU has "
      "AVX-512F) or the AVX2 ones (False)."},
     {"avx512", avx512, METH_NOARGS, "Whether products of 2 rows or more take the AVX-512 tiles."},
+    {"amx", amx, METH_NOARGS,
+     "Whether AMX panels (kind 2) can be multiplied here: AMX-BF16 and AVX512-BF16, and the kernel's "
+     "permission to use the tile data (asked on the first call)."},
     {"matmul", matmul, METH_VARARGS,
-     "matmul(x, panels, y, M, K, N, accumulate, bf16): y (M, N) = [y +] x (M, K) @ W (K, N), W packed as "
-     "(ceil(N/16), K, 16) panels of float32 or (bf16) bfloat16; x and y C-contiguous float32."},
+     "matmul(x, panels, y, M, K, N, accumulate, kind): y (M, N) = [y +] x (M, K) @ W (K, N), W packed as "
+     "(ceil(N/16), K, 16) panels of float32 (kind 0) or bfloat16 (1), or for the AMX products (2: x rounded "
+     "to bfloat16; host_kernels.PanelWeight); x and y C-contiguous float32."},
     {"attention", attention, METH_VARARGS,
      "attention(q, q_stride, keys, values, out, mask, n, heads, kv_heads, head_dim, start, end, scale): "
      "out (n, heads * head_dim) = softmax(scale * q k^T) v over one sequence's (kv_heads, capacity, "
@@ -1655,7 +1891,7 @@ static PyMethodDef METHODS[] = {
      "layer(hidden, normed, qkv, attn, gate_up, act, w_qkv, b_qkv, w_o, w_gate_up, w_down, rotation, keys, "
      "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale, bf16): one "
      "decoder layer of the host forward for n rows of one sequence, in place on hidden (bf16: the weights' "
-     "panels hold bfloat16)."},
+     "kind, as matmul's)."},
     {"draw_rows", draw_rows, METH_VARARGS,
      "draw_rows(probs, u, out, rows, V, below_one): out[r] = the first token whose float64 cumulative "
      "mass exceeds u[r] * (total_r * below_one), else V - 1 (gbv.verify.common.draw_rows' rule)."},

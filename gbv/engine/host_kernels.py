@@ -103,6 +103,40 @@ if _host_kernels is not None and os.environ.get("GBV_HOST_TWO_PANEL", "1") == "0
     _host_kernels.set_two_panel_tiles(False)
 
 
+# The kinds of packed weights (PanelWeight.kind; the C products' last argument).
+PANELS_F32, PANELS_BF16, PANELS_AMX = 0, 1, 2
+
+# Whether bfloat16 weights are packed for the AMX products (PanelWeight): None until asked, then what
+# _host_kernels.amx() says (GBV_HOST_AMX=0 in the environment: False), or what set_amx_products set.
+_amx_products: bool | None = None if os.environ.get("GBV_HOST_AMX", "1") != "0" else False
+
+
+def amx_products() -> bool:
+    """Whether bfloat16 weights are packed for the AMX products from now on (the default where the CPU
+    has AMX-BF16 and the kernel lets this process use it): each product then rounds its rows of ``x``
+    to bfloat16 and multiplies them on the tiles, as Hugging Face's bfloat16 forward rounds its
+    activations (docs/ENGINE.md, "AMX products"). On an Intel Xeon a 25-query pass of the bundled
+    bfloat16 target's products took 0.6 ms against 2.5 ms by the AVX-512 tiles. False without the
+    kernels."""
+    global _amx_products
+    if _amx_products is None:
+        _amx_products = _host_kernels is not None and host_kernels_unavailable() is None and _host_kernels.amx()
+    return _amx_products
+
+
+def set_amx_products(on: bool) -> None:
+    """Pack bfloat16 weights for the AMX products (True; a ValueError where they cannot run) or as the
+    panels of the AVX tiles, exact in ``x`` (False), from now on: weights packed before keep their
+    kind (``HostForward.pack_bf16_panels`` repacks a model's). ``GBV_HOST_AMX=0`` in the environment
+    sets False at import."""
+    global _amx_products
+    _require_kernels()
+    if on and not _host_kernels.amx():
+        raise ValueError("the AMX products do not run here: this CPU has no AMX-BF16 and AVX512-BF16, or the "
+                         "kernel refused this process the tile data")
+    _amx_products = bool(on)
+
+
 # How the panel kernel prefetches its weights, process-wide: non-temporally (False, its default) or into
 # every cache level (True); None until gbv.engine.lean_host.choose_cpu_forward has measured which one
 # this machine wants (on the Zen 3 machines the non-temporal hint was the faster one, on an Intel Xeon
@@ -132,36 +166,54 @@ _BF16_ORDER = np.array([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
 
 
 class PanelWeight:
-    """A (K, N) float32 weight (``y = x @ W``) packed as (ceil(N / 16), K, 16) column panels,
-    zero-padded on the right. The packed copy is made once; ``weight`` itself is not kept.
+    """A (K, N) float32 weight (``y = x @ W``) packed for the compiled products, once; ``weight`` itself
+    is not kept. ``kind`` says how:
 
-    ``bf16``: the panels hold bfloat16 (half the bytes to stream; the kernel widens each value to the
-    float32 it stands for and sums in float32 as before). Every value of ``weight`` must then be a
-    bfloat16 value already (raises otherwise): the panels never round.
+    - ``PANELS_F32``: (ceil(N / 16), K, 16) float32 column panels, zero-padded on the right;
+    - ``PANELS_BF16`` (``bf16``): the same panels in bfloat16 (half the bytes to stream; the kernel
+      widens each value to the float32 it stands for and sums in float32, exact in ``x``), each panel
+      row in the column order ``_BF16_ORDER``;
+    - ``PANELS_AMX`` (``bf16`` where :func:`amx_products`, or ``amx=True``): bfloat16 for the AMX tiles,
+      which round ``x`` to bfloat16: panels in pairs (an odd last one paired with zeros), K padded
+      with zeros to a multiple of 32, and per pair and step of 32 values of k two blocks of
+      (16, 32): row j holds (W[k + 2j, c], W[k + 2j + 1, c]) for the panel's 16 columns c.
+
+    ``bf16``: every value of ``weight`` must be a bfloat16 value already (raises otherwise): the
+    panels never round.
     """
 
-    def __init__(self, weight: Tensor | np.ndarray, bf16: bool = False) -> None:
+    def __init__(self, weight: Tensor | np.ndarray, bf16: bool = False, amx: bool | None = None) -> None:
         w = weight.detach().cpu().numpy() if isinstance(weight, Tensor) else np.asarray(weight)
         if w.ndim != 2 or w.dtype != np.float32:
             raise ValueError(f"a panel weight is a 2-D float32 matrix, got {w.dtype} {w.shape}")
+        if amx and not bf16:
+            raise ValueError("AMX panels hold bfloat16 weights: pass bf16=True")
+        amx = bf16 and (amx_products() if amx is None else amx)
         self.bf16 = bf16
+        self.kind = PANELS_AMX if amx else PANELS_BF16 if bf16 else PANELS_F32
         self.in_features, self.out_features = w.shape
-        num_panels = -(-self.out_features // PANEL)
-        padded = np.zeros((self.in_features, num_panels * PANEL), dtype=np.float32)
-        padded[:, :self.out_features] = w
-        panels = padded.reshape(self.in_features, num_panels, PANEL).transpose(1, 0, 2)
+        if bf16 and np.any(w.view(np.uint32) & 0xFFFF):
+            raise ValueError("bf16 panels need weights that are bfloat16 values (round them first)")
+        width = 2 * PANEL if amx else PANEL
+        num_panels = -(-self.out_features // width) * width // PANEL
+        depth = -(-self.in_features // 32) * 32 if amx else self.in_features
+        padded = np.zeros((depth, num_panels * PANEL), dtype=np.float32)
+        padded[:self.in_features, :self.out_features] = w
+        if amx:  # (pairs, steps, 2 panels, 16 pairs of k, 16 columns, 2 values of k)
+            panels = padded.reshape(depth // 32, 16, 2, num_panels // 2, 2, PANEL).transpose(3, 0, 4, 1, 5, 2)
+        else:
+            panels = padded.reshape(depth, num_panels, PANEL).transpose(1, 0, 2)
+            if bf16:
+                panels = panels[:, :, _BF16_ORDER]
         if bf16:
-            bits = np.ascontiguousarray(panels[:, :, _BF16_ORDER]).view(np.uint32)
-            if np.any(bits & 0xFFFF):
-                raise ValueError("bf16 panels need weights that are bfloat16 values (round them first)")
-            panels = (bits >> 16).astype(np.uint16)
+            panels = (np.ascontiguousarray(panels).view(np.uint32) >> 16).astype(np.uint16)
         self.panels = np.ascontiguousarray(panels)
 
     def matmul_into(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
         """``out = x @ W`` (or ``out += x @ W``) in place; ``x`` (M, K) and ``out`` (M, N) C-contiguous
-        float32 arrays. Returns ``out``."""
+        float32 arrays (AMX panels: ``x`` rounded to bfloat16 first). Returns ``out``."""
         _host_kernels.matmul(x, self.panels, out, x.shape[0], self.in_features, self.out_features, accumulate,
-                             self.bf16)
+                             self.kind)
         return out
 
 
@@ -218,8 +270,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     """
     n, hidden = rows.hidden.shape
     kv_heads, _, head_dim = keys.shape
-    bf16 = w_qkv.bf16
-    if not w_o.bf16 == w_gate_up.bf16 == w_down.bf16 == bf16:
+    bf16 = w_qkv.kind
+    if not w_o.kind == w_gate_up.kind == w_down.kind == bf16:
         raise ValueError("a layer's four panel weights must all be float32 or all bfloat16")
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
@@ -303,5 +355,5 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,
-                                 rows.act.shape[1], head.out_features, final_eps, head.bf16, last_only, draw_vocab,
+                                 rows.act.shape[1], head.out_features, final_eps, head.kind, last_only, draw_vocab,
                                  temperature, u, probs, tokens_out, BELOW_ONE, *_kv_flag(keys[0]))

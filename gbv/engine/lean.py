@@ -316,8 +316,13 @@ class _Linear:
         self.weight = None if transpose else weight
         self.weight_t = weight.t().contiguous() if transpose else None
         self.upcast = upcast  # (only in-place weights are ever upcast: no dtype is both)
+        # x rounded to bfloat16 first: set where the host forward's AMX products (which do so) hold this
+        # weight, so that every path of the model computes the same products (HostForward.rounds_inputs)
+        self.round_inputs = False
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.round_inputs:
+            x = x.to(torch.bfloat16).to(x.dtype)
         if self.weight is not None:
             if self.upcast and x.numel() >= _UPCAST_MIN_ROWS * self.in_features:
                 bias = None if self.bias is None else self.bias.float()
@@ -334,6 +339,8 @@ class _Linear:
         """``residual + self(x)`` for 2D ``x`` (rows, in) and ``residual`` (rows, out): one ``addmm``
         where the weight is a transposed copy without bias (a call fewer, about 5 us here)."""
         if self.weight is None and self.bias is None:
+            if self.round_inputs:
+                x = x.to(torch.bfloat16).to(x.dtype)
             return torch.addmm(residual, x, self.weight_t)
         return residual + self(x)
 

@@ -45,8 +45,8 @@ from torch import Tensor
 
 from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
-from gbv.engine.host_kernels import (PanelWeight, attention_into, forward_into, host_kernels_unavailable, kv_bf16,
-                                     layer_into, prefetch_temporal, set_prefetch_temporal)
+from gbv.engine.host_kernels import (PANELS_AMX, PanelWeight, attention_into, forward_into, host_kernels_unavailable,
+                                     kv_bf16, layer_into, prefetch_temporal, set_prefetch_temporal)
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -107,9 +107,10 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     ``GBV_HOST_FORWARD=1`` takes ``HOST`` without measuring, ``GBV_HOST_FORWARD=torch-products``
     ``HOST_TORCH_PRODUCTS`` (and ``=0`` makes no host forward: ``TORCH``).
 
-    The first lean view measured in a process also chooses the panel kernel's prefetch hint for the
-    process (``HOST_TEMPORAL`` timed beside ``HOST``; the temporal hint where it is faster by
-    ``_MARGIN``), and ``HOST`` then runs with it.
+    The first lean view measured in a process whose products are not all AMX ones
+    (``HostForward.rounds_inputs``: the hint does not touch them) also chooses the panel kernel's
+    prefetch hint for the process (``HOST_TEMPORAL`` timed beside ``HOST``; the temporal hint where it
+    is faster by ``_MARGIN``), and ``HOST`` then runs with it.
 
     Why measure: the compiled kernels were tuned on AMD Zen 3 machines, where they took a step of the
     bundled target in 1.16x its products' time against torch's 1.9x, prefetching their weights
@@ -155,7 +156,10 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
                  lean.forward(one, at, prefix, torch_cache, None, last_only=True)[0, -1, :vocab], config, rng),
              HOST_TORCH_PRODUCTS: lambda: host_step("torch's products measured faster here")}
     hint = prefetch_temporal()
-    if hint is None:  # (the kernel's prefetch hint, not chosen yet in this process: both, once)
+    # (the kernel's prefetch hint, not chosen yet in this process: both, once; not by a model whose
+    # products are all AMX ones, which the hint does not touch: a later float32 model chooses it)
+    choose_hint = hint is None and not host.rounds_inputs
+    if choose_hint:
         steps[HOST] = lambda: host_step(None, False)
         steps[HOST_TEMPORAL] = lambda: host_step(None, True)
     try:
@@ -177,7 +181,7 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
             set_prefetch_temporal(hint)
     medians = {name: 1e3 * float(np.median(values)) for name, values in times.items()}
     host_ms = medians[HOST]
-    if hint is None:  # the hint, chosen for the process: the temporal one where it is faster by _MARGIN
+    if choose_hint:  # the hint, chosen for the process: the temporal one where it is faster by _MARGIN
         temporal = medians[HOST_TEMPORAL] < _MARGIN * medians[HOST]
         set_prefetch_temporal(temporal)
         host_ms = medians[HOST_TEMPORAL] if temporal else medians[HOST]
@@ -263,6 +267,8 @@ class _Product:
     def __init__(self, weight_t: Tensor, panels: bool, bf16: bool = False) -> None:
         self.weight_t = weight_t
         self.panel = PanelWeight(weight_t, bf16) if panels else None
+        # x rounded to bfloat16 on torch's path too, where the panels are the AMX products' (which round it)
+        self.round_inputs = self.panel is not None and self.panel.kind == PANELS_AMX
 
     def into(self, x: np.ndarray, x_t: Tensor, out: np.ndarray, out_t: Tensor, accumulate: bool,
              panels: bool) -> None:
@@ -270,7 +276,10 @@ class _Product:
         the numpy and torch views of the same buffers."""
         if panels and self.panel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             self.panel.matmul_into(x, out, accumulate)
-        elif accumulate:
+            return
+        if self.round_inputs:
+            x_t = x_t.to(torch.bfloat16).float()
+        if accumulate:
             out_t.addmm_(x_t, self.weight_t)
         else:
             torch.mm(x_t, self.weight_t, out=out_t)
@@ -337,6 +346,7 @@ class HostForward:
         self.layer_panels = None
         if panels and self.attention_off is None:
             self.layer_panels = self._layer_panels()
+        self._share_rounding()
         self._rows: dict[tuple[int, int], _Rows] = {}
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
 
@@ -354,16 +364,36 @@ class HostForward:
         ``LeanCausalLM.round_to_bf16_weights``); False where the compiled products do not run."""
         if self.layer_panels is None or self.panels_off is not None:
             return False
-        for product in self.products():
-            product.panel = PanelWeight(product.weight_t, True)
-        self.layer_panels = self._layer_panels()
+        self.set_panels([PanelWeight(product.weight_t, True) for product in self.products()])
         return True
+
+    def set_panels(self, panels: list[PanelWeight]) -> None:
+        """Multiply by these packed weights, one per product in :meth:`products`' order (the same
+        matrices, packed as any kind: ``scripts/bench_avx512_tiles.py --compare amx`` swaps two)."""
+        for product, panel in zip(self.products(), panels, strict=True):
+            product.panel, product.round_inputs = panel, panel.kind == PANELS_AMX
+        self.layer_panels = self._layer_panels()
+        self._share_rounding()
+
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether this model's products round their rows of x to bfloat16: where its panels are the
+        AMX products' (``host_kernels.amx_products``), whose tiles multiply bfloat16 by bfloat16. Every
+        path of the model then does, torch's products too (``_Product.round_inputs``,
+        ``lean._Linear.round_inputs``), so that the forward's law does not hang on which path a call
+        takes (threads, batch sizes)."""
+        return self.lm_head.round_inputs
+
+    def _share_rounding(self) -> None:
+        """The lean view's torch products round their inputs where these products do."""
+        for matrix in self.lean.matrices():
+            matrix.round_inputs = self.rounds_inputs
 
     def use_torch_products(self, reason: str) -> None:
         """Multiply by torch's GEMMs from now on (``reason``: why), and drop the packed panels."""
         self.panels_off = reason
         self.layer_panels = None
-        for product in self.products():
+        for product in self.products():  # (round_inputs kept: the model's products stay the same)
             product.panel = None
 
     def takes(self, batch: int, n: int) -> bool:

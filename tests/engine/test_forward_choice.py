@@ -190,3 +190,20 @@ def test_the_prefetch_hint_is_chosen_once_and_changes_no_result(monkeypatch):
             host_kernels.set_prefetch_temporal(temporal, chosen=False)
             outputs.append(lean.chain([3, 1, 4, 1, 5, 9, 2, 6], 0, lean.new_cache(1, 16), last_only=False))
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.skipif(host_kernels.host_kernels_unavailable() is not None or not host_kernels._host_kernels.amx(),
+                    reason="the AMX products do not run here")
+def test_a_model_of_amx_products_leaves_the_prefetch_hint_to_the_next(monkeypatch):
+    """A bfloat16 model whose products are all AMX ones (which the hint does not touch) does not
+    choose the prefetch hint: timed by it, the choice was noise, and a non-temporal hint left for a
+    float32 model loaded later cost that model's steps 3x on an Intel Xeon. The next float32 model
+    chooses it."""
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    monkeypatch.setattr(host_kernels, "_amx_products", True)
+    target, draft = hf_pair("llama", vocab=32, seed=2)
+    amx = LeanCausalLM(target.to(torch.bfloat16))
+    assert amx.host_forward.rounds_inputs and amx.forward_times is not None
+    assert HOST_TEMPORAL not in amx.forward_times and host_kernels.prefetch_temporal() is None
+    plain = LeanCausalLM(draft)
+    assert HOST_TEMPORAL in plain.forward_times and host_kernels.prefetch_temporal() is not None

@@ -58,7 +58,7 @@ def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
     if bf16:
         weight = _bf16_values(weight)
         as_float32 = PanelWeight(weight)
-    panel = PanelWeight(weight, bf16=bf16)
+    panel = PanelWeight(weight, bf16=bf16, amx=False)  # (AMX panels: test_amx_products_*)
     assert panel.panels.dtype == (np.uint16 if bf16 else np.float32)
     for rows in [*range(0, 18), 25, 28, 29, 33, 37, 64]:
         x = rng.standard_normal((rows, in_features)).astype(np.float32)
@@ -89,7 +89,7 @@ def test_two_panel_tiles_give_the_one_panel_tiles_sums_bit_for_bit(bf16):
     weight = rng.standard_normal((768, 300)).astype(np.float32)
     if bf16:
         weight = _bf16_values(weight)
-    panel = PanelWeight(weight, bf16=bf16)
+    panel = PanelWeight(weight, bf16=bf16, amx=False)
     xs = {rows: rng.standard_normal((rows, 768)).astype(np.float32) for rows in (2, 5, 8, 13, 14, 15, 25, 29, 64, 102)}
     products = {}
     try:
@@ -113,7 +113,7 @@ def test_bf16_panels_hold_the_values_in_the_kernels_column_order():
     kernel's widening gives back as 0..15 (0-3, 8-11, 4-7, 12-15); weights that are not bf16 values
     are refused (the panels never round)."""
     weight = _bf16_values(np.arange(3 * 20, dtype=np.float32).reshape(3, 20) * 0.37 + 1)
-    panel = PanelWeight(weight, bf16=True)
+    panel = PanelWeight(weight, bf16=True, amx=False)
     assert panel.panels.shape == (2, 3, 16)
     widened = (panel.panels.astype(np.uint32) << 16).view(np.float32)
     order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
@@ -122,6 +122,68 @@ def test_bf16_panels_hold_the_values_in_the_kernels_column_order():
     assert not widened[1][:, [order.index(c) for c in range(4, 16)]].any()  # padding
     with pytest.raises(ValueError, match="bfloat16 values"):
         PanelWeight(weight + np.float32(1e-3), bf16=True)
+
+
+needs_amx = pytest.mark.skipif(not host_kernels.amx_products() and (host_kernels_unavailable() is not None
+                                                                   or not host_kernels._host_kernels.amx()),
+                               reason="the AMX products do not run here (no AMX-BF16)")
+
+
+@needs_amx
+@pytest.mark.parametrize("in_features,out_features",
+                         [(1, 1), (7, 5), (16, 16), (33, 47), (64, 256), (64, 48), (256, 768), (768, 256)])
+def test_amx_products_equal_numpy_of_rounded_inputs(in_features, out_features):
+    """The AMX products: every row count (0 to 17, 31-33, 64, 100: one tile of rows or two, a last
+    partial one), widths with an odd last panel or a partial one, K not a multiple of 32, written and
+    accumulated, equal bf16(x) @ W to float32 rounding. The check can fail: x itself (not rounded)
+    is further off than the tolerance at K >= 16."""
+    rng = np.random.default_rng(in_features * 1000 + out_features + 1)
+    weight = _bf16_values(rng.standard_normal((in_features, out_features)).astype(np.float32))
+    panel = PanelWeight(weight, bf16=True, amx=True)
+    assert panel.kind == host_kernels.PANELS_AMX
+    missed = []
+    for rows in [*range(0, 18), 31, 32, 33, 64, 100]:
+        x = rng.standard_normal((rows, in_features)).astype(np.float32)
+        exact = _bf16_values(x).astype(np.float64) @ weight.astype(np.float64)
+        tolerance = 1e-5 * np.sqrt(in_features) * (1 + np.abs(exact).max(initial=0))
+        out = np.full((rows, out_features), np.nan, dtype=np.float32)
+        panel.matmul_into(x, out)
+        np.testing.assert_allclose(out, exact, rtol=0, atol=tolerance)
+        before = rng.standard_normal((rows, out_features)).astype(np.float32)
+        accumulated = panel.matmul_into(x, before.copy(), accumulate=True)
+        np.testing.assert_allclose(accumulated, before + exact, rtol=0, atol=tolerance + 1e-6)
+        unrounded = x.astype(np.float64) @ weight.astype(np.float64)
+        missed.append(rows > 0 and np.abs(out - unrounded).max() > tolerance)
+    assert any(missed) or in_features < 16
+
+
+def test_amx_panels_hold_pairs_of_k_per_column():
+    """The AMX layout: panels in pairs (the odd last one paired with zeros), K padded to 32, and per
+    pair and step of 32 values of k, one (16, 32) block per panel whose row j holds W[k + 2j, c] and
+    W[k + 2j + 1, c] side by side for each of the panel's 16 columns c. Only bfloat16 weights."""
+    weight = _bf16_values(np.arange(40 * 20, dtype=np.float32).reshape(40, 20) * 0.37 + 1)
+    panel = PanelWeight(weight, bf16=True, amx=True)
+    assert panel.kind == host_kernels.PANELS_AMX
+    assert panel.panels.shape == (1, 2, 2, 16, 16, 2)  # (pairs, steps of k, panels, k / 2, columns, 2)
+    widened = (panel.panels.astype(np.uint32) << 16).view(np.float32)
+    assert widened[0, 0, 0, 3, 5, 1] == weight[7, 5]
+    assert widened[0, 1, 1, 2, 3, 0] == weight[36, 19]
+    assert not widened[0, 1, :, 4:].any() and not widened[0, :, 1, :, 4:].any()  # padding of k and columns
+    with pytest.raises(ValueError, match="bf16=True"):
+        PanelWeight(weight, amx=True)
+
+
+@needs_kernels
+def test_products_refuse_a_kind_they_cannot_run():
+    """A panel kind outside 0-2, and AMX panels where the CPU cannot run them, get one clear ValueError."""
+    x, y = np.ones((1, 32), dtype=np.float32), np.zeros((1, 32), dtype=np.float32)
+    with pytest.raises(ValueError, match="kind must be"):
+        host_kernels._host_kernels.matmul(x, np.zeros(2048, dtype=np.uint16), y, 1, 32, 32, False, 3)
+    if not host_kernels._host_kernels.amx():
+        with pytest.raises(ValueError, match="AMX"):
+            host_kernels._host_kernels.matmul(x, np.zeros(1024, dtype=np.uint16), y, 1, 32, 32, False, 2)
+        with pytest.raises(ValueError, match="AMX"):
+            host_kernels.set_amx_products(True)
 
 
 def _reference_attention(q, keys, values, allowed, heads, scale):
