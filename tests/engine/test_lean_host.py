@@ -96,7 +96,8 @@ def test_host_forward_equals_the_torch_forward(arch, dtype, amx_products):
         # (a bfloat16 cache: float32 values a rounding apart may round to neighbouring bf16 values)
         rtol = 2 ** -8 if caches[0].keys[0].dtype == torch.bfloat16 else 0
         for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
-            torch.testing.assert_close(a[:, :, :start].float(), b[:, :, :start].float(), atol=atol if amx_products else 1e-5, rtol=rtol)
+            torch.testing.assert_close(a[:, :, :start].float(), b[:, :, :start].float(),
+                                       atol=atol if amx_products else 1e-5, rtol=rtol)
 
 
 @pytest.mark.parametrize("amx_products", [True], indirect=True)
