@@ -6,7 +6,9 @@
 Four tables, medians over repeats (the machine is shared: compare within a table only):
 1. the bundled target's matrix products (every layer's fused q/k/v, o, gate/up, down, and the LM head)
    for M rows: ``x @ W_t`` through torch (MKL) against the panel kernel, with float32 panels and with
-   bfloat16 panels of the same matrices rounded to bf16 (what a bfloat16 model runs: half the bytes);
+   bfloat16 panels of the same matrices rounded to bf16 (what a bfloat16 model runs: half the bytes),
+   and where the CPU has AMX-BF16 the AMX products of those (which round x to bf16: what a bfloat16
+   model runs there);
 2. attention of n queries over a 150-slot cache (8 heads of 32, like the bundled models): SDPA
    against the kernel;
 3. one draw per row at V = 4096: ``draw_rows`` against the compiled draw;
@@ -60,14 +62,19 @@ def main(argv: list[str] | None = None) -> None:
     megabytes = sum(p.weight_t.numel() for p in products) * 4 / 1e6
     rng = np.random.default_rng(0)
 
-    bf16_panels = [PanelWeight(p.weight_t.to(torch.bfloat16).float(), bf16=True) for p in products]
+    bf16_panels = [PanelWeight(p.weight_t.to(torch.bfloat16).float(), bf16=True, amx=False) for p in products]
+    # the same bf16 weights for the AMX products (x rounded to bf16), where they run
+    amx = host_kernels._host_kernels.amx()
+    amx_panels = [PanelWeight(p.weight_t.to(torch.bfloat16).float(), bf16=True, amx=True)
+                  for p in products] if amx else []
     now = host_kernels._host_kernels
     before = kernels_at(args.before) if args.before else None
     print(f"1. Target matrix products ({megabytes:.1f} MB of weights in float32), ms\n")
     extra = f" panel kernel ({args.before}) | bf16 panels ({args.before}) |" if before else ""
+    extra += " AMX (bf16 x) | bf16 panels / AMX |" if amx else ""
     print(f"| rows | torch (MKL) | panel kernel | ratio | bf16 panels | fp32 / bf16 panels |{extra}\n"
-          f"|---:|---:|---:|---:|---:|---:|{'---:|---:|' if before else ''}")
-    for rows in (1, 2, 3, 5, 9, 13, 17, 25):
+          f"|---:|---:|---:|---:|---:|---:|{'---:|---:|' if before else ''}{'---:|---:|' if amx else ''}")
+    for rows in (1, 2, 3, 5, 9, 13, 17, 25, 64, 102):
         xs = [rng.standard_normal((rows, p.weight_t.shape[0])).astype(np.float32) for p in products]
         ys = [np.zeros((rows, p.weight_t.shape[1]), np.float32) for p in products]
         xt = [torch.from_numpy(x) for x in xs]
@@ -83,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         host_kernels._host_kernels = now
         panel, half = times["now"]
         previous = f" {times['before'][0]:.2f} | {times['before'][1]:.2f} |" if before else ""
+        if amx:
+            tiles = median_ms(lambda: [p.matmul_into(x, y) for x, y, p in zip(xs, ys, amx_panels)], args.repeats)
+            previous += f" {tiles:.2f} | {half / tiles:.2f}x |"
         print(f"| {rows} | {mkl:.2f} | {panel:.2f} | {mkl / panel:.2f}x | {half:.2f} | {panel / half:.2f}x |{previous}")
 
     print("\n2. Attention over 150 cached slots + n new (8 heads of 32), us\n")
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     names = [f"{kind}{label}" for kind in ("float32 panels", "bf16 panels") for label in variants]
     print(f"| rows | {' | '.join(names)} |\n|---:|{'---:|' * len(names)}")
     weight = torch.from_numpy(rng.standard_normal((256, 512)).astype(np.float32)).to(torch.bfloat16).float()
-    panels = {False: PanelWeight(weight), True: PanelWeight(weight, bf16=True)}
+    panels = {False: PanelWeight(weight), True: PanelWeight(weight, bf16=True, amx=False)}
     for rows in (1, 2, 3, 4, 5, 6, 12, 24):
         x = rng.standard_normal((rows, 256)).astype(np.float32)
         y = np.zeros((rows, 512), np.float32)
