@@ -346,8 +346,9 @@ static const tile_fn TILES512X2_BF16[TILE512X2_ROWS + 1] = {
  * run); set_two_panel_tiles (GBV_HOST_TWO_PANEL=0 in gbv/engine/host_kernels.py) turns them off. */
 static int two_panel_tiles = 1;
 
-/* Whether products of 2 rows or more take the AVX-512 tiles: -1 until decided (the CPU's AVX-512F),
- * then 0 or 1; set_avx512 overrides it (GBV_HOST_AVX512=0 in gbv/engine/host_kernels.py). */
+/* Whether products of 2 rows or more take the AVX-512 tiles (and attend_tiles its AVX-512 score tiles
+ * and weighted sums): -1 until decided (the CPU's AVX-512F), then 0 or 1; set_avx512 overrides it
+ * (GBV_HOST_AVX512=0 in gbv/engine/host_kernels.py). */
 static int avx512_tiles = -1;
 
 static int avx512_supported(void) {
@@ -828,7 +829,8 @@ __attribute__((target("avx2,fma"))) static void weighted_sum_bf16(const float *w
  * queries of a call that take that path: transposing a kv head's keys costs about as much as scoring
  * a few queries from the cache rows. Measured on 8 heads of 32 over 150 slots against the per-query
  * path: 1.32x its time at 2 queries, 1.17x at 3, 1.0x at 4-5, 0.98x at 6, 0.89x at 8-9, 0.87x at 12,
- * 0.80x at 25. */
+ * 0.80x at 25. (With the AVX-512 score tiles and weighted sums, on the Xeon: from 3 queries on, 1.12x
+ * the time at 3 and 1.00x at 5, so the limit stays.) */
 #define QUERY_TILE 4
 #define TILE_MIN_QUERIES 6
 
@@ -901,6 +903,48 @@ DEFINE_SCORE_TILE(2)
 DEFINE_SCORE_TILE(3)
 DEFINE_SCORE_TILE(4)
 
+/* score_tile_R on AVX-512: 32 slots a step (16 for a last odd 16), the same sums (each over d in
+ * order, one fused multiply-add per term, then times scale), half the instructions. */
+#define DEFINE_SCORE_TILE512(R)                                                                     \
+    __attribute__((target("avx512f"))) static void score_tile512_##R(                               \
+        const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D,          \
+        Py_ssize_t slots, float scale, float *scores, Py_ssize_t s_stride) {                        \
+        const __m512 scale16 = _mm512_set1_ps(scale);                                               \
+        Py_ssize_t j = 0;                                                                           \
+        for (; j + 32 <= slots; j += 32) {                                                          \
+            __m512 lo[R], hi[R];                                                                    \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps(); \
+            for (int d = 0; d < D; d++) {                                                           \
+                const __m512 k_lo = _mm512_loadu_ps(kt + d * kt_stride + j);                        \
+                const __m512 k_hi = _mm512_loadu_ps(kt + d * kt_stride + j + 16);                   \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                               \
+                    const __m512 b = _mm512_set1_ps(q[r * q_stride + d]);                           \
+                    lo[r] = _mm512_fmadd_ps(b, k_lo, lo[r]);                                        \
+                    hi[r] = _mm512_fmadd_ps(b, k_hi, hi[r]);                                        \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                   \
+                _mm512_storeu_ps(scores + r * s_stride + j, _mm512_mul_ps(lo[r], scale16));         \
+                _mm512_storeu_ps(scores + r * s_stride + j + 16, _mm512_mul_ps(hi[r], scale16));    \
+            }                                                                                       \
+        }                                                                                           \
+        if (j < slots) {                                                                            \
+            __m512 lo[R];                                                                           \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) lo[r] = _mm512_setzero_ps();        \
+            for (int d = 0; d < D; d++) {                                                           \
+                const __m512 k_lo = _mm512_loadu_ps(kt + d * kt_stride + j);                        \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                 \
+                    lo[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * q_stride + d]), k_lo, lo[r]);      \
+            }                                                                                       \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                     \
+                _mm512_storeu_ps(scores + r * s_stride + j, _mm512_mul_ps(lo[r], scale16));         \
+        }                                                                                           \
+    }
+DEFINE_SCORE_TILE512(1)
+DEFINE_SCORE_TILE512(2)
+DEFINE_SCORE_TILE512(3)
+DEFINE_SCORE_TILE512(4)
+
 /* kt[d * slots + j] = k[j * D + d] (widened to float32) for slots j < end, 0 for end <= j < slots (D a
  * multiple of 8): eight slots by eight columns at a time, each 8 x 8 block as two 4 x 4 transposes per
  * 128-bit lane (halves of rows j and j + 4 loaded into the two lanes: no cross-lane permutes, 8
@@ -948,6 +992,63 @@ static inline float bf16_value(uint16_t bits) {
 DEFINE_TRANSPOSE_KEYS(f32, float, LOAD4_F32, LOAD1_F32)
 DEFINE_TRANSPOSE_KEYS(bf16, uint16_t, LOAD4_BF16, LOAD1_BF16)
 
+/* The weighted sums of the R queries of a tile at once, on AVX-512 (D a multiple of 32): out_r[0 : D] =
+ * sum_{j < limit} weights_r[j] v_j * inverse_r, each value row v_j read and widened once for the R
+ * queries (weighted_sum_* reads it once per query). Each sum as weighted_sum_* adds it: over even and
+ * over odd slots apart, in order, then the two added and multiplied by inverse_r; a row's weights past
+ * its own limit must be 0 (they add 0 * v = 0 exactly). Why: the per-query sums were a third of a
+ * 25-query pass's attention, two loads and two interleaves per slot and query for 16 columns. */
+#define LOAD16_F32(p) _mm512_loadu_ps(p)
+#define LOAD16_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define DEFINE_WEIGHTED_TILE(S, T, LOAD16)                                                          \
+    __attribute__((target("avx512f"))) static void weighted_tile_##S(                               \
+        const float *weights, Py_ssize_t w_stride, int R, const T *v, int D, Py_ssize_t limit,      \
+        const float *inverse, float *out, Py_ssize_t out_stride) {                                  \
+        for (int c = 0; c < D; c += 32) {                                                           \
+            __m512 even[QUERY_TILE][2], odd[QUERY_TILE][2];                                         \
+            _Pragma("GCC unroll 4") for (int r = 0; r < QUERY_TILE; r++)                            \
+                even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();              \
+            Py_ssize_t j = 0;                                                                       \
+            for (; j + 2 <= limit; j += 2) {                                                        \
+                const T *row = v + j * D + c;                                                       \
+                const __m512 e0 = LOAD16(row), e1 = LOAD16(row + 16);                               \
+                const __m512 o0 = LOAD16(row + D), o1 = LOAD16(row + D + 16);                       \
+                _Pragma("GCC unroll 4") for (int r = 0; r < QUERY_TILE; r++) {                      \
+                    if (r < R) {                                                                    \
+                        const __m512 we = _mm512_set1_ps(weights[r * w_stride + j]);                \
+                        const __m512 wo = _mm512_set1_ps(weights[r * w_stride + j + 1]);            \
+                        even[r][0] = _mm512_fmadd_ps(we, e0, even[r][0]);                           \
+                        even[r][1] = _mm512_fmadd_ps(we, e1, even[r][1]);                           \
+                        odd[r][0] = _mm512_fmadd_ps(wo, o0, odd[r][0]);                             \
+                        odd[r][1] = _mm512_fmadd_ps(wo, o1, odd[r][1]);                             \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            if (j < limit) {                                                                        \
+                const T *row = v + j * D + c;                                                       \
+                const __m512 e0 = LOAD16(row), e1 = LOAD16(row + 16);                               \
+                _Pragma("GCC unroll 4") for (int r = 0; r < QUERY_TILE; r++) {                      \
+                    if (r < R) {                                                                    \
+                        const __m512 we = _mm512_set1_ps(weights[r * w_stride + j]);                \
+                        even[r][0] = _mm512_fmadd_ps(we, e0, even[r][0]);                           \
+                        even[r][1] = _mm512_fmadd_ps(we, e1, even[r][1]);                           \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 4") for (int r = 0; r < QUERY_TILE; r++) {                          \
+                if (r < R) {                                                                        \
+                    const __m512 factor = _mm512_set1_ps(inverse[r]);                               \
+                    float *o = out + r * out_stride + c;                                            \
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_add_ps(even[r][0], odd[r][0]), factor));      \
+                    _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_add_ps(even[r][1], odd[r][1]), factor)); \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }
+DEFINE_WEIGHTED_TILE(f32, float, LOAD16_F32)
+DEFINE_WEIGHTED_TILE(bf16, uint16_t, LOAD16_BF16)
+
 /* The scores of n queries (n >= TILE_MIN_QUERIES) of heads first_head .. first_head + group - 1 from
  * one kv head's keys transposed into kt (transpose_keys_*), up to QUERY_TILE queries at a time
  * (score_tile_R), then each query's softmax and weighted sum of the values vg (float32, or bfloat16
@@ -963,11 +1064,35 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
             const Py_ssize_t last = mask ? end : start + i0 + rows;
             const Py_ssize_t tile_slots = (last + 15) / 16 * 16;
             const float *qh = q + i0 * q_stride + (Py_ssize_t)h * D;
-            switch (rows) {
-            case 4: score_tile_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-            case 3: score_tile_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-            case 2: score_tile_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-            default: score_tile_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
+            if (use_avx512()) {
+                switch (rows) {
+                case 4: score_tile512_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+                case 3: score_tile512_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+                case 2: score_tile512_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+                default: score_tile512_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
+                }
+            } else {
+                switch (rows) {
+                case 4: score_tile_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+                case 3: score_tile_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+                case 2: score_tile_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
+                default: score_tile_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
+                }
+            }
+            if (D % 32 == 0 && use_avx512()) { /* the tile's weighted sums at once (weighted_tile_*) */
+                float inverse[QUERY_TILE];
+                for (int r = 0; r < rows; r++) {
+                    const Py_ssize_t i = i0 + r, limit = mask ? end : start + i + 1;
+                    float *weights = tile + r * slots;
+                    inverse[r] = softmax_scores(weights, limit, mask ? mask + i * end : NULL);
+                    for (Py_ssize_t j = limit; j < last; j++) weights[j] = 0.0f; /* (the chain's later slots) */
+                }
+                float *o = out + i0 * out_stride + (Py_ssize_t)h * D;
+                if (v_bf16)
+                    weighted_tile_bf16(tile, slots, rows, (const uint16_t *)vg, D, last, inverse, o, out_stride);
+                else
+                    weighted_tile_f32(tile, slots, rows, (const float *)vg, D, last, inverse, o, out_stride);
+                continue;
             }
             for (int r = 0; r < rows; r++) {
                 const Py_ssize_t i = i0 + r;

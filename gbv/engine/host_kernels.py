@@ -66,13 +66,16 @@ def host_kernels_unavailable() -> str | None:
 def avx512_tiles() -> bool:
     """Whether the panel kernel's products of 2 rows or more take its AVX-512 tiles (the default where the
     CPU has AVX-512F; on an Intel Xeon with AVX-512 a 25-query pass of the bundled target took 4.3 ms
-    against 5.6 with the AVX2 tiles: scripts/bench_avx512_tiles.py). False without the kernels."""
+    against 5.6 with the AVX2 tiles: scripts/bench_avx512_tiles.py), and the attention of 6 queries or
+    more its AVX-512 score tiles and weighted sums (the AVX2 ones' sums, bit for bit; 0.85x the time
+    at 25 queries). False without the kernels."""
     return _host_kernels is not None and _host_kernels.avx512()
 
 
 def set_avx512_tiles(on: bool) -> None:
-    """Products of 2 rows or more by the AVX-512 tiles (True; a ValueError where the CPU lacks AVX-512F)
-    or the AVX2 ones (False), process-wide. ``GBV_HOST_AVX512=0`` in the environment sets False at import."""
+    """Products of 2 rows or more, and the attention of 6 queries or more, by the AVX-512 tiles (True; a
+    ValueError where the CPU lacks AVX-512F) or the AVX2 ones (False), process-wide. ``GBV_HOST_AVX512=0``
+    in the environment sets False at import."""
     _require_kernels()
     _host_kernels.set_avx512(bool(on))
 

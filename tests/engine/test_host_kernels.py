@@ -212,6 +212,8 @@ def _reference_attention(q, keys, values, allowed, heads, scale):
     (3, 2, 2, 8, 5, True),
     (2, 8, 8, 32, 14, False),    # two queries, 16 slots in all (no tail block)
     (25, 8, 8, 32, 150, True),   # a 25-node tree: query tiles of 4 and a tile of 1
+    (9, 4, 2, 64, 10, False),    # a causal chain in query tiles (their later slots weigh 0)
+    (13, 2, 2, 32, 0, False),    # the same from slot 0
     (3, 2, 1, 72, 20, False),    # per query, head_dim 72: bf16 columns 32 + 32 + 8
     (2, 2, 2, 48, 30, True),     # per query, head_dim 48: bf16 columns 32 + 16
     (1, 4, 2, 24, 33, False),    # one query, head_dim 24: bf16 columns 16 + 8
@@ -244,6 +246,34 @@ def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, star
     attention_into(qkv, *cached, out, np.ascontiguousarray(allowed) if masked else None, heads, start, end, 0.3)
     exact = _reference_attention(qkv, keys, values, allowed, heads, 0.3)
     np.testing.assert_allclose(out, exact, rtol=0, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_attention_tiles_on_avx512_give_the_avx2_tiles_sums_bit_for_bit(cache):
+    """Six queries or more: the AVX-512 score tiles and the tile's weighted sums at once add every term
+    in the order the AVX2 tiles and the per-query sums do, so the bits are the same (a tree mask, a
+    causal chain, grouped-query attention, head_dim 64); no law moves with the CPU's AVX-512."""
+    if not host_kernels.avx512_tiles():
+        pytest.skip("this CPU has no AVX-512F")
+    rng = np.random.default_rng(3)
+    outs = {}
+    for n, masked in ((6, True), (25, True), (11, False)):
+        start, heads, kv_heads, head_dim = 40, 4, 2, 64
+        end = start + n
+        keys, values = (rng.standard_normal((kv_heads, end, head_dim)).astype(np.float32) for _ in range(2))
+        if cache == "bfloat16":
+            keys, values = (torch.from_numpy(a).to(torch.bfloat16).view(torch.uint16).numpy() for a in (keys, values))
+        qkv = rng.standard_normal((n, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+        allowed = np.ascontiguousarray(rng.random((n, end)) < 0.5) if masked else None
+        try:
+            for avx512 in (True, False):
+                host_kernels.set_avx512_tiles(avx512)
+                out = np.empty((n, heads * head_dim), dtype=np.float32)
+                outs[n, avx512] = attention_into(qkv, keys, values, out, allowed, heads, start, end, 0.125)
+        finally:
+            host_kernels.set_avx512_tiles(True)
+        np.testing.assert_array_equal(outs[n, True], outs[n, False])
 
 
 @needs_kernels
