@@ -381,10 +381,12 @@ static int use_avx512(void) {
  * 32 values of k, two 1 KB blocks, one per panel, of 16 rows of (W[k, c], W[k + 1, c]) for c in the
  * panel's 16 columns: the B operand of the tile instruction (the "VNNI" order), read as one stream.
  * Rows of x go 16 at a time (two such tiles at once where there are more than 16 rows left), the
- * last tile padded with zero rows; the tile results are copied (or added) into y column by column.
+ * last tile padded with zero rows, or as one tile of M rows up to 16; the tile results are copied (or
+ * added) into y column by column. One row takes AVX512-BF16 dot products instead (amx_one_row).
  * ------------------------------------------------------------------------------------------- */
 /* (compilers that know the AMX intrinsics, on Linux, where the tile data is asked for by arch_prctl) */
-#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#if defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define GBV_AMX 1
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -398,7 +400,7 @@ static int use_avx512(void) {
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-/* The tile configuration (palette 1): every tile 16 rows of 64 bytes. */
+/* The tile configuration (palette 1): tiles of up to 16 rows of 64 bytes. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t bytes_per_row[16];
@@ -445,7 +447,8 @@ __attribute__((target("avx512f,avx512bf16"))) static void amx_round_rows(const f
             _mm256_storeu_si256((__m256i *)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
         if (k < K) {
             const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
-            _mm256_storeu_si256((__m256i *)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, row + k)));
+            const __m512 last = _mm512_maskz_loadu_ps(tail, row + k); /* (zeros past K) */
+            _mm256_storeu_si256((__m256i *)(o + k), (__m256i)_mm512_cvtneps_pbh(last));
             k += 16;
         }
         if (k < K32) memset(o + k, 0, (size_t)(K32 - k) * sizeof(uint16_t));
