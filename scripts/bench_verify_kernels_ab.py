@@ -5,6 +5,7 @@ a few tokens, TorchRandom.sample's draw) against the numpy code, switched per pr
 
     python scripts/bench_verify_kernels_ab.py                     # bf16, 10 GSM8K + 10 HumanEval prompts
     python scripts/bench_verify_kernels_ab.py --dtype float32 --prompts 5
+    python scripts/bench_verify_kernels_ab.py --compare simd       # the helpers' AVX2 loops against scalar ones
 
 Prints, per (temperature, row): tokens/s with and without the kernels (pooled over the prompts), their
 ratio, the verifier's share of the wall time either way, the share of the forwards (draft and target
@@ -72,18 +73,25 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompts", type=int, default=10, help="GSM8K and as many HumanEval prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--compare", default="numpy", choices=["numpy", "simd"],
+                        help="numpy: the compiled helpers against the numpy code (default); simd: the helpers' "
+                             "AVX2 loops (masked sums, gbv-adaptive's node keys and cut) against their scalar "
+                             "loops, the same bits")
     args = parser.parse_args()
     kernels = common.compiled_kernels
     if kernels is None:
         raise SystemExit("gbv.verify._verify_kernels is not built: reinstall gbv with a C compiler")
 
     def use(compiled: bool) -> None:
-        common.compiled_kernels = kernels if compiled else None
+        if args.compare == "simd":
+            kernels.set_simd(compiled)
+        else:
+            common.compiled_kernels = kernels if compiled else None
 
     header, sums, same = interleaved_ab(args.dtype, args.prompts, args.max_new_tokens, ROWS, use)
     print(header + "\n")
-    print_ab_table(sums, same, ROWS, args.prompts, ("numpy", "compiled"),
-                   [("verify share", 2, ".0%"), ("forwards share", 3, ".0%")])
+    print_ab_table(sums, same, ROWS, args.prompts, ("numpy", "compiled") if args.compare == "numpy" else
+                   ("scalar", "AVX2"), [("verify share", 2, ".0%"), ("forwards share", 3, ".0%")])
     return 0
 
 

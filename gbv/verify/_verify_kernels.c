@@ -511,7 +511,85 @@ __attribute__((target("avx2"))) static double masked_sum_avx2(const float *keys,
 }
 
 static int use_avx2 = -1;  /* decided at the first call; set_simd switches it (tests) */
+
+/* keys_and_support on AVX2: eight tokens a step, the same IEEE division and the same comparisons in
+ * float64 (each q widened exactly), so the same keys and count. */
+__attribute__((target("avx2,popcnt"))) static Py_ssize_t keys_and_support_avx2(const float *p, const float *q,
+                                                                               float *keys, Py_ssize_t m,
+                                                                               double cut, Py_ssize_t *done) {
+    const __m256 minus_one = _mm256_set1_ps(-1.0f);
+    const __m256d cut4 = _mm256_set1_pd(cut);
+    Py_ssize_t support = 0, x = 0;
+    for (; x + 8 <= m; x += 8) {
+        const __m256 q8 = _mm256_loadu_ps(q + x);
+        const __m256 ratio = _mm256_div_ps(_mm256_loadu_ps(p + x), q8);
+        _mm256_storeu_ps(keys + x, _mm256_blendv_ps(ratio, minus_one, _mm256_cmp_ps(ratio, ratio, _CMP_UNORD_Q)));
+        const __m256d low = _mm256_cmp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q8)), cut4, _CMP_GT_OQ);
+        const __m256d high = _mm256_cmp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q8, 1)), cut4, _CMP_GT_OQ);
+        support += __builtin_popcount((unsigned)(_mm256_movemask_pd(low) | _mm256_movemask_pd(high) << 4));
+    }
+    *done = x;
+    return support;
+}
+
+/* The tokens of q > cut (float64 comparisons, as the scalar loop's), in order: their p and q widened
+ * to float64 and their keys. Eight tokens tested a step; returns how far it got. */
+__attribute__((target("avx2"))) static Py_ssize_t gather_support_avx2(const float *p, const float *q,
+                                                                     const float *keys, Py_ssize_t m, double cut,
+                                                                     double *row_p, double *row_q, float *cut_keys,
+                                                                     Py_ssize_t *count) {
+    const __m256d cut4 = _mm256_set1_pd(cut);
+    Py_ssize_t x = 0, c = 0;
+    for (; x + 8 <= m; x += 8) {
+        const __m256 q8 = _mm256_loadu_ps(q + x);
+        const __m256d low = _mm256_cmp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q8)), cut4, _CMP_GT_OQ);
+        const __m256d high = _mm256_cmp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q8, 1)), cut4, _CMP_GT_OQ);
+        for (unsigned bits = (unsigned)(_mm256_movemask_pd(low) | _mm256_movemask_pd(high) << 4); bits;
+             bits &= bits - 1) {
+            const Py_ssize_t t = x + __builtin_ctz(bits);
+            row_p[c] = (double)p[t];
+            row_q[c] = (double)q[t];
+            cut_keys[c++] = keys[t];
+        }
+    }
+    *count = c;
+    return x;
+}
 #endif
+
+/* The sharp case's gather (adaptive_node): the tokens of q > cut, in order. */
+static Py_ssize_t gather_support(const float *p, const float *q, const float *keys, Py_ssize_t m, double cut,
+                                 double *row_p, double *row_q, float *cut_keys) {
+    Py_ssize_t count = 0, x = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (use_avx2) x = gather_support_avx2(p, q, keys, m, cut, row_p, row_q, cut_keys, &count);
+#endif
+    for (; x < m; x++) {
+        if ((double)q[x] > cut) {
+            row_p[count] = (double)p[x];
+            row_q[count] = (double)q[x];
+            cut_keys[count++] = keys[x];
+        }
+    }
+    return count;
+}
+
+/* gbv_adaptive's node keys (key_of) of m tokens into keys, and how many have q > cut (in float64). Why
+ * vectorised: the scalar loop (a division and a NaN test a token) was most of a node's ~17 us at
+ * V = 4096, four nodes a verify call at L = 4. */
+static Py_ssize_t keys_and_support(const float *p, const float *q, float *keys, Py_ssize_t m, double cut) {
+    Py_ssize_t support = 0, x = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (use_avx2) support = keys_and_support_avx2(p, q, keys, m, cut, &x);
+#endif
+    for (; x < m; x++) {
+        keys[x] = key_of(p[x], q[x]);
+        support += (double)q[x] > cut;
+    }
+    return support;
+}
 
 static double masked_sum(const float *keys, const float *p, const float *q32, const double *q64, Py_ssize_t m,
                          Py_ssize_t y, float k_y) {
@@ -945,11 +1023,7 @@ static PyObject *adaptive_node(PyObject *self, PyObject *args) {
     }
     const float *p_row = p.buf, *q_row = q.buf;
     float *keys = key_out.buf;
-    Py_ssize_t support = 0;
-    for (Py_ssize_t x = 0; x < m; x++) {
-        keys[x] = key_of(p_row[x], q_row[x]);
-        support += (double)q_row[x] > cut;
-    }
+    const Py_ssize_t support = keys_and_support(p_row, q_row, keys, m, cut);
     double lams[65] = {0.0};
     if (paths >= 2) {
         int sharp = 2 * support < m;
@@ -967,13 +1041,7 @@ static PyObject *adaptive_node(PyObject *self, PyObject *args) {
         Py_ssize_t count = 0;
         if (sharp) {  /* the tokens of non-negligible q, exact ranks among them */
             float *cut_keys = (float *)(packed + 2 * support + 1);
-            for (Py_ssize_t x = 0; x < m; x++) {
-                if ((double)q_row[x] > cut) {
-                    row_p[count] = (double)p_row[x];
-                    row_q[count] = (double)q_row[x];
-                    cut_keys[count++] = keys[x];
-                }
-            }
+            count = gather_support(p_row, q_row, keys, m, cut, row_p, row_q, cut_keys);
             worst_first(cut_keys, count, packed, packed + count);
             double running = 0.0;
             for (Py_ssize_t i = 0; i < count; i++) {

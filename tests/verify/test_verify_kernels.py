@@ -403,18 +403,26 @@ def test_adaptive_step_is_the_python_node_update(num_paths):
         KERNELS.adaptive_step(key, q, False, p, 0, [0.0, 1.0], [0.0, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("vocab", [4096, 4099])
 @pytest.mark.parametrize("temperature,kind", [(0.2, "plain"), (1.0, "plain"), (1.0, "ties"), (0.2, "zeros")])
-def test_adaptive_node_is_the_keys_and_host_node_weights(temperature, kind):
+def test_adaptive_node_is_the_keys_and_host_node_weights(temperature, kind, vocab):
     """adaptive_node writes ranking_key's float32 keys and returns host_node_weights' weights (the
-    sharp cut and the flat buckets both: the same inputs to the same search), for K = 1 to 6."""
-    p64, q64, _, _ = _rows(4096, 5, temperature, kind)
+    sharp cut and the flat buckets both: the same inputs to the same search), for K = 1 to 6, with its
+    keys and support count in AVX2 (eight tokens a step, a tail past them at V = 4099) and scalar."""
+    p64, q64, _, _ = _rows(vocab, 5, temperature, kind)
     p, q = p64.astype(np.float32), q64.astype(np.float32)
     key = ranking.ranking_key(p, q)
-    for num_paths in (1, 2, 3, 6):
-        key_out = np.empty_like(key)
-        lams = KERNELS.adaptive_node(p, q, key_out, num_paths, gbv_adaptive._WEIGHT_MASS_CUT / 4096)
-        assert np.array_equal(key_out.view(np.int32), key.view(np.int32))
-        assert lams == gbv_adaptive.host_node_weights(p.astype(np.float64), q.astype(np.float64), key, num_paths)
+    try:
+        for simd in (True, False):
+            KERNELS.set_simd(simd)
+            for num_paths in (1, 2, 3, 6):
+                key_out = np.empty_like(key)
+                lams = KERNELS.adaptive_node(p, q, key_out, num_paths, gbv_adaptive._WEIGHT_MASS_CUT / vocab)
+                assert np.array_equal(key_out.view(np.int32), key.view(np.int32))
+                assert lams == gbv_adaptive.host_node_weights(p.astype(np.float64), q.astype(np.float64), key,
+                                                              num_paths)
+    finally:
+        KERNELS.set_simd(True)
 
 
 def test_positive_part_is_the_numpy_row(monkeypatch):
