@@ -124,9 +124,8 @@ def test_bf16_panels_hold_the_values_in_the_kernels_column_order():
         PanelWeight(weight + np.float32(1e-3), bf16=True)
 
 
-needs_amx = pytest.mark.skipif(not host_kernels.amx_products() and (host_kernels_unavailable() is not None
-                                                                   or not host_kernels._host_kernels.amx()),
-                               reason="the AMX products do not run here (no AMX-BF16)")
+needs_amx = pytest.mark.skipif(host_kernels_unavailable() is not None or not host_kernels._host_kernels.amx(),
+                               reason="the AMX products do not run here (no AMX-BF16, or no kernels)")
 
 
 @needs_amx
@@ -561,6 +560,6 @@ def test_tile_switches_say_why_where_the_kernels_cannot_run(monkeypatch):
     """Without the compiled kernels, switching their tiles is one clear error, not an AttributeError."""
     import gbv.engine.host_kernels as host_kernels
     monkeypatch.setattr(host_kernels, "_host_kernels", None)
-    for switch in (host_kernels.set_two_panel_tiles, host_kernels.set_avx512_tiles):
+    for switch in (host_kernels.set_two_panel_tiles, host_kernels.set_avx512_tiles, host_kernels.set_amx_products):
         with pytest.raises(ValueError, match="not built"):
             switch(True)
