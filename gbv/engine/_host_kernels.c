@@ -509,11 +509,12 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static int amx_p
     const float *x, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int accumulate) {
     if (M == 0) return 0;
     const Py_ssize_t K32 = AMX_K(K), steps = K32 / AMX_STEP, row_tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
-    const Py_ssize_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), values = (size_t)(row_tiles * AMX_ROWS * K32);
-    if ((size_t)values > amx_x_values) {
+    const Py_ssize_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
+    const size_t values = (size_t)(row_tiles * AMX_ROWS * K32);
+    if (values > amx_x_values) {
         free(amx_x);
-        amx_x = (uint16_t *)aligned_alloc(64, (size_t)values * sizeof(uint16_t));
-        amx_x_values = amx_x == NULL ? 0 : (size_t)values;
+        amx_x = (uint16_t *)aligned_alloc(64, values * sizeof(uint16_t));
+        amx_x_values = amx_x == NULL ? 0 : values;
         if (amx_x == NULL) return -1;
     }
     /* Up to 16 rows (a step, a draft's step, a block's pass): tiles of x and of sums of M rows, as

@@ -123,7 +123,7 @@ def amx_products() -> bool:
     kernels."""
     global _amx_products
     if _amx_products is None:
-        _amx_products = _host_kernels is not None and host_kernels_unavailable() is None and _host_kernels.amx()
+        _amx_products = host_kernels_unavailable() is None and _host_kernels.amx()
     return _amx_products
 
 
@@ -192,7 +192,6 @@ class PanelWeight:
         if amx and not bf16:
             raise ValueError("AMX panels hold bfloat16 weights: pass bf16=True")
         amx = bf16 and (amx_products() if amx is None else amx)
-        self.bf16 = bf16
         self.kind = PANELS_AMX if amx else PANELS_BF16 if bf16 else PANELS_F32
         self.in_features, self.out_features = w.shape
         if bf16 and np.any(w.view(np.uint32) & 0xFFFF):
@@ -211,6 +210,11 @@ class PanelWeight:
         if bf16:
             panels = (np.ascontiguousarray(panels).view(np.uint32) >> 16).astype(np.uint16)
         self.panels = np.ascontiguousarray(panels)
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the panels hold bfloat16 (for the AVX tiles or the AMX products)."""
+        return self.kind != PANELS_F32
 
     def matmul_into(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
         """``out = x @ W`` (or ``out += x @ W``) in place; ``x`` (M, K) and ``out`` (M, N) C-contiguous
@@ -273,13 +277,13 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     """
     n, hidden = rows.hidden.shape
     kv_heads, _, head_dim = keys.shape
-    bf16 = w_qkv.kind
-    if not w_o.kind == w_gate_up.kind == w_down.kind == bf16:
-        raise ValueError("a layer's four panel weights must all be float32 or all bfloat16")
+    kind = w_qkv.kind
+    if not w_o.kind == w_gate_up.kind == w_down.kind == kind:
+        raise ValueError("a layer's four panel weights must all be packed alike (one PanelWeight.kind)")
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
-                        eps_post, scale, bf16, *_kv_flag(keys))
+                        eps_post, scale, kind, *_kv_flag(keys))
 
 
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
@@ -339,7 +343,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
 
     tokens, positions: (n,) int64. embed: (V, H) float32. rotary: (P, D/2) complex64, the rotation
     of each position. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale)``
-    per layer, the weights as panel arrays (``PanelWeight.panels``, all float32 or all bfloat16 like
+    per layer, the weights as panel arrays (``PanelWeight.panels``, all of one kind like
     ``head``), ``b_qkv`` a float32 array or None. keys, values: per layer the cache's
     (rows, kv_heads, capacity, D) arrays, float32 or bfloat16 (:func:`kv_bf16`); this sequence is row
     ``first_row``. mask: (n, start + n)

@@ -328,12 +328,10 @@ class _Linear:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
             return F.linear(x, self.weight, self.bias)
-        if x.dim() == 2:  # the forward's rows: one call (``matmul`` adds a dispatch and two views)
-            if self.bias is None:
-                return torch.mm(x, self.weight_t)
-            return torch.addmm(self.bias, x, self.weight_t)
-        flat = self(x.reshape(-1, self.in_features))
-        return flat.view(*x.shape[:-1], self.out_features)
+        # the forward's rows (2D) in one call (``matmul`` adds a dispatch and two views); others as rows
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = torch.mm(rows, self.weight_t) if self.bias is None else torch.addmm(self.bias, rows, self.weight_t)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
         """``residual + self(x)`` for 2D ``x`` (rows, in) and ``residual`` (rows, out): one ``addmm``

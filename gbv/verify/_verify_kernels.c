@@ -512,6 +512,12 @@ __attribute__((target("avx2"))) static double masked_sum_avx2(const float *keys,
 
 static int use_avx2 = -1;  /* decided at the first call; set_simd switches it (tests) */
 
+/* Whether the AVX2 loops run: the CPU's AVX2, asked at the first call, unless set_simd said otherwise. */
+static int avx2_loops(void) {
+    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    return use_avx2;
+}
+
 /* keys_and_support on AVX2: eight tokens a step, the same IEEE division and the same comparisons in
  * float64 (each q widened exactly), so the same keys and count. */
 __attribute__((target("avx2,popcnt"))) static Py_ssize_t keys_and_support_avx2(const float *p, const float *q,
@@ -562,8 +568,7 @@ static Py_ssize_t gather_support(const float *p, const float *q, const float *ke
                                  double *row_p, double *row_q, float *cut_keys) {
     Py_ssize_t count = 0, x = 0;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (use_avx2) x = gather_support_avx2(p, q, keys, m, cut, row_p, row_q, cut_keys, &count);
+    if (avx2_loops()) x = gather_support_avx2(p, q, keys, m, cut, row_p, row_q, cut_keys, &count);
 #endif
     for (; x < m; x++) {
         if ((double)q[x] > cut) {
@@ -581,8 +586,7 @@ static Py_ssize_t gather_support(const float *p, const float *q, const float *ke
 static Py_ssize_t keys_and_support(const float *p, const float *q, float *keys, Py_ssize_t m, double cut) {
     Py_ssize_t support = 0, x = 0;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (use_avx2) support = keys_and_support_avx2(p, q, keys, m, cut, &x);
+    if (avx2_loops()) support = keys_and_support_avx2(p, q, keys, m, cut, &x);
 #endif
     for (; x < m; x++) {
         keys[x] = key_of(p[x], q[x]);
@@ -594,8 +598,7 @@ static Py_ssize_t keys_and_support(const float *p, const float *q, float *keys, 
 static double masked_sum(const float *keys, const float *p, const float *q32, const double *q64, Py_ssize_t m,
                          Py_ssize_t y, float k_y) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (use_avx2 && m < ((Py_ssize_t)1 << 31)) return masked_sum_avx2(keys, p, q32, q64, m, y, k_y);
+    if (avx2_loops() && m < ((Py_ssize_t)1 << 31)) return masked_sum_avx2(keys, p, q32, q64, m, y, k_y);
 #endif
     double sum[4] = {0.0, 0.0, 0.0, 0.0};
     return masked_sum_scalar(keys, p, q32, q64, m, y, k_y, 0, sum);
