@@ -57,10 +57,7 @@ def block_verify_core(ratios: list[float], residual_bounds: ResidualBounds, resi
         ``(accepted_len, next_token)``.
     """
     block_len = len(ratios)
-    # w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), w_0 = 1.
-    weights = [1.0]
-    for ratio in ratios:
-        weights.append(min(1.0, weights[-1] * ratio))
+    weights = block_weights(ratios)
     # The stop coins run from i = L down. The first one, h_L = w_L, needs no residual mass: draw it
     # before computing any (a whole block accepted needs none; same coins in the same order).
     if rng.accept(weights[block_len]):
@@ -90,6 +87,26 @@ def block_verify_core(ratios: list[float], residual_bounds: ResidualBounds, resi
             accepted_len = i
             break
     return accepted_len, rng.sample(residual_dist(accepted_len, weights[accepted_len]))
+
+
+def block_weights(ratios: list[float]) -> list[float]:
+    """BV's weights ``[w_0, .., w_L]``: ``w_0 = 1``, ``w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i))``,
+    from the on-path ratios (:func:`path_ratios`); see :func:`path_weights`."""
+    weights = [1.0]
+    for ratio in ratios:
+        weights.append(min(1.0, weights[-1] * ratio))
+    return weights
+
+
+def path_weights(tokens: Tensor, q_path: Tensor, p_path: Tensor) -> list[float]:
+    """``[w_1, .., w_L]`` of one drafted path on the host (shapes as :func:`block_verify_on_device`).
+
+    ``w_i`` is the chance that BV with a block of any length ``L >= i`` keeps the first ``i`` drafted
+    tokens, given them: ``P(accepted_len >= i | x_1..x_i) = w_i`` (tests/verify/test_block_weights.py,
+    by exact enumeration), so ``E[accepted_len] = sum_i E[w_i]`` (SPEC section 2). So accepted lengths
+    pooled over block lengths, as ``auto`` pools them (:class:`gbv.engine.auto._Acceptance`), estimate
+    each length's yield without bias; ``scripts/bv_path_weights.py`` compares the two on the bundled pair."""
+    return block_weights(on_path_host(tokens, q_path, p_path)[2])[1:]
 
 
 def block_verify_on_device(tokens: Tensor, q_path: Tensor, p_path: Tensor, rng: RandomSource
