@@ -241,6 +241,16 @@ def _kv_flag(keys: np.ndarray) -> tuple:
     return (True,) if kv_bf16(keys) else ()
 
 
+def move_slots(arrays: tuple[np.ndarray, ...], rows, src, dst) -> None:
+    """In every one of ``arrays`` (C-contiguous (batch, kv_heads, capacity, head_dim) float32 or
+    bfloat16-bits caches of one shape), copy slot ``src[j]`` of batch row ``rows[j]`` (``rows`` an int:
+    every pair's) to slot ``dst[j]`` of the same row (sequences of ints: lists, or int64 arrays); every
+    source slot is read before any destination is written. :meth:`gbv.engine.lean.KVCache.move`'s host
+    form: one call for every layer."""
+    batch, kv_heads, capacity, head_dim = arrays[0].shape
+    _host_kernels.move_slots(arrays, rows, src, dst, batch, kv_heads, capacity, head_dim, arrays[0].itemsize)
+
+
 def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.ndarray,
                    mask: np.ndarray | None, heads: int, start: int, end: int, scale: float) -> np.ndarray:
     """Attention of one sequence's n queries over slots ``0 .. end-1`` of its cache, into ``out``.

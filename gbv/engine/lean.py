@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.host_kernels import host_kernels_unavailable, prefetch_temporal
+from gbv.engine.host_kernels import host_kernels_unavailable, move_slots, prefetch_temporal
 from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import MAX_QUERIES, StaticSteps, steps_mode
 from gbv.engine.static_sampling import sampled_step
@@ -82,6 +82,8 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._arrays = None  # numpy views of the tensors (CPU only; see arrays)
+        # move() through one compiled call where the host kernels run (the views' contiguous layout is theirs)
+        self._compiled_moves = host_kernels_unavailable() is None and all(t.is_contiguous() for t in self.keys + self.values)
         # Static forward steps over these tensors (CUDA graphs: gbv.engine.static_steps), by shape.
         self.steps: dict = {}
 
@@ -93,6 +95,7 @@ class KVCache:
             def view(t: Tensor):
                 return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
             self._arrays = (tuple(view(t) for t in self.keys), tuple(view(t) for t in self.values))
+            self._all_arrays = self._arrays[0] + self._arrays[1]  # (move's)
         return self._arrays
 
     @property
@@ -118,8 +121,15 @@ class KVCache:
         batch row ``row`` (an int, or one row per pair), in every layer. The source is read whole before
         the destination is written. Where the host forward has made numpy views of this cache
         (:meth:`arrays`: the CPU), through them, from the callers' lists: 16 torch index ops cost ~200
-        us after a forward here, numpy's ~60-100 us. Elsewhere lists become tensors on the device (one
+        us after a forward here, numpy's ~60 us, and where the host kernels run one compiled call for every
+        layer from the lists (:func:`~gbv.engine.host_kernels.move_slots`) ~22 us. Elsewhere lists become tensors on the device (one
         copy there for all of them, no host read)."""
+        if self._arrays is not None and self._compiled_moves:
+            # One compiled call for every layer, from the callers' lists as they are (host_kernels.move_slots;
+            # numpy's index arrays cost as much as the copies right after a forward).
+            src, dst, row = (index.tolist() if isinstance(index, Tensor) else index for index in (src, dst, row))
+            move_slots(self._all_arrays, row, src, dst)
+            return
         if self._arrays is not None:
             src_h, dst_h, row_h = (np.asarray(index.numpy() if isinstance(index, Tensor) else index)
                                    for index in (src, dst, row))

@@ -14,6 +14,7 @@ import gbv.engine.lean as lean_module
 import gbv.engine.tree_decoder as tree_decoder
 from gbv.engine.decoder import engine_for
 from gbv.engine.generate import generate
+from gbv.engine.host_kernels import host_kernels_unavailable
 from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason
 from gbv.engine.tree import TokenTree, build_tree, prefix_then
 from gbv.verify import METHODS
@@ -55,21 +56,26 @@ def test_a_padded_tree_is_the_trie_and_padding_nodes_that_see_only_themselves():
     assert build_tree(9, [[1, 2, 3], [1, 2, 4], [5, 2, 3]], multiple=8).tokens.shape == (8,)  # (8 nodes: as is)
 
 
-@pytest.mark.parametrize("views", [True, False], ids=["numpy-views", "tensor-path"])
+@pytest.mark.parametrize("path", ["compiled", "numpy-views", "tensor-path"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype, views):
+def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype, path):
     """KVCache.move through the host forward's numpy views (the CPU) moves what torch indexing moves:
     one row (a commit whose accepted nodes sit apart), several rows (a batch), overlapping source and
-    destination slots (the source read whole first), lists or tensors as indices. So does its tensor
+    destination slots (the source read whole first), lists or tensors as indices; one row in one
+    compiled call for every layer (host_kernels.move_slots) where the kernels run. So does its tensor
     path (what a GPU runs: lists packed into one index tensor, one copy)."""
+    if path == "compiled" and host_kernels_unavailable() is not None:
+        pytest.skip(host_kernels_unavailable())
     gen = torch.Generator().manual_seed(4)
     cache = lean_module.KVCache(2, 2, 3, 8, 16, dtype, "cpu")  # layers, rows, kv heads, head dim, slots
     for store in (cache.keys, cache.values):
         for tensor in store:
             tensor.copy_(torch.randn(tensor.shape, generator=gen).to(dtype))
     expected = [t.clone() for t in cache.keys + cache.values]
-    if views:
+    if path != "tensor-path":
         cache.arrays()  # what the host forward does before any commit
+    assert cache._compiled_moves == (host_kernels_unavailable() is None)
+    cache._compiled_moves = path == "compiled"
 
     def torch_move(src, dst, row):
         index = lambda ids: torch.as_tensor(ids, dtype=torch.long)  # noqa: E731
@@ -78,10 +84,16 @@ def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype, views):
             tensor[row_index, :, index(dst)] = tensor[row_index, :, index(src)]
 
     for src, dst, row in [([5, 7, 9], [4, 5, 6], 0), ([3, 4], [4, 3], 1), ([10, 12], [2, 3], [0, 1]),
-                          (torch.tensor([8, 6]), torch.tensor([6, 7]), torch.tensor([1, 1]))]:
+                          (torch.tensor([8, 6]), torch.tensor([6, 7]), torch.tensor([1, 1])),
+                          ([9, 11, 13, 15], [12, 13, 14, 15], 1), (torch.tensor([2, 1]), torch.tensor([1, 0]), 0)]:
         cache.move(src, dst, row)
         torch_move(src, dst, row)
         assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, expected)), (src, dst, row)
+    if path == "compiled":  # a slot or row outside the cache is an error, not a write past it
+        for src, dst, row in [([3], [16], 0), ([3], [2], 2), ([-1], [2], 0)]:
+            with pytest.raises(ValueError, match="outside the cache"):
+                cache.move(src, dst, row)
+        assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, expected))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
