@@ -20,3 +20,8 @@ os.environ.setdefault("GBV_HOST_FORWARD", "1")
 # the suite's short decodes record at the second, so that recording and replaying are exercised (on CUDA,
 # and on the CPU by tests/engine/test_static_sampling.py's stand-in). test_static_steps.py tests the default.
 os.environ.setdefault("GBV_RECORD_AT", "2")
+
+# auto's policies are not kept across processes in the suite (gbv.engine.auto_store; the CLI keeps them
+# by default): a test's choices must not depend on what an earlier run learned. Tests of the store set a
+# directory of their own.
+os.environ["GBV_AUTO_CACHE"] = "0"

@@ -467,6 +467,54 @@ class AutoPolicy:
             for member in self._members[family]:
                 self._rates.pop(member, None)
 
+    def state_dict(self) -> dict:
+        """What the policy has learned (its arms' decayed sums and its families' acceptance), as plain
+        lists: :mod:`gbv.engine.auto_store` keeps it across processes. Deferred records and ar's open
+        stretch are applied first."""
+        self.flush()
+        self.close_stretch()
+        return {"arms": [arm.label for arm in self.arms],
+                **{name: list(getattr(self, name)) for name in _STATE_LISTS},
+                "acceptance": {f"{method}|{k}": {"kept": list(family.kept), "tried": list(family.tried)}
+                               for (method, k), family in self.acceptance.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Start from ``state`` (:meth:`state_dict` of a policy with the same arms; ValueError else), its
+        weight capped at ``_LOADED_TRIALS`` trials an arm and ``_LOADED_DEPTH_TRIALS`` iterations a depth
+        (the means and rates as saved): what this process measures takes over within a few dozen
+        iterations where the machine or the load has changed since, and no arm is explored again."""
+        if state.get("arms") != [arm.label for arm in self.arms]:
+            raise ValueError("the saved policy has other arms")
+        lists = {name: [float(x) for x in state[name]] for name in _STATE_LISTS}
+        if any(len(values) != len(self.arms) or not all(math.isfinite(x) and x >= -1e9 for x in values)
+               for values in lists.values()):
+            raise ValueError("the saved policy's sums do not fit its arms")
+        families = {}
+        for name, counts in state["acceptance"].items():
+            method, k = name.rsplit("|", 1)
+            family = self.acceptance.get((method, int(k)))
+            kept, tried = [float(x) for x in counts["kept"]], [float(x) for x in counts["tried"]]
+            if family is None or len(kept) != len(family.kept) or len(tried) != len(family.tried):
+                raise ValueError(f"the saved policy's family {name} does not fit its arms")
+            families[family] = (kept, tried)
+        for i in range(len(self.arms)):
+            scale = min(1.0, _LOADED_TRIALS / lists["trials"][i]) if lists["trials"][i] > 0 else 1.0
+            for name in ("tokens", "seconds", "trials", "steady_seconds", "steady_trials"):
+                getattr(self, name)[i] = lists[name][i] * scale
+            pairs = lists["switch_pairs"][i]
+            scale = min(1.0, _LOADED_TRIALS / pairs) if pairs > 0 else 1.0
+            self.switch_sums[i], self.switch_pairs[i] = lists["switch_sums"][i] * scale, pairs * scale
+            self.runs[i] = min(int(lists["runs"][i]), 2 * _MIN_TRIALS)
+            self._switch_costs[i] = self.switch_cost(i)
+        for family, (kept, tried) in families.items():
+            for depth in range(len(kept)):
+                scale = min(1.0, _LOADED_DEPTH_TRIALS / tried[depth]) if tried[depth] > 0 else 1.0
+                family.kept[depth], family.tried[depth] = kept[depth] * scale, tried[depth] * scale
+            family._stale = True
+        self._rates.clear()
+        self._ceilings.clear()
+        self._lines.clear()
+
     def best(self) -> Arm:
         self.flush()
         return self.arms[max(range(len(self.arms)), key=self.rate)]
@@ -475,6 +523,15 @@ class AutoPolicy:
         self.flush()
         return [{"arm": arm.label, "runs": self.runs[i], "tokens_per_s": self.rate(i)}
                 for i, arm in enumerate(self.arms)]
+
+
+# The per-arm lists of AutoPolicy.state_dict (runs too: a loaded arm has been explored).
+_STATE_LISTS = ("tokens", "seconds", "trials", "runs", "steady_seconds", "steady_trials", "switch_sums", "switch_pairs")
+# A policy loaded from an earlier process (gbv.engine.auto_store) weighs at most this many trials an arm,
+# and its families this many iterations a depth: enough that nothing is explored again, little enough
+# that this process's own iterations outweigh it after a few dozen (the old sums decay by _DECAY each).
+_LOADED_TRIALS = 20.0
+_LOADED_DEPTH_TRIALS = 200.0
 
 
 class _Acceptance:
@@ -537,12 +594,18 @@ _POLICIES: "weakref.WeakKeyDictionary[object, dict[tuple, AutoPolicy]]" = weakre
 
 
 def policy_for(target, draft, key: tuple, arms: list[Arm]) -> AutoPolicy:
-    """The policy shared by every generation with this target, draft and sampling ``key``."""
+    """The policy shared by every generation with this target, draft and sampling ``key``; where
+    policies are kept across processes (:mod:`gbv.engine.auto_store`: ``GBV_AUTO_CACHE``, on in the
+    CLI), a new one starts from what an earlier process learned with the same pair, settings and
+    machine, and is saved at exit."""
     per_target = _POLICIES.setdefault(target, {})
     full_key = (id(draft), key, tuple(arms))
     policy = per_target.get(full_key)
     if policy is None:
+        from gbv.engine import auto_store
+
         policy = per_target[full_key] = AutoPolicy(arms)
+        auto_store.attach(policy, target, draft, key)
     return policy
 
 

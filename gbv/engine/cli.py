@@ -91,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from gbv.engine.generate import generate
     from gbv.models.loading import load_pair
 
+    from gbv.engine import auto_store
+
+    auto_store.use_by_default()  # (a CLI process is short: start auto from what earlier ones learned)
     target = args.target if args.target is not None else "bundled"
     pair = load_pair(target=target, draft=args.draft, device=args.device, dtype=args.dtype,
                      allow_download=args.allow_download)
