@@ -249,19 +249,27 @@ def bench(args) -> dict:
             totals = {label: [] for label, *_ in rows}
             generate(pair, prompt_ids=ids[0], method="gbv", num_paths=2, block_len=2, max_new_tokens=8,
                      eos_token_id=[])  # warm-up
-            for index, prompt_ids in enumerate(ids):
-                for label, method, k, length in rows:
-                    if method.startswith("hf-"):
-                        result = run_hf(pair, prompt_ids, method, length, args.max_new_tokens, temperature, index)
-                    else:
-                        result = run_ours(pair, prompt_ids, method, k, length, args.max_new_tokens, temperature,
-                                          index)
-                    totals[label].append(result)
-                    if args.row_times:
-                        print(f"    {label}: {result['seconds']:.2f} s", file=sys.stderr)
-                print(f"  {dtype} T={temperature}: prompt {index + 1}/{len(ids)}", file=sys.stderr)
+            for seed_set in range(args.seed_sets):
+                for index, prompt_ids in enumerate(ids):
+                    for label, method, k, length in rows:
+                        seed = index + SEED_SET_STRIDE * seed_set
+                        if method.startswith("hf-"):
+                            result = run_hf(pair, prompt_ids, method, length, args.max_new_tokens, temperature, seed)
+                        else:
+                            result = run_ours(pair, prompt_ids, method, k, length, args.max_new_tokens, temperature,
+                                              seed)
+                        result["seed_set"] = seed_set
+                        totals[label].append(result)
+                        if args.row_times:
+                            print(f"    {label}: {result['seconds']:.2f} s", file=sys.stderr)
+                    print(f"  {dtype} T={temperature}: seed set {seed_set + 1}/{args.seed_sets}, prompt {index + 1}/"
+                          f"{len(ids)}", file=sys.stderr)
             report["results"][dtype]["temperatures"][str(temperature)] = totals
     return report
+
+
+# Seeds of seed set s: prompt index + s * SEED_SET_STRIDE (--seed-sets).
+SEED_SET_STRIDE = 1000
 
 
 def _sum(results: list[dict], key: str) -> float:
@@ -270,10 +278,12 @@ def _sum(results: list[dict], key: str) -> float:
 
 def markdown(report: dict) -> str:
     args = report["args"]
+    sets = args.get("seed_sets", 1)
     lines = [f"Command: `python scripts/bench_engine.py --prompts {args['prompts']} --max-new-tokens "
-             f"{args['max_new_tokens']} --temperature {args['temperature']} --dtype {args['dtype']}`; "
-             f"{2 * args['prompts']} prompts ({args['prompts']} GSM8K + {args['prompts']} HumanEval), "
-             f"{args['threads']} thread(s), EOS off.", ""]
+             f"{args['max_new_tokens']} --temperature {args['temperature']} --dtype {args['dtype']}"
+             f"{f' --seed-sets {sets}' if sets > 1 else ''}`; "
+             f"{2 * args['prompts']} prompts ({args['prompts']} GSM8K + {args['prompts']} HumanEval)"
+             f"{f', each with {sets} seeds' if sets > 1 else ''}, {args['threads']} thread(s), EOS off.", ""]
     if args.get("device", "cpu") != "cpu":
         lines += [f"On {args['device']} the phase clocks are read without a synchronisation (the engine profiles "
                   "only on the CPU), so the draft+target share counts the time to launch those phases' work, "
@@ -322,6 +332,22 @@ def markdown(report: dict) -> str:
             auto_rate = _sum(totals["auto"], "tokens") / _sum(totals["auto"], "seconds")
             lines += ["", f"`auto` = {auto_rate / best_rate:.3f}x the best fixed row ({best_fixed}); its most "
                       f"chosen arms: {', '.join(f'{a} ({n})' for a, n in top)}.", ""]
+            sets = sorted({r.get("seed_set", 0) for r in totals["auto"]})
+            if len(sets) > 1:  # each seed set alone: how much of a row's rate is its texts' luck
+                def rate_in(label: str, seed_set: int) -> float:
+                    results = [r for r in totals[label] if r.get("seed_set", 0) == seed_set]
+                    return _sum(results, "tokens") / _sum(results, "seconds")
+
+                cells = []
+                for seed_set in sets:
+                    fixed = {label: rate_in(label, seed_set) for label in totals
+                             if label not in ("ar", "auto") and not label.startswith("hf")}
+                    best = max(fixed, key=fixed.get)
+                    cells.append(f"set {seed_set}: {best} {fixed[best] / rate_in('ar', seed_set):.2f}x `ar`, `auto` "
+                                 f"{rate_in('auto', seed_set) / fixed[best]:.3f}x it, {best_fixed} "
+                                 f"{fixed[best_fixed] / rate_in('ar', seed_set):.2f}x `ar`")
+                lines += ["Each seed set alone (seeds = prompt index + " f"{SEED_SET_STRIDE} x set): " + "; ".join(cells)
+                          + ".", ""]
     return "\n".join(lines)
 
 
@@ -337,6 +363,10 @@ def main() -> int:
     parser.add_argument("--row-times", action="store_true",
                         help="print each row's seconds per prompt to stderr (to find a slow row on a new device)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    parser.add_argument("--seed-sets", type=int, default=1,
+                        help="run every prompt with this many seeds (prompt index + 1000 x set): a fixed row's rate "
+                             "depends on the texts its seeds draw (a few %% here), and the best of a dozen rows on one "
+                             "set of texts is partly the luckiest")
     parser.add_argument("--out", default=None, help="write the markdown table here (and FILE.json)")
     args = parser.parse_args()
     report = bench(args)
