@@ -346,8 +346,8 @@ def markdown(report: dict) -> str:
                     cells.append(f"set {seed_set}: {best} {fixed[best] / rate_in('ar', seed_set):.2f}x `ar`, `auto` "
                                  f"{rate_in('auto', seed_set) / fixed[best]:.3f}x it, {best_fixed} "
                                  f"{fixed[best_fixed] / rate_in('ar', seed_set):.2f}x `ar`")
-                lines += ["Each seed set alone (seeds = prompt index + " f"{SEED_SET_STRIDE} x set): " + "; ".join(cells)
-                          + ".", ""]
+                lines += [f"Each seed set alone (seeds = prompt index + {SEED_SET_STRIDE} x set): "
+                          + "; ".join(cells) + ".", ""]
     return "\n".join(lines)
 
 

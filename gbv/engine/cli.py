@@ -5,6 +5,8 @@
 
 Without ``--target``/``--draft`` the bundled pair is used. ``--json`` prints one object
 ``{"text", "token_ids", "stats"}``; otherwise the text goes to stdout and a one-line summary to stderr.
+With ``--method auto`` (the default) what the policy learns is kept for the next process in
+``~/.cache/gbv/auto`` (``GBV_AUTO_CACHE=0``: not kept; ``GBV_AUTO_CACHE=DIR``: kept in DIR).
 """
 
 from __future__ import annotations

@@ -82,8 +82,9 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._arrays = None  # numpy views of the tensors (CPU only; see arrays)
-        # move() through one compiled call where the host kernels run (the views' contiguous layout is theirs)
-        self._compiled_moves = host_kernels_unavailable() is None and all(t.is_contiguous() for t in self.keys + self.values)
+        # move() through one compiled call where the host kernels run (on the views' contiguous layout)
+        self._compiled_moves = (host_kernels_unavailable() is None
+                                and all(t.is_contiguous() for t in self.keys + self.values))
         # Static forward steps over these tensors (CUDA graphs: gbv.engine.static_steps), by shape.
         self.steps: dict = {}
 
@@ -121,9 +122,9 @@ class KVCache:
         batch row ``row`` (an int, or one row per pair), in every layer. The source is read whole before
         the destination is written. Where the host forward has made numpy views of this cache
         (:meth:`arrays`: the CPU), through them, from the callers' lists: 16 torch index ops cost ~200
-        us after a forward here, numpy's ~60 us, and where the host kernels run one compiled call for every
-        layer from the lists (:func:`~gbv.engine.host_kernels.move_slots`) ~22 us. Elsewhere lists become tensors on the device (one
-        copy there for all of them, no host read)."""
+        us after a forward here, numpy's ~60 us, and where the host kernels run one compiled call for
+        every layer from the lists (:func:`~gbv.engine.host_kernels.move_slots`) ~22 us. Elsewhere lists
+        become tensors on the device (one copy there for all of them, no host read)."""
         if self._arrays is not None and self._compiled_moves:
             # One compiled call for every layer, from the callers' lists as they are (host_kernels.move_slots;
             # numpy's index arrays cost as much as the copies right after a forward).

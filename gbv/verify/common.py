@@ -214,14 +214,16 @@ Verifier = Callable[[Tensor, Tensor, Tensor, RandomSource], VerifyResult]
 
 def check_shapes(draft_tokens: Tensor, q: Tensor, p: Tensor) -> tuple[int, int, int]:
     """Validate the verifier inputs and return ``(num_paths, block_len, vocab)``."""
-    if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be (K, L), got shape {tuple(draft_tokens.shape)}")
-    num_paths, block_len = draft_tokens.shape
-    if q.shape[:2] != (num_paths, block_len) or q.dim() != 3:
-        raise ValueError(f"q must be (K, L, V) = ({num_paths}, {block_len}, V), got {tuple(q.shape)}")
-    vocab = q.shape[2]
-    if tuple(p.shape) != (num_paths, block_len + 1, vocab):
-        raise ValueError(f"p must be (K, L+1, V) = ({num_paths}, {block_len + 1}, {vocab}), got {tuple(p.shape)}")
+    # (each shape read once: right after a forward every torch attribute call runs from a cold cache)
+    token_shape, q_shape, p_shape = draft_tokens.shape, q.shape, p.shape
+    if len(token_shape) != 2:
+        raise ValueError(f"draft_tokens must be (K, L), got shape {tuple(token_shape)}")
+    num_paths, block_len = token_shape
+    if len(q_shape) != 3 or q_shape[0] != num_paths or q_shape[1] != block_len:
+        raise ValueError(f"q must be (K, L, V) = ({num_paths}, {block_len}, V), got {tuple(q_shape)}")
+    vocab = q_shape[2]
+    if len(p_shape) != 3 or p_shape[0] != num_paths or p_shape[1] != block_len + 1 or p_shape[2] != vocab:
+        raise ValueError(f"p must be (K, L+1, V) = ({num_paths}, {block_len + 1}, {vocab}), got {tuple(p_shape)}")
     return num_paths, block_len, vocab
 
 

@@ -139,6 +139,8 @@ def host_array(t: Tensor | np.ndarray) -> np.ndarray:
         return t
     if t.dtype == torch.bfloat16:
         t = t.float()
+    if t.is_cpu and not t.requires_grad:  # (the engine's rows: one call instead of three, ~2 us each cold)
+        return t.numpy()
     return t.detach().cpu().numpy()
 
 
