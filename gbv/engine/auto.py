@@ -467,6 +467,11 @@ class AutoPolicy:
             for member in self._members[family]:
                 self._rates.pop(member, None)
 
+    def observed(self) -> bool:
+        """Whether an iteration has been recorded (or deferred, or is in ar's open stretch) since the
+        policy was made: what :mod:`gbv.engine.auto_store` saves only then."""
+        return self.clock > 0 or bool(self._pending) or self._stretch is not None
+
     def state_dict(self) -> dict:
         """What the policy has learned (its arms' decayed sums and its families' acceptance), as plain
         lists: :mod:`gbv.engine.auto_store` keeps it across processes. Deferred records and ar's open

@@ -153,7 +153,7 @@ def save_all() -> None:
     never raised: a full disk must not turn a finished generation into a traceback)."""
     for reference, path, key in _attached:
         policy = reference()
-        if policy is None or (policy.clock == 0 and not policy._pending and policy._stretch is None):
+        if policy is None or not policy.observed():
             continue
         try:
             save(policy, path, key)
