@@ -1006,28 +1006,14 @@ done:
     return result;
 }
 
-/* gbv_adaptive's per-node work before its coin, from V = BUCKET_MIN_VOCAB up: the node's float32 keys
- * (ranking_key of float32 rows) into key_out, and host_node_weights' weights: a sharp row (fewer than
- * V / 2 tokens with q > cut) cut to those tokens and ranked exactly among them (mass_below_among's
- * order and sums), else the occupied key buckets (bucket_masses' sums); then the weight search. The
- * same inputs to the search as the numpy code, so the same weights as node_weights on them. */
-static PyObject *adaptive_node(PyObject *self, PyObject *args) {
-    Py_buffer p, q, key_out;
-    Py_ssize_t paths;
-    double cut;
-    if (!PyArg_ParseTuple(args, "y*y*w*nd", &p, &q, &key_out, &paths, &cut)) return NULL;
-    PyObject *result = NULL;
+static int node_lams(const float *p_row, const float *q_row, float *keys, Py_ssize_t m, Py_ssize_t paths, double cut,
+                     double *lams) {
+    /* adaptive_node's work (below), into lams[0 .. 64]; 0, or -1 with an exception set */
     double *rows = NULL, *work = NULL;
     uint64_t *packed = NULL;
-    Py_ssize_t m = p.len / (Py_ssize_t)sizeof(float);
-    if (q.len != p.len || key_out.len != p.len || m < 1 || m >= ((Py_ssize_t)1 << 32) || paths < 1 || paths > 64) {
-        PyErr_SetString(PyExc_ValueError, "adaptive_node: float32 p, q and key rows of one length, 1 <= K <= 64");
-        goto done;
-    }
-    const float *p_row = p.buf, *q_row = q.buf;
-    float *keys = key_out.buf;
+    int failed = 0;
     const Py_ssize_t support = keys_and_support(p_row, q_row, keys, m, cut);
-    double lams[65] = {0.0};
+    for (int n = 0; n < 65; n++) lams[n] = 0.0;
     if (paths >= 2) {
         int sharp = 2 * support < m;
         Py_ssize_t size = sharp ? support : (m < NUM_BUCKETS ? m : NUM_BUCKETS);
@@ -1038,7 +1024,7 @@ static PyObject *adaptive_node(PyObject *self, PyObject *args) {
                                      + (size_t)(support + 1) * sizeof(float));
         if (rows == NULL || work == NULL || (sharp && packed == NULL)) {
             PyErr_NoMemory();
-            goto done;
+            goto fail;
         }
         double *row_p = rows, *row_q = rows + size, *below = rows + 2 * size;
         Py_ssize_t count = 0;
@@ -1056,7 +1042,7 @@ static PyObject *adaptive_node(PyObject *self, PyObject *args) {
             double *mass = PyMem_RawCalloc(2 * NUM_BUCKETS, sizeof(double));
             if (mass == NULL) {
                 PyErr_NoMemory();
-                goto done;
+                goto fail;
             }
             double *mass_q = mass, *mass_p = mass + NUM_BUCKETS, running = 0.0;
             int32_t low = NUM_BUCKETS, high = 0;
@@ -1080,11 +1066,33 @@ static PyObject *adaptive_node(PyObject *self, PyObject *args) {
         }
         weights_core(row_p, row_q, below, count, paths, lams, work);
     }
-    result = float_list(lams, paths + 1 > 2 ? paths + 1 : 2);
+    goto done;
+fail:
+    failed = 1;
 done:
     PyMem_RawFree(rows);
     PyMem_RawFree(work);
     PyMem_RawFree(packed);
+    return failed ? -1 : 0;
+}
+
+/* gbv_adaptive's per-node work before its coin, from V = BUCKET_MIN_VOCAB up: the node's float32 keys
+ * (ranking_key of float32 rows) into key_out, and host_node_weights' weights: a sharp row (fewer than
+ * V / 2 tokens with q > cut) cut to those tokens and ranked exactly among them (mass_below_among's
+ * order and sums), else the occupied key buckets (bucket_masses' sums); then the weight search. The
+ * same inputs to the search as the numpy code, so the same weights as node_weights on them. */
+static PyObject *adaptive_node(PyObject *self, PyObject *args) {
+    Py_buffer p, q, key_out;
+    Py_ssize_t paths;
+    double cut;
+    if (!PyArg_ParseTuple(args, "y*y*w*nd", &p, &q, &key_out, &paths, &cut)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t m = p.len / (Py_ssize_t)sizeof(float);
+    double lams[65];
+    if (q.len != p.len || key_out.len != p.len || m < 1 || m >= ((Py_ssize_t)1 << 32) || paths < 1 || paths > 64)
+        PyErr_SetString(PyExc_ValueError, "adaptive_node: float32 p, q and key rows of one length, 1 <= K <= 64");
+    else if (node_lams(p.buf, q.buf, key_out.buf, m, paths, cut, lams) == 0)
+        result = float_list(lams, paths + 1 > 2 ? paths + 1 : 2);
     PyBuffer_Release(&p);
     PyBuffer_Release(&q);
     PyBuffer_Release(&key_out);
@@ -1097,37 +1105,15 @@ done:
  * and update_counts' new a(k) (binomials exact in 64 bits, then rounded to double as Python's
  * int * float; pow as Python's float ** int). counts and lams: K + 1 floats each (index 0 unused), K <= 32.
  * Returns (W, q_s, p_s, q_A(s), counts). */
-static PyObject *adaptive_step(PyObject *self, PyObject *args) {
-    Py_buffer key, q, p;
-    int q_double;
-    Py_ssize_t chosen;
-    PyObject *counts_in, *lams_in;
-    if (!PyArg_ParseTuple(args, "y*y*py*nOO", &key, &q, &q_double, &p, &chosen, &counts_in, &lams_in)) return NULL;
-    PyObject *result = NULL, *counts_seq = NULL, *lams_seq = NULL;
-    Py_ssize_t m = key.len / (Py_ssize_t)sizeof(float);
-    Py_ssize_t q_width = q_double ? (Py_ssize_t)sizeof(double) : (Py_ssize_t)sizeof(float);
-    counts_seq = PySequence_Fast(counts_in, "adaptive_step: counts must be a sequence");
-    lams_seq = PySequence_Fast(lams_in, "adaptive_step: lams must be a sequence");
-    if (counts_seq == NULL || lams_seq == NULL) goto done;
-    Py_ssize_t paths = PySequence_Fast_GET_SIZE(counts_seq) - 1;
-    if (q.len != m * q_width || p.len != m * (Py_ssize_t)sizeof(float) || chosen < 0 || chosen >= m || paths < 1
-        || paths > 32 || PySequence_Fast_GET_SIZE(lams_seq) != paths + 1) {
-        PyErr_SetString(PyExc_ValueError, "adaptive_step: float32 key and p rows, a float32 or float64 q row of one "
-                        "length, a token in the row, K + 1 counts and weights, 1 <= K <= 32");
-        goto done;
-    }
-    double counts[64], lams[64], fresh[64];
-    for (Py_ssize_t n = 0; n <= paths; n++) {
-        counts[n] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(counts_seq, n));
-        lams[n] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(lams_seq, n));
-        fresh[n] = 0.0;
-    }
-    if (PyErr_Occurred()) goto done;
-    const float *keys = key.buf;
-    const float *q32 = q_double ? NULL : q.buf;
-    const double *q64 = q_double ? q.buf : NULL;
+/* adaptive_step's arithmetic (below) on C arrays: counts[0 .. K] updated in place; the chosen token's W,
+ * q, p and law into the four outputs. */
+static void step_core(const float *keys, const float *q32, const double *q64, const float *p32, Py_ssize_t m,
+                      Py_ssize_t chosen, Py_ssize_t paths, double *counts, const double *lams, double *below_out,
+                      double *q_out, double *p_out, double *law_out) {
+    double fresh[64];
+    for (Py_ssize_t n = 0; n <= paths; n++) fresh[n] = 0.0;
     double below_s = masked_sum(keys, NULL, q32, q64, m, chosen, keys[chosen]);
-    double q_s = q_double ? q64[chosen] : (double)q32[chosen], p_s = (double)((const float *)p.buf)[chosen];
+    double q_s = q64 != NULL ? q64[chosen] : (double)q32[chosen], p_s = (double)p32[chosen];
     double ratio = 0.0;
     for (Py_ssize_t n = 1; n <= paths; n++)
         if (counts[n] > 0.0)
@@ -1149,17 +1135,153 @@ static PyObject *adaptive_step(PyObject *self, PyObject *args) {
     }
     double total = 0.0;
     for (Py_ssize_t n = 0; n <= paths; n++) total += fresh[n];
-    PyObject *updated = PyList_New(paths + 1);
+    if (total > 0.0)
+        for (Py_ssize_t n = 0; n <= paths; n++) counts[n] = fresh[n] / total;
+    *below_out = below_s;
+    *q_out = q_s;
+    *p_out = p_s;
+    *law_out = q_s * ratio;
+}
+
+static PyObject *adaptive_step(PyObject *self, PyObject *args) {
+    Py_buffer key, q, p;
+    int q_double;
+    Py_ssize_t chosen;
+    PyObject *counts_in, *lams_in;
+    if (!PyArg_ParseTuple(args, "y*y*py*nOO", &key, &q, &q_double, &p, &chosen, &counts_in, &lams_in)) return NULL;
+    PyObject *result = NULL, *counts_seq = NULL, *lams_seq = NULL;
+    Py_ssize_t m = key.len / (Py_ssize_t)sizeof(float);
+    Py_ssize_t q_width = q_double ? (Py_ssize_t)sizeof(double) : (Py_ssize_t)sizeof(float);
+    counts_seq = PySequence_Fast(counts_in, "adaptive_step: counts must be a sequence");
+    lams_seq = PySequence_Fast(lams_in, "adaptive_step: lams must be a sequence");
+    if (counts_seq == NULL || lams_seq == NULL) goto done;
+    Py_ssize_t paths = PySequence_Fast_GET_SIZE(counts_seq) - 1;
+    if (q.len != m * q_width || p.len != m * (Py_ssize_t)sizeof(float) || chosen < 0 || chosen >= m || paths < 1
+        || paths > 32 || PySequence_Fast_GET_SIZE(lams_seq) != paths + 1) {
+        PyErr_SetString(PyExc_ValueError, "adaptive_step: float32 key and p rows, a float32 or float64 q row of one "
+                        "length, a token in the row, K + 1 counts and weights, 1 <= K <= 32");
+        goto done;
+    }
+    double counts[64], lams[64];
+    for (Py_ssize_t n = 0; n <= paths; n++) {
+        counts[n] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(counts_seq, n));
+        lams[n] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(lams_seq, n));
+    }
+    if (PyErr_Occurred()) goto done;
+    double below_s, q_s, p_s, law_s;
+    step_core(key.buf, q_double ? NULL : q.buf, q_double ? q.buf : NULL, p.buf, m, chosen, paths, counts, lams,
+              &below_s, &q_s, &p_s, &law_s);
+    PyObject *updated = float_list(counts, paths + 1);
     if (updated == NULL) goto done;
-    for (Py_ssize_t n = 0; n <= paths; n++)
-        PyList_SET_ITEM(updated, n, PyFloat_FromDouble(total > 0.0 ? fresh[n] / total : counts[n]));
-    result = Py_BuildValue("ddddN", below_s, q_s, p_s, q_s * ratio, updated);
+    result = Py_BuildValue("ddddN", below_s, q_s, p_s, law_s, updated);
 done:
     Py_XDECREF(counts_seq);
     Py_XDECREF(lams_seq);
     PyBuffer_Release(&key);
     PyBuffer_Release(&q);
     PyBuffer_Release(&p);
+    return result;
+}
+
+/* gbv_adaptive's whole top-down selection in one call (verify_gbv_adaptive's loop, its float operations in its
+ * order: the same bits): at each depth the lead path's node (adaptive_node: keys into key_rows[depth] and
+ * the weights), the candidates' best-ranked token (largest key, ties -> smaller id) against the lead's,
+ * taken with probability lam_n (n = paths alive) by accept(lam) where they differ (the caller's random
+ * source, as choose_next calls it), the survivors, and adaptive_step's law and counts. q (K, L, V) and
+ * p (K, L + 1, V) float32, tokens (K, L) int64, 2 <= K <= 32. Returns (path, leads, counts rows, weight
+ * rows, law on path, p on path) as the loop builds them. Why: the loop's ~10 Python calls a depth ran
+ * from a cold cache right after the forward, ~30 us a verify at K = 3, L = 4. */
+static PyObject *adaptive_select(PyObject *self, PyObject *args) {
+    Py_buffer q, p, tokens_buffer, key_rows;
+    Py_ssize_t paths, length, m;
+    double cut;
+    PyObject *accept;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnndO", &q, &p, &tokens_buffer, &key_rows, &paths, &length, &m, &cut,
+                          &accept))
+        return NULL;
+    PyObject *result = NULL, *leads = NULL, *counts_rows = NULL, *lams_rows = NULL, *law_on = NULL, *p_on = NULL;
+    const long long *tokens = tokens_buffer.buf;
+    if (paths < 2 || paths > 32 || length < 1 || m < 1 || m >= ((Py_ssize_t)1 << 32) ||
+        q.len != paths * length * m * (Py_ssize_t)sizeof(float) ||
+        p.len != paths * (length + 1) * m * (Py_ssize_t)sizeof(float) ||
+        tokens_buffer.len != paths * length * (Py_ssize_t)sizeof(long long) ||
+        key_rows.len != length * m * (Py_ssize_t)sizeof(float) || !PyCallable_Check(accept)) {
+        PyErr_SetString(PyExc_ValueError, "adaptive_select: float32 q (K, L, V) and p (K, L + 1, V), int64 tokens "
+                        "(K, L), float32 key rows (L, V), 2 <= K <= 32, and a callable accept");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < paths * length; i++)
+        if (tokens[i] < 0 || tokens[i] >= m) {
+            PyErr_SetString(PyExc_ValueError, "adaptive_select: a drafted token outside the vocabulary");
+            goto done;
+        }
+    leads = PyList_New(0), counts_rows = PyList_New(0), lams_rows = PyList_New(0);
+    law_on = PyList_New(0), p_on = PyList_New(0);
+    if (leads == NULL || counts_rows == NULL || lams_rows == NULL || law_on == NULL || p_on == NULL) goto done;
+    Py_ssize_t alive[32], alive_count = paths;
+    for (Py_ssize_t k = 0; k < paths; k++) alive[k] = k;
+    double counts[64] = {0.0}, lams[65];
+    counts[paths] = 1.0;
+    for (Py_ssize_t depth = 0; depth < length; depth++) {
+        const Py_ssize_t lead = alive[0];
+        const float *q_row = (const float *)q.buf + (lead * length + depth) * m;
+        const float *p_row = (const float *)p.buf + (lead * (length + 1) + depth) * m;
+        float *keys = (float *)key_rows.buf + depth * m;
+        if (node_lams(p_row, q_row, keys, m, paths, cut, lams) != 0) goto done;
+        /* choose_next: the best-ranked candidate, against the lead's token */
+        long long first = tokens[lead * length + depth], best = first;
+        float best_key = keys[first];
+        for (Py_ssize_t i = 1; i < alive_count; i++) {
+            long long token = tokens[alive[i] * length + depth];
+            if (keys[token] > best_key || (keys[token] == best_key && token < best)) {
+                best = token;
+                best_key = keys[token];
+            }
+        }
+        long long chosen = best;
+        if (best != first) {
+            PyObject *prob = PyFloat_FromDouble(lams[alive_count]);
+            PyObject *answer = prob == NULL ? NULL : PyObject_CallOneArg(accept, prob);
+            Py_XDECREF(prob);
+            if (answer == NULL) goto done;
+            const int taken = PyObject_IsTrue(answer);
+            Py_DECREF(answer);
+            if (taken < 0) goto done;
+            chosen = taken ? best : first;
+        }
+        Py_ssize_t survivors = 0;
+        for (Py_ssize_t i = 0; i < alive_count; i++)
+            if (tokens[alive[i] * length + depth] == chosen) alive[survivors++] = alive[i];
+        alive_count = survivors;
+        PyObject *lead_item = PyLong_FromSsize_t(lead), *counts_item = float_list(counts + 1, paths),
+                 *lams_item = float_list(lams + 1, paths);
+        int appended = lead_item != NULL && counts_item != NULL && lams_item != NULL &&
+                       PyList_Append(leads, lead_item) == 0 && PyList_Append(counts_rows, counts_item) == 0 &&
+                       PyList_Append(lams_rows, lams_item) == 0;
+        Py_XDECREF(lead_item);
+        Py_XDECREF(counts_item);
+        Py_XDECREF(lams_item);
+        if (!appended) goto done;
+        double below_s, q_s, p_s, law_s;
+        step_core(keys, q_row, NULL, p_row, m, (Py_ssize_t)chosen, paths, counts, lams, &below_s, &q_s, &p_s, &law_s);
+        PyObject *law_item = PyFloat_FromDouble(law_s), *p_item = PyFloat_FromDouble(p_s);
+        appended = law_item != NULL && p_item != NULL && PyList_Append(law_on, law_item) == 0 &&
+                   PyList_Append(p_on, p_item) == 0;
+        Py_XDECREF(law_item);
+        Py_XDECREF(p_item);
+        if (!appended) goto done;
+    }
+    result = Py_BuildValue("nOOOOO", alive[0], leads, counts_rows, lams_rows, law_on, p_on);
+done:
+    Py_XDECREF(leads);
+    Py_XDECREF(counts_rows);
+    Py_XDECREF(lams_rows);
+    Py_XDECREF(law_on);
+    Py_XDECREF(p_on);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&tokens_buffer);
+    PyBuffer_Release(&key_rows);
     return result;
 }
 
@@ -1553,6 +1675,9 @@ static PyMethodDef METHODS[] = {
     {"adaptive_node", adaptive_node, METH_VARARGS,
      "adaptive_node(p32, q32, key_out32, num_paths, cut): gbv_adaptive's node keys into key_out and "
      "host_node_weights' weights -> [0, 0, lam_2, ..., lam_K]."},
+    {"adaptive_select", adaptive_select, METH_VARARGS,
+     "adaptive_select(q32, p32, tokens64, key_rows, K, L, V, cut, accept): gbv_adaptive's top-down selection in one "
+     "call -> (path, leads, counts rows, weight rows, law on path, p on path)"},
     {"adaptive_step", adaptive_step, METH_VARARGS,
      "adaptive_step(key32, q, q_is_float64, p32, chosen, counts, lams): gbv_adaptive's node after its coin -> "
      "(W, q_s, p_s, on-path law, updated counts)."},

@@ -56,6 +56,10 @@ _SORT_MAX_VOCAB = 1024
 # From V = BUCKET_MIN_VOCAB up, the host form's node weights leave out the tokens with q below this
 # much over V on a sharp row (host_node_weights): together at most this much q-mass.
 _WEIGHT_MASS_CUT = 1e-6
+# Where the verify kernels run, the top-down selection is one compiled call (adaptive_select) instead of
+# verify_gbv_adaptive's loop of ~10 Python calls a depth: the same bits and the same coins. A switch for
+# the tests that compare the two.
+FUSED_SELECTION = True
 
 __all__ = ["AdaptiveLaw", "greedy_step_law", "host_node_weights", "node_weights", "node_weights_on_device",
            "verify_gbv_adaptive", "verify_gbv_adaptive_on_device"]
@@ -347,7 +351,6 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
     num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
     if num_paths == 1:  # one path: nothing to select, q_A = q; BV on the inputs as given, bit for bit
         return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
-    tokens = draft_tokens.tolist()
     alive = list(range(num_paths))
     counts = [0.0] * (num_paths + 1)
     counts[num_paths] = 1.0
@@ -365,7 +368,15 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
                 and p_host.dtype == np.float32 and q_host.flags.c_contiguous and p_host.flags.c_contiguous)
     key_rows = np.empty((block_len, vocab), dtype=np.float32) if compiled else None
     leads, keys, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], []
-    for depth in range(block_len):
+    select = getattr(kernels, "adaptive_select", None) if compiled and FUSED_SELECTION and num_paths <= 32 else None
+    if select is not None:  # the loop below in one call, the same bits and coins
+        path, leads, counts_rows, lams_rows, law_on, p_on = select(
+            q_host, p_host, np.ascontiguousarray(host_array(draft_tokens), dtype=np.int64), key_rows, num_paths,
+            block_len, vocab, _WEIGHT_MASS_CUT / vocab, rng.accept)
+        alive = [path]
+    else:
+        tokens = draft_tokens.tolist()
+    for depth in range(block_len if select is None else 0):
         lead = alive[0]
         q_row, p_row = q_host[lead, depth], p_host[lead, depth]
         # The weights may be any function of the node's rows: they use W from key buckets at large V

@@ -296,23 +296,29 @@ class _CountingKernels:
         return counted
 
 
-@pytest.mark.parametrize("method", ["gbv", "gbv-adaptive"])
+@pytest.mark.parametrize("method", ["gbv", "gbv-adaptive", "gbv-adaptive-per-node"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_float32_inputs_through_the_compiled_paths_have_the_exact_law(monkeypatch, method, seed):
     """Exact enumeration of the compiled paths. The float64 tiny instance runs the numpy code (its keys
     are float64), whose law the losslessness grid proves. Its float32 copy embedded at V = 8192 (the
     bucketed code) runs the compiled selection, keyed masses, bucket split and residual row, and must
     give the same outcome law to 1e-12 on every tuple of drafted paths tried (K = 3; L = 3, so that
-    BV's stop coins ask for the bucket split)."""
-    verifier = get_verifier(method)
+    BV's stop coins ask for the bucket split). gbv-adaptive selects in one compiled call
+    (adaptive_select), or per node (adaptive_node, adaptive_step) with ``FUSED_SELECTION`` off."""
+    if method == "gbv-adaptive-per-node":
+        monkeypatch.setattr(gbv_adaptive, "FUSED_SELECTION", False)
+    verifier = get_verifier(method.removesuffix("-per-node"))
     inst = _dyadic(random_instance(3, 3, 3, 40 + seed, "mixed"))
     assert exact_analysis(verifier, inst.with_paths(2)).max_law_error < LOSSLESS_TOL  # (3^9 tuples at K = 3: slow)
     counting = _CountingKernels(KERNELS)
     monkeypatch.setattr(common, "compiled_kernels", counting)
     assert _float32_law_gap(verifier, inst, seed) < 1e-12
-    used = ("select_path", "mass_below_keyed") if method == "gbv" else ("adaptive_node", "adaptive_step")
+    used = {"gbv": ("select_path", "mass_below_keyed"), "gbv-adaptive": ("adaptive_select",),
+            "gbv-adaptive-per-node": ("adaptive_node", "adaptive_step")}[method]
     for name in (*used, "split_row", "residual_dist"):
         assert counting.calls.get(name, 0) > 0, (name, counting.calls)
+    if method == "gbv-adaptive":
+        assert "adaptive_node" not in counting.calls
 
 
 def test_the_float32_exact_check_catches_a_broken_compiled_law(monkeypatch):
@@ -579,3 +585,63 @@ def test_single_path_runs_only_where_it_gives_the_numpy_results():
                             1e-9, 1.0)
     with pytest.raises(ValueError, match="contiguous"):
         KERNELS.single_path(q.numpy(), p.numpy(), tokens.numpy(), 3, 61, True, rng.uniform, np.empty(60), 1e-9, 1.0)
+
+
+def _adaptive_inputs(num_paths: int, block_len: int, vocab: int, temperature: float, kind: str, seed: int):
+    """Engine-like float32 inputs of gbv-adaptive: (K, L) tokens drawn from q, paths sharing prefixes
+    (a later path copies an earlier one's first tokens), each node's rows a function of its prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    rows: dict[tuple, tuple] = {}
+
+    def node(prefix: tuple) -> tuple:
+        if prefix not in rows:
+            p, q, _, _ = _rows(vocab, hash((seed,) + prefix) % 100_000, temperature, kind)
+            rows[prefix] = (torch.from_numpy(q).float(), torch.from_numpy(p).float())
+        return rows[prefix]
+
+    paths: list[list[int]] = []
+    for k in range(num_paths):
+        shared = int(torch.randint(0, block_len + 1, (1,), generator=gen)) if paths else 0
+        path = list(paths[int(torch.randint(0, len(paths), (1,), generator=gen))][:shared]) if shared else []
+        while len(path) < block_len:
+            q_row = node(tuple(path))[0]
+            path.append(int(torch.multinomial(q_row.double(), 1, generator=gen)))
+        paths.append(path)
+    q = torch.stack([torch.stack([node(tuple(path[:d]))[0] for d in range(block_len)]) for path in paths])
+    p = torch.stack([torch.stack([node(tuple(path[:d]))[1] for d in range(block_len + 1)]) for path in paths])
+    return torch.tensor(paths), q.contiguous(), p.contiguous()
+
+
+@pytest.mark.parametrize("num_paths,block_len", [(2, 1), (2, 4), (3, 4), (3, 8), (4, 8), (8, 3)])
+@pytest.mark.parametrize("temperature,kind", [(0.2, "plain"), (1.0, "plain"), (1.0, "ties"), (1.0, "zeros")])
+def test_fused_adaptive_selection_is_the_per_node_loop(monkeypatch, num_paths, block_len, temperature, kind):
+    """verify_gbv_adaptive with its selection in one compiled call (adaptive_select) gives what the loop
+    of adaptive_node / choose_next / adaptive_step gives, bit for bit, from the same uniforms, and uses
+    as many of them; at V = 4096 (the compiled rows), over eight seeds."""
+    for seed in range(8):
+        tokens, q, p = _adaptive_inputs(num_paths, block_len, 4096, temperature, kind, seed)
+        outcomes = []
+        for fused in (True, False):
+            monkeypatch.setattr(gbv_adaptive, "FUSED_SELECTION", fused)
+            rng = common.TorchRandom(seed=seed)
+            result = gbv_adaptive.verify_gbv_adaptive(tokens, q, p, rng)
+            outcomes.append((result.path, result.accepted_len, result.next_token, rng.uniform()))
+        assert outcomes[0] == outcomes[1], (seed, outcomes)
+
+
+def test_the_fused_selection_check_catches_a_wrong_coin(monkeypatch):
+    """Negative control of the test above: a selection whose coin is the complement (best token with
+    probability 1 - lam) gives other outcomes for some seed."""
+    differs = False
+    for seed in range(8):
+        tokens, q, p = _adaptive_inputs(3, 4, 4096, 1.0, "plain", seed)
+        outcomes = []
+        for flipped in (False, True):
+            rng = common.TorchRandom(seed=seed)
+            if flipped:
+                accept = rng.accept
+                monkeypatch.setattr(rng, "accept", lambda prob: accept(1.0 - prob))
+            result = gbv_adaptive.verify_gbv_adaptive(tokens, q, p, rng)
+            outcomes.append((result.path, result.accepted_len, result.next_token))
+        differs = differs or outcomes[0] != outcomes[1]
+    assert differs
