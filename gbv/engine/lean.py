@@ -82,9 +82,8 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._arrays = None  # numpy views of the tensors (CPU only; see arrays)
-        # move() through one compiled call where the host kernels run (on the views' contiguous layout)
-        self._compiled_moves = (host_kernels_unavailable() is None
-                                and all(t.is_contiguous() for t in self.keys + self.values))
+        # move() through one compiled call where the host kernels run (the tensors are made contiguous)
+        self._compiled_moves = host_kernels_unavailable() is None
         # Static forward steps over these tensors (CUDA graphs: gbv.engine.static_steps), by shape.
         self.steps: dict = {}
 

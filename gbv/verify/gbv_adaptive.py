@@ -338,45 +338,19 @@ class AdaptiveLaw:
         return AdaptiveLaw(torch.from_numpy(self.counts), torch.from_numpy(self.lams))
 
 
-def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
-    """gbv-adaptive: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
-
-    Top-down selection with the node weights, the law ``q_A`` of the selected path along it, then BV
-    on that path with ``p`` and ``q_A``. The candidates alive at a depth share the selected prefix, so
-    the node's rows are read from the lowest-index one (the path finally selected is the lowest-index
-    survivor, so these are its rows). ``K = 1`` is BV (``q_A = q`` up to rounding).
-    """
-    if uses_device_form(p):  # one host read instead of ~100: see verify_gbv_adaptive_on_device
-        return verify_gbv_adaptive_on_device(draft_tokens, q, p, rng)
-    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
-    if num_paths == 1:  # one path: nothing to select, q_A = q; BV on the inputs as given, bit for bit
-        return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
+def _select_per_node(tokens: list[list[int]], q_host: np.ndarray, p_host: np.ndarray, key_rows: np.ndarray | None,
+                     num_paths: int, block_len: int, rng: RandomSource) -> tuple:
+    """verify_gbv_adaptive's top-down selection, a node at a time: ``(path, leads, keys, counts rows,
+    weight rows, law on path, p on path)``. ``key_rows`` (L, V) float32 where the compiled per-node calls
+    run (they write each node's keys there), else None (numpy)."""
+    vocab = q_host.shape[-1]
+    kernels = common.compiled_kernels
+    compiled = key_rows is not None
     alive = list(range(num_paths))
     counts = [0.0] * (num_paths + 1)
     counts[num_paths] = 1.0
-    # The per-node work runs on numpy views of the rows (the host form runs on the CPU, where numpy's
-    # fixed cost per call is a fifth of torch's and dominates rows of a few thousand). Each node's rows
-    # are converted on their own: a float64 copy of all K L rows at once is a fresh allocation large
-    # enough to be page-faulted in on every call.
-    q_host, p_host = host_array(q), host_array(p)
-    vocab = q_host.shape[-1]
-    kernels = common.compiled_kernels
-    # From V = BUCKET_MIN_VOCAB up, float32 rows (the engine's) take one compiled call per node for its
-    # keys and weights (host_node_weights' cuts, the same weights): ~10 numpy calls and two float64
-    # copies of the rows, ~0.1 ms a node right after a forward.
-    compiled = (kernels is not None and vocab >= ranking.BUCKET_MIN_VOCAB and q_host.dtype == np.float32
-                and p_host.dtype == np.float32 and q_host.flags.c_contiguous and p_host.flags.c_contiguous)
-    key_rows = np.empty((block_len, vocab), dtype=np.float32) if compiled else None
     leads, keys, counts_rows, lams_rows, law_on, p_on = [], [], [], [], [], []
-    select = getattr(kernels, "adaptive_select", None) if compiled and FUSED_SELECTION and num_paths <= 32 else None
-    if select is not None:  # the loop below in one call, the same bits and coins
-        path, leads, counts_rows, lams_rows, law_on, p_on = select(
-            q_host, p_host, np.ascontiguousarray(host_array(draft_tokens), dtype=np.int64), key_rows, num_paths,
-            block_len, vocab, _WEIGHT_MASS_CUT / vocab, rng.accept)
-        alive = [path]
-    else:
-        tokens = draft_tokens.tolist()
-    for depth in range(block_len if select is None else 0):
+    for depth in range(block_len):
         lead = alive[0]
         q_row, p_row = q_host[lead, depth], p_host[lead, depth]
         # The weights may be any function of the node's rows: they use W from key buckets at large V
@@ -409,7 +383,44 @@ def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomS
         law_on.append(q_s * ratio)
         p_on.append(p_s)
         counts = update_counts(counts, lams, q_s, below_s)
-    path = alive[0]
+    return alive[0], leads, keys, counts_rows, lams_rows, law_on, p_on
+
+
+def verify_gbv_adaptive(draft_tokens: Tensor, q: Tensor, p: Tensor, rng: RandomSource) -> VerifyResult:
+    """gbv-adaptive: (K, L) long tokens, (K, L, V) q, (K, L+1, V) p -> :class:`VerifyResult`.
+
+    Top-down selection with the node weights, the law ``q_A`` of the selected path along it, then BV
+    on that path with ``p`` and ``q_A``. The candidates alive at a depth share the selected prefix, so
+    the node's rows are read from the lowest-index one (the path finally selected is the lowest-index
+    survivor, so these are its rows). ``K = 1`` is BV (``q_A = q`` up to rounding).
+    """
+    if uses_device_form(p):  # one host read instead of ~100: see verify_gbv_adaptive_on_device
+        return verify_gbv_adaptive_on_device(draft_tokens, q, p, rng)
+    num_paths, block_len, _ = check_shapes(draft_tokens, q, p)
+    if num_paths == 1:  # one path: nothing to select, q_A = q; BV on the inputs as given, bit for bit
+        return VerifyResult(0, *block_verify_path(draft_tokens[0], q[0], p[0], rng))
+    # The per-node work runs on numpy views of the rows (the host form runs on the CPU, where numpy's
+    # fixed cost per call is a fifth of torch's and dominates rows of a few thousand). Each node's rows
+    # are converted on their own: a float64 copy of all K L rows at once is a fresh allocation large
+    # enough to be page-faulted in on every call.
+    q_host, p_host = host_array(q), host_array(p)
+    vocab = q_host.shape[-1]
+    kernels = common.compiled_kernels
+    # From V = BUCKET_MIN_VOCAB up, float32 rows (the engine's) take one compiled call per node for its
+    # keys and weights (host_node_weights' cuts, the same weights): ~10 numpy calls and two float64
+    # copies of the rows, ~0.1 ms a node right after a forward.
+    compiled = (kernels is not None and vocab >= ranking.BUCKET_MIN_VOCAB and q_host.dtype == np.float32
+                and p_host.dtype == np.float32 and q_host.flags.c_contiguous and p_host.flags.c_contiguous)
+    key_rows = np.empty((block_len, vocab), dtype=np.float32) if compiled else None
+    select = getattr(kernels, "adaptive_select", None) if compiled and FUSED_SELECTION and num_paths <= 32 else None
+    if select is not None:  # _select_per_node's loop in one call, the same bits and coins
+        path, leads, counts_rows, lams_rows, law_on, p_on = select(
+            q_host, p_host, np.ascontiguousarray(host_array(draft_tokens), dtype=np.int64), key_rows, num_paths,
+            block_len, vocab, _WEIGHT_MASS_CUT / vocab, rng.accept)
+        keys = None
+    else:
+        path, leads, keys, counts_rows, lams_rows, law_on, p_on = _select_per_node(
+            draft_tokens.tolist(), q_host, p_host, key_rows, num_paths, block_len, rng)
     law = AdaptiveLaw(np.array(counts_rows, dtype=np.float64), np.array(lams_rows, dtype=np.float64))
     # The selected nodes' rows, (L, V): the lead path's at each depth (numpy, as the nodes' rows above).
     # Where the selected path led at every depth (path 0 survived: the common case) they are its own
