@@ -272,6 +272,11 @@ def bench(args) -> dict:
 SEED_SET_STRIDE = 1000
 
 
+def _is_fixed(label: str) -> bool:
+    """Whether a row is one of our fixed (method, K, L) settings: not ``ar``, ``auto`` or a transformers row."""
+    return label not in ("ar", "auto") and not label.startswith("hf")
+
+
 def _sum(results: list[dict], key: str) -> float:
     return sum(r.get(key) or 0 for r in results)
 
@@ -305,7 +310,7 @@ def markdown(report: dict) -> str:
                       f"read bandwidth ({bandwidth / m['read_bandwidth_gb_s']:.0%}).", "",
                       "| method | tokens/s | vs ar | block efficiency | tree nodes / call | draft+target share |",
                       "|---|---|---|---|---|---|"]
-            best_fixed = max((label for label in totals if label not in ("ar", "auto") and not label.startswith("hf")),
+            best_fixed = max((label for label in totals if _is_fixed(label)),
                              key=lambda label: _sum(totals[label], "tokens") / _sum(totals[label], "seconds"))
             for label, results in totals.items():
                 tokens, seconds = _sum(results, "tokens"), _sum(results, "seconds")
@@ -340,8 +345,7 @@ def markdown(report: dict) -> str:
 
                 cells = []
                 for seed_set in sets:
-                    fixed = {label: rate_in(label, seed_set) for label in totals
-                             if label not in ("ar", "auto") and not label.startswith("hf")}
+                    fixed = {label: rate_in(label, seed_set) for label in totals if _is_fixed(label)}
                     best = max(fixed, key=fixed.get)
                     cells.append(f"set {seed_set}: {best} {fixed[best] / rate_in('ar', seed_set):.2f}x `ar`, `auto` "
                                  f"{rate_in('auto', seed_set) / fixed[best]:.3f}x it, {best_fixed} "
