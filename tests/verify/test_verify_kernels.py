@@ -337,6 +337,22 @@ def test_the_float32_exact_check_catches_a_broken_compiled_law(monkeypatch):
     assert _float32_law_gap(get_verifier("gbv"), _dyadic(random_instance(3, 3, 3, 40, "mixed")), 0) > 1e-6
 
 
+def test_the_float32_exact_check_catches_a_broken_fused_selection(monkeypatch):
+    """Negative control for gbv-adaptive's fused selection in the exact float32 law test: a selection
+    whose coin takes the best-ranked token with probability 1 - lam (what the law it reports assumes
+    is lam) changes the outcome law of some tuple of paths."""
+    class Broken(_CountingKernels):
+        def __getattr__(self, name):
+            function = getattr(self.module, name)
+            if name == "adaptive_select":  # (q, p, tokens, key_rows, K, L, V, cut, accept)
+                return lambda *a: function(*a[:8], lambda prob: a[8](1.0 - prob))
+            return function
+
+    monkeypatch.setattr(common, "compiled_kernels", Broken(KERNELS))
+    inst = _dyadic(random_instance(3, 3, 3, 40, "mixed"))
+    assert max(_float32_law_gap(get_verifier("gbv-adaptive"), inst, seed) for seed in (0, 1)) > 1e-6
+
+
 def _four_sums_reference(key: np.ndarray, q: np.ndarray, y: int) -> float:
     """The masked sum in pure Python: token x into running sum x mod 4, then (s0 + s1) + (s2 + s3)."""
     sums = [0.0] * 4
