@@ -21,6 +21,8 @@
 #   engine-float32.md, engine-bfloat16.md   scripts/bench_engine.py on CUDA (PROMPTS + PROMPTS prompts,
 #                 default 2, in float32; 1 + 1 in bfloat16, with each row's time; 128 tokens, T = 0.2 and 1);
 #   verifiers.md  scripts/bench_verifiers.py --device cuda (one verify call per method, V = 32k and 128k);
+#   plain-runs.txt  scripts/bench_plain_runs.py: ar's plain steps in runs of one recorded call (1, 4, 8,
+#                 16 steps) for ar and auto, T = 0.2 and 1;
 #   auto.txt      scripts/bench_auto_vs_block.py on the device, 5 + 5 prompts, T = 1 and 0.2, auto's arms;
 #   compile.txt   scripts/bench_compile_cuda.py: inductor's kernels of a static step against the eager ones.
 # GBV_CHECK_DEVICE=cpu runs the same parts on the CPU (a dry run of this script where no GPU is; about 4
@@ -80,7 +82,7 @@ part tests 90 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cacheprov
   tests/engine/test_tree.py::test_one_query_without_a_mask_attends_exactly_its_prefix \
   "tests/engine/test_tree.py::test_tree_engine_law[gbv]" "tests/engine/test_tree.py::test_tree_engine_law[traversal]" \
   tests/engine/test_sampling_cache.py tests/engine/test_static_steps.py tests/engine/test_static_sampling.py \
-  -k "static_steps or static_calls_equal or see_their_cousins or move_off_by_one or wrong_slots or pooled_caches or batch_rows_through or every_graph_of_a_cache_died or failed_recording or replicate_select_crop or api_fallback_layers or cache_keyword or greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
+  -k "static_steps or static_calls_equal or see_their_cousins or move_off_by_one or wrong_slots or pooled_caches or batch_rows_through or every_graph_of_a_cache_died or failed_recording or replicate_select_crop or api_fallback_layers or plain_runs or reuses_a_uniform or auto_runs_its_ar or cache_keyword or greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
 
 part greedy 40 python3 - "$device" <<'PY'
 import sys, gbv
@@ -101,6 +103,9 @@ part engine-float32 130 python3 scripts/bench_engine.py --prompts "$prompts" --m
   --temperature 0.2,1.0 --dtype float32 --device "$device" --out "$out/engine-float32.md"
 part engine-bfloat16 90 python3 scripts/bench_engine.py --prompts 1 --max-new-tokens 128 --row-times \
   --temperature 0.2,1.0 --dtype bfloat16 --device "$device" --out "$out/engine-bfloat16.md"
+
+# ar's plain steps in runs of one recorded call (PlainLoop) against a call per step, ar and auto.
+part plain-runs 90 python3 scripts/bench_plain_runs.py --device "$device" --prompts "$prompts"
 
 part syncs 40 python3 - "$device" <<'PY'
 # Host synchronisations per iteration on CUDA, as torch itself sees them (warn mode warns at each one,

@@ -627,6 +627,7 @@ class AutoDecoder:
         self._settings = [method_settings(arm.method, arm.num_paths, arm.block_len) for arm in policy.arms]
         self._applied: int | None = None
         self._catch_up = getattr(base, "catch_up_draft", None)  # (the tree engine's; the HF path feeds the lag itself)
+        self._plain_steps = getattr(base, "plain_steps", None)  # (the tree engine's: runs of ar's steps)
         # Where forwards are recorded as CUDA graphs (gbv.engine.static_steps), a shape's first uses
         # record it (milliseconds, once per process): not a cost of the arm that happened to meet it.
         self._models = (getattr(base, "target", None), getattr(base, "draft", None))
@@ -689,13 +690,26 @@ class AutoDecoder:
         if block and index != self._applied:
             base.method, base.verifier, base.num_paths, base.block_len = settings
             self._applied = index
-        new = base.step(block)
+        if block or self._plain_steps is None:
+            new = base.step(block)
+            steps = 1
+        else:
+            # ar where its steps run several as one call (static steps, PlainLoop): what is left of the
+            # stretch (or the hold) at once, each step recorded as one, with the run's mean seconds.
+            limit = self._hold_left + 1 if block_len is None else min(self._hold_left + 1, block_len + 1)
+            new = self._plain_steps(limit)
+            steps = len(new)
+            self._hold_left -= steps - 1
         # The step ended by reading its tokens back to the host, so the device work is done.
         seconds = time.perf_counter() - start - (recording_seconds(self._models) - recorded)
-        policy.defer(index, len(new), seconds, switching)
+        if steps == 1:
+            policy.defer(index, len(new), seconds, switching)
+        else:
+            for _ in range(steps):
+                policy.defer(index, 1, seconds / steps)
         label = policy.arms[index].label
         arms = base.stats.auto_arms
-        arms[label] = arms.get(label, 0) + 1
+        arms[label] = arms.get(label, 0) + steps
         return new
 
     def truncate(self, length: int) -> None:

@@ -32,7 +32,7 @@ from torch import Tensor
 from gbv.engine.host_kernels import host_kernels_unavailable, move_slots, prefetch_temporal
 from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import MAX_QUERIES, StaticSteps, steps_mode
-from gbv.engine.static_sampling import sampled_step
+from gbv.engine.static_sampling import plain_loop, sampled_step
 from gbv.verify.common import TorchRandom
 from gbv.engine.lean_host import (HOST, HOST_TEMPORAL, HOST_TORCH_PRODUCTS, PANEL_MAX_PARAMETERS, TORCH, HostForward,
                                   attention_mask, choose_cpu_forward, host_forward_unsupported_reason)
@@ -651,6 +651,17 @@ class LeanCausalLM:
         if step is None:
             return None
         return int(step.chain(ids, start, cache, None if config.greedy else rng)[0])
+
+    def sampled_run(self, first: int, start: int, count: int, cache: KVCache, vocab: int, config: SamplingConfig,
+                    rng: TorchRandom) -> list[int] | None:
+        """``count`` plain steps from the pending token ``first`` at slot ``start`` as one static call
+        (:class:`~gbv.engine.static_sampling.PlainLoop`): the tokens ``count`` calls of
+        :meth:`sampled_chain` would draw, from the same uniforms, read back once. None where no static
+        call runs (the caller steps one at a time)."""
+        loop = plain_loop(self, cache, count, start, vocab, config)
+        if loop is None:
+            return None
+        return loop(first, start, None if config.greedy else rng, cache).tolist()
 
     def sampled_tips(self, tokens: Tensor, position: int, start: int, cache: KVCache, mask: Tensor | None, vocab: int,
                      config: SamplingConfig, uniforms: Tensor | None, probs: Tensor) -> Tensor | None:

@@ -18,6 +18,8 @@ tokens are those of the step-by-step form (``tests/engine/test_static_sampling.p
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -202,3 +204,94 @@ class SampledStep(StaticStep):
             self.packed[:2].copy_(head)
             self.packed[2:].copy_(rest)
             return self._replay(cache)
+
+
+# Plain target steps (``ar``, and ``auto``'s stretches of it) run this many at a time as one static call
+# (:class:`PlainLoop`), each step's drawn token fed to the next on the device. Why: in the third H200
+# run an ``ar`` step took 0.49-0.55 ms against 0.35 ms of kernels (the device busy 49% of the time):
+# each step copied its input in, launched its replay and read its token back, and the GPU idled while
+# the host did. A run of 8 pays that once, and the row loop's stop rules see 8 tokens at a time: at an
+# EOS or a stop string the steps after it are thrown away (at most 7 forwards; rolling back is free).
+# Runs are powers of two (8, 4, 2, 1: one recording each). ``GBV_PLAIN_RUN`` sets the longest (1: a
+# call per step, the form before, for before/after measurements); only where static steps run (CUDA).
+def _plain_run() -> int:
+    setting = os.environ.get("GBV_PLAIN_RUN", "8")
+    if not setting.isdigit() or int(setting) < 1 or int(setting) & (int(setting) - 1):
+        raise ValueError(f"GBV_PLAIN_RUN must be a power of two of at least 1 (plain steps run as one call), "
+                         f"not {setting!r}; unset it for the default, 8")
+    return int(setting)
+
+
+PLAIN_RUN = _plain_run()
+
+
+def plain_run_length(lean, limit: int | None) -> int:
+    """How many plain steps of ``lean`` to run as one call when at most ``limit`` may run (None: any
+    number): the largest power of two up to ``min(PLAIN_RUN, limit)`` where static steps run, else 1."""
+    steps = lean.steps
+    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps):
+        return 1
+    longest = PLAIN_RUN if limit is None else min(PLAIN_RUN, limit)
+    return 1 << (max(longest, 1).bit_length() - 1)
+
+
+def plain_loop(lean, cache, count: int, start: int, vocab: int, config: SamplingConfig) -> "PlainLoop | None":
+    """The loop of ``count`` plain steps over row 0 of ``cache`` (made on first use), or None where the
+    steps run one at a time (no static steps for ``lean``, the cache's steps full)."""
+    steps = lean.steps
+    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps):
+        return None
+    return steps.kept(cache, ("plain", count, vocab, config), start + count,
+                      lambda: PlainLoop(cache, count, vocab, config, steps))
+
+
+class PlainLoop(Recorded):
+    """``count`` plain target steps of one sequence as one call: step i feeds the token step i - 1 drew
+    (the first: the pending token, at slot ``start``), writes its keys and values at slot ``start + i``,
+    and draws the next token from the law ``process_logits`` gives its logits under ``config``, by
+    ``sample``'s rule, from the i-th uniform. So it commits what ``count`` sampled steps
+    (:class:`SampledStep` with ``draw``) commit from the same uniforms, taken from the random source in
+    the same order (:meth:`__call__`)."""
+
+    def __init__(self, cache, count: int, vocab: int, config: SamplingConfig, owner: StaticSteps) -> None:
+        super().__init__(owner)
+        lean = self.lean
+        self.count, self.vocab, self.config = count, vocab, config
+        capacity = cache.capacity
+        lean.ensure_rotary(capacity)
+        self.tables = (lean._cos, lean._sin, lean._rot)  # (kept alive: the graph reads them)
+        device = lean.device
+        with torch.inference_mode(False):
+            self.packed = torch.zeros(2, dtype=torch.long, device=device)  # the first slot, the pending token
+            self.uniforms = torch.zeros(count, 1, 1, dtype=torch.float64, device=device)
+            self.columns = torch.arange(capacity, device=device)
+
+    def __call__(self, first: int, start: int, rng: TorchRandom | None, cache) -> Tensor:
+        """Run from the pending token ``first`` at slot ``start``; ``rng``: the source of the draws (None
+        when greedy). Returns a new (count,) long tensor of the drawn tokens."""
+        packed = torch.tensor([start, first], dtype=torch.long)  # (one copy to the device for both)
+        with self.owner.lock:
+            self.packed.copy_(packed)
+            if rng is not None:
+                if rng.generator.device.type == "cpu":
+                    self.uniforms.copy_(torch.from_numpy(rng.uniforms(self.count)).view(self.count, 1, 1))
+                else:
+                    # One fill per step, as each sampled step's (fill_token_uniform): the same uniforms
+                    # from the same places in the stream, so a seed gives the tokens of the step-by-step
+                    # form (one fill of all would draw others, by the same law).
+                    for uniform in self.uniforms:
+                        fill_token_uniform(uniform, rng)
+            return self._replay(cache)
+
+    def _run(self, cache) -> Tensor:
+        columns, capacity = self.columns, self.columns.shape[0]
+        token = self.packed[1:]  # (1,)
+        drawn = []
+        for i in range(self.count):
+            slot = self.packed[:1] + i  # (1,)
+            mask = (columns[None, :] <= slot[:, None])[None, None]
+            logits = static_forward(self.lean, token[None], slot[None], slot, mask, cache, capacity,
+                                    last_only=True)[0, :, :self.vocab]
+            token = _draw(process_logits(logits, self.config), self.config, self.uniforms[i])
+            drawn.append(token)
+        return torch.cat(drawn)

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 import torch
 
-from gbv.engine.decoder import DecoderState, host_copies
+from gbv.engine.decoder import AR, DecoderState, host_copies
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample_at, sample_into_at
-from gbv.engine.static_sampling import MAX_CHAIN, draft_loop, draft_uniforms
+from gbv.engine.static_sampling import MAX_CHAIN, draft_loop, draft_uniforms, plain_run_length
 from gbv.engine.static_steps import move
 from gbv.engine.tree import build_tree, prefix_then
 # Trie sizes through static steps are padded to a multiple of this many nodes (see step).
@@ -193,6 +193,8 @@ class TreeDecoder(DecoderState):
         ``block_len`` (<= the configured one) shortens this iteration's block; 0 = a plain target step."""
         block, rows = self.iteration_shape(block_len)
         if block <= 0:
+            if self.method == AR:  # plain decoding: a run of steps, where they run as one call (PlainLoop)
+                return self.plain_steps(None if block_len is None else block_len + 1)
             return self._target_step()
         stats = self.stats
         committed = len(self.tokens) - 1  # slots of the committed prefix; the pending token goes next
@@ -278,6 +280,23 @@ class TreeDecoder(DecoderState):
                  list(range(base, base + kept)))
         self.draft_len = base + kept
         return new
+
+    def plain_steps(self, limit: int | None) -> list[int]:
+        """Up to ``limit`` (None: any number) plain target steps, at least one: a run of them as one
+        call where static steps run (:func:`~gbv.engine.static_sampling.plain_run_length`), else one
+        step. Returns the newly committed tokens, as :meth:`step` does."""
+        count = plain_run_length(self.target, limit)
+        if count > 1:
+            start = self._clock()
+            position = len(self.tokens) - 1
+            drawn = self.target.sampled_run(self.tokens[-1], position, count, self.target_cache, self.vocab,
+                                            self.target_sampling, self.rng)
+            if drawn is not None:
+                self.stats.target_calls += count
+                self.stats.time_target += self._clock() - start
+                self.tokens.extend(drawn)
+                return drawn
+        return self._target_step()
 
     def _target_step(self) -> list[int]:
         start = self._clock()

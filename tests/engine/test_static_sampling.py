@@ -106,6 +106,8 @@ def _cache_gap(eager, static) -> float:
     gap = 0.0
     for cache_name, length in (("target_cache", len(eager.tokens) - 1), ("draft_cache", eager.draft_len)):
         a, b = getattr(eager, cache_name), getattr(static, cache_name)
+        if a is None and b is None:  # (ar: no draft)
+            continue
         for store in ("keys", "values"):
             for x, y in zip(getattr(a, store), getattr(b, store)):
                 gap = max(gap, (x[:, :, :length].float() - y[:, :, :length].float()).abs().max().item())
@@ -168,3 +170,113 @@ def test_recorded_then_replayed_as_on_cuda(monkeypatch, method, rows):
         monkeypatch.setattr(static_steps.StaticMove, "REPEATABLE", True)  # the negative control
         _, _, twice = _run(monkeypatch, "static", method, rows, 1.0, "llama", replay_by_running=True)
         assert eager.tokens != twice.tokens or _cache_gap(eager, twice) > 10 * ATOL
+
+
+# Plain steps (ar) in runs (PlainLoop): the caps of successive calls of ``step`` (None: a run of
+# PLAIN_RUN; n: at most n + 1 steps, as the row loop caps a block near the end): runs of 8, 2, 1, 4, 8, 2.
+PLAIN_SCHEDULE = [None, 2, 0, 3, None, 1]
+
+
+def _plain(monkeypatch, mode: str, temperature: float, arch: str, schedule, replay_by_running: bool = False):
+    """Decode ``schedule`` with method ``ar`` under ``GBV_CUDA_GRAPHS=mode``; returns the decoder. The
+    eager form ("0") steps once per call: it runs ``step(0)`` until it has as many tokens as ``schedule``
+    gave the static form (``_plain(..., schedule=count)`` with an int)."""
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    monkeypatch.setenv("GBV_CUDA_GRAPHS", mode)
+    target, _ = hf_pair(arch, vocab=40, seed=6)
+    sampling = SamplingConfig(temperature)
+    decoder = make_decoder(target, None, "ar", 1, 1, 40, sampling, sampling, 3, TEST_DEVICE)
+    if replay_by_running:
+        monkeypatch.setattr(static_steps.Recorded, "_capture", _record_by_running)
+        decoder.target.steps.capture = True
+    with torch.inference_mode():
+        decoder.prefill([1, 2, 3, 4, 5])
+        if isinstance(schedule, int):
+            while len(decoder.tokens) < schedule:
+                assert len(decoder.step(0)) == 1
+        else:
+            for block in schedule:
+                decoder.step(block)
+    return decoder
+
+
+@pytest.mark.parametrize("temperature,arch", [(1.0, "llama"), (0.0, "llama"), (0.6, "qwen3")])
+def test_plain_runs_equal_single_steps(monkeypatch, temperature, arch):
+    """ar's steps in runs of one call each commit the tokens (the same uniforms, in the same order) and
+    leave the caches of one step at a time; each run as long as its cap allows, in powers of two."""
+    static = _plain(monkeypatch, MODE, temperature, arch, PLAIN_SCHEDULE)
+    eager = _plain(monkeypatch, "0", temperature, arch, len(static.tokens))
+    assert len(static.tokens) == 5 + 8 + 2 + 1 + 4 + 8 + 2
+    assert static.stats.target_calls == eager.stats.target_calls == len(static.tokens) - 5
+    assert _cache_gap(eager, static) < ATOL
+    keys = static.target_cache.steps
+    assert sorted(key[1] for key in keys if key[0] == "plain") == [2, 4, 8]
+    assert any(key[0] == "sampled" for key in keys)  # (a cap of one step: the sampled step)
+
+
+def _broken_run(reuse_uniform: bool, feed_pending: bool):
+    """``PlainLoop._run`` with one fault: every step drawn from the first uniform, or fed the pending
+    token instead of the one just drawn."""
+    def run(self, cache):
+        columns, capacity, token, drawn = self.columns, self.columns.shape[0], self.packed[1:], []
+        for i in range(self.count):
+            slot = self.packed[:1] + i
+            mask = (columns[None, :] <= slot[:, None])[None, None]
+            logits = static_sampling.static_forward(self.lean, (self.packed[1:] if feed_pending else token)[None],
+                                                    slot[None], slot, mask, cache, capacity,
+                                                    last_only=True)[0, :, :self.vocab]
+            token = static_sampling._draw(static_sampling.process_logits(logits, self.config), self.config,
+                                          self.uniforms[0 if reuse_uniform else i])
+            drawn.append(token)
+        return torch.cat(drawn)
+    return run
+
+
+def test_a_run_that_reuses_a_uniform_or_feeds_a_stale_token_is_caught(monkeypatch):
+    """Negative controls: a run that draws every step from its first uniform, or that feeds each step
+    the pending token instead of the one just drawn, commits other tokens than one step at a time;
+    the fault-free form of the same code (the control's control) commits the same."""
+    eager = _plain(monkeypatch, "0", 1.0, "llama", len(_plain(monkeypatch, MODE, 1.0, "llama", PLAIN_SCHEDULE).tokens))
+    for reuse_uniform, feed_pending in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(static_sampling.PlainLoop, "_run", _broken_run(reuse_uniform, feed_pending))
+        tokens = _plain(monkeypatch, MODE, 1.0, "llama", PLAIN_SCHEDULE).tokens
+        assert (tokens == eager.tokens) == (not reuse_uniform and not feed_pending)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="on CUDA the tests above record real graphs")
+def test_plain_runs_recorded_then_replayed_as_on_cuda(monkeypatch):
+    """The record-then-replay sequence of CUDA for ar's runs: the same tokens and caches as one step at
+    a time (a run is repeatable: its warm-up and its first replay write the same entries)."""
+    static = _plain(monkeypatch, "static", 1.0, "llama", PLAIN_SCHEDULE + PLAIN_SCHEDULE, replay_by_running=True)
+    eager = _plain(monkeypatch, "0", 1.0, "llama", len(static.tokens))
+    assert _cache_gap(eager, static) < ATOL
+    assert any(isinstance(call, static_sampling.PlainLoop) and call.graph is not None
+               for call in static.target_cache.steps.values())
+
+
+def test_auto_runs_its_ar_stretches_as_plain_runs(monkeypatch):
+    """``auto`` where ar's steps run in runs: a stretch of ar as runs of PLAIN_RUN, each step counted
+    once; with ar its only arm (no draft), the tokens of ``ar`` itself from the same seed."""
+    from gbv.engine import auto
+    from gbv.engine.generate import generate
+    from gbv.models.loading import ModelPair
+
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    monkeypatch.setenv("GBV_CUDA_GRAPHS", MODE)
+    target, _ = hf_pair("llama", vocab=40, seed=6)
+    pair = ModelPair(target=target, draft=None, tokenizer=None)
+    runs = []
+    real = tree_decoder.TreeDecoder.plain_steps
+
+    def counted(self, limit):
+        new = real(self, limit)
+        runs.append(len(new))
+        return new
+
+    monkeypatch.setattr(tree_decoder.TreeDecoder, "plain_steps", counted)
+    settings = dict(prompt_ids=[1, 2, 3, 4, 5], temperature=1.0, max_new_tokens=37, eos_token_id=[], seed=3)
+    out = generate(pair, method="auto", **settings)
+    assert runs[:2] == [static_sampling.PLAIN_RUN] * 2 and sum(runs) == 37
+    assert auto._STRETCH == 2 * static_sampling.PLAIN_RUN  # (a stretch: two runs)
+    assert out.stats.auto_arms == {"ar": 37}
+    assert out.token_ids == generate(pair, method="ar", **settings).token_ids
