@@ -26,6 +26,7 @@ from torch import Tensor
 from gbv.engine import static_steps
 from gbv.engine.sampling import SamplingConfig, fill_token_uniform, process_logits
 from gbv.engine.static_steps import MAX_QUERIES, Recorded, StaticStep, StaticSteps, static_forward
+from gbv.errors import GbvError
 from gbv.verify.common import TorchRandom, draw_rows_at
 
 # Unseen chains longer than this are fed first (all but their last token) as a chain of their own:
@@ -217,7 +218,7 @@ class SampledStep(StaticStep):
 def _plain_run() -> int:
     setting = os.environ.get("GBV_PLAIN_RUN", "8")
     if not setting.isdigit() or int(setting) < 1 or int(setting) & (int(setting) - 1):
-        raise ValueError(f"GBV_PLAIN_RUN must be a power of two of at least 1 (plain steps run as one call), "
+        raise GbvError(f"GBV_PLAIN_RUN must be a power of two of at least 1 (plain steps run as one call), "
                          f"not {setting!r}; unset it for the default, 8")
     return int(setting)
 

@@ -38,6 +38,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from gbv.errors import GbvError
+
 logger = logging.getLogger("gbv")
 
 # Calls with more queries than this (a prompt's chain) run eagerly: a graph per prompt length would
@@ -57,7 +59,7 @@ MAX_QUERIES = 64
 def _record_at() -> int:
     setting = os.environ.get("GBV_RECORD_AT", "1")
     if not setting.isdigit() or int(setting) < 1:
-        raise ValueError(f"GBV_RECORD_AT must be a whole number of at least 1 (the use of a shape at which it "
+        raise GbvError(f"GBV_RECORD_AT must be a whole number of at least 1 (the use of a shape at which it "
                          f"is recorded), not {setting!r}; unset it for the default, 1")
     return int(setting)
 

@@ -280,3 +280,26 @@ def test_auto_runs_its_ar_stretches_as_plain_runs(monkeypatch):
     assert auto._STRETCH == 2 * static_sampling.PLAIN_RUN  # (a stretch: two runs)
     assert out.stats.auto_arms == {"ar": 37}
     assert out.token_ids == generate(pair, method="ar", **settings).token_ids
+
+
+def test_plain_run_setting(monkeypatch):
+    """GBV_PLAIN_RUN: 8 by default, any power of two; anything else is one clear error (a GbvError: the
+    CLI prints one line and exits with 2). Where no static steps run, a run is one step."""
+    from gbv.errors import GbvError
+
+    monkeypatch.delenv("GBV_PLAIN_RUN", raising=False)
+    assert static_sampling._plain_run() == 8
+    monkeypatch.setenv("GBV_PLAIN_RUN", "16")
+    assert static_sampling._plain_run() == 16
+    for bad in ("0", "3", "-8", "eight"):
+        monkeypatch.setenv("GBV_PLAIN_RUN", bad)
+        with pytest.raises(GbvError, match="GBV_PLAIN_RUN must be a power of two"):
+            static_sampling._plain_run()
+    monkeypatch.setenv("GBV_CUDA_GRAPHS", "0")
+    target, _ = hf_pair("llama", vocab=40, seed=6)
+    assert static_sampling.plain_run_length(tree_decoder.lean_model(target), 100) == 1
+    monkeypatch.setenv("GBV_CUDA_GRAPHS", "static")
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    target, _ = hf_pair("llama", vocab=40, seed=6)
+    lean = tree_decoder.lean_model(target)
+    assert [static_sampling.plain_run_length(lean, limit) for limit in (None, 1, 3, 7, 8, 100)] == [8, 1, 2, 4, 8, 8]

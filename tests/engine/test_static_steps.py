@@ -13,6 +13,7 @@ import torch
 import gbv.engine.static_steps as static_steps
 from gbv.engine.generate import all_methods, generate
 from gbv.engine.lean import LeanCausalLM
+from gbv.errors import GbvError
 from gbv.models.loading import ModelPair
 
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -279,8 +280,8 @@ def test_a_shape_is_recorded_at_its_record_at_use(monkeypatch):
     monkeypatch.delenv("GBV_RECORD_AT")
     assert static_steps._record_at() == 1
     monkeypatch.setenv("GBV_RECORD_AT", "0")
-    with pytest.raises(ValueError, match="GBV_RECORD_AT must be a whole number of at least 1"):
-        static_steps._record_at()
+    with pytest.raises(GbvError, match="GBV_RECORD_AT must be a whole number of at least 1"):
+        static_steps._record_at()  # (a GbvError: the CLI prints it as one line, exit 2)
     target, _ = hf_pair("llama", vocab=40, seed=3, target_size=(64, 2))
     eager, static = _eager_and_static(target.to(TEST_DEVICE))
     recorded_at = []
