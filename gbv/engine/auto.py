@@ -386,6 +386,21 @@ class AutoPolicy:
             self.flush()
         self._record(index, tokens, seconds, switching)
 
+    def record_rows(self, index: int, row_tokens: list[int], seconds: float, switching: float = 0.0) -> None:
+        """One step of a batch in which ``len(row_tokens)`` rows ran arm ``index`` together in ``seconds``,
+        after ``switching`` seconds of work for the switch to it (the drafts' catch-up, see
+        :meth:`record`): one iteration for the arm's sums, the clock and the aging (at the rows' mean
+        tokens, and the seconds over the rows: what one row's iteration cost), and every row's accepted
+        length for the family's acceptance. Why not a record per row: the clock then ran 16 iterations a step at
+        16 rows, so the other arms aged and were explored again 16x as often per step as for one
+        sequence, and a stretch of ``ar`` (_STRETCH records) was one step. Deferred records are applied
+        first."""
+        if self._pending:
+            self.flush()
+        rows = len(row_tokens)
+        accepted = row_tokens if self._speculative[index] else None
+        self._record(index, sum(row_tokens) / rows, seconds / rows, switching / rows, accepted=accepted)
+
     def defer(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
         """:meth:`record`, applied later: by the next :meth:`choose`, :meth:`record`, :meth:`flush`,
         :meth:`leader`, :meth:`best` or :meth:`table`, in order (see ``_HOLD``)."""
@@ -405,7 +420,8 @@ class AutoPolicy:
             self._stretch = None
             self._record_run(index, steps, steps, seconds, after)
 
-    def _record(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
+    def _record(self, index: int, tokens: float, seconds: float, switching: float = 0.0,
+                accepted: list[int] | None = None) -> None:
         if self.runs[index] >= _MIN_TRIALS:
             seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
         if not self._speculative[index]:  # a step of ar's stretch (see _STRETCH)
@@ -420,13 +436,14 @@ class AutoPolicy:
                 self.close_stretch()
             return
         self.close_stretch()
-        self._record_run(index, 1, tokens, seconds, self.previous, switching)
+        self._record_run(index, 1, tokens, seconds, self.previous, switching, accepted)
 
-    def _record_run(self, index: int, steps: int, tokens: int, seconds: float, after: int | None,
-                    switching: float = 0.0) -> None:
+    def _record_run(self, index: int, steps: int, tokens: float, seconds: float, after: int | None,
+                    switching: float = 0.0, accepted: list[int] | None = None) -> None:
         """Record ``steps`` consecutive iterations of arm ``index`` (more than one only for ar) that
         committed ``tokens`` in ``seconds`` in all, right after arm ``after`` (None: a prefill), after
-        ``switching`` seconds of work for the switch (see :meth:`record`)."""
+        ``switching`` seconds of work for the switch (see :meth:`record`); ``accepted``: the tokens of
+        each row of a batch step (:meth:`record_rows`), for the acceptance (else ``tokens``)."""
         if self._switch_in is not None and self._switch_in[0] == index:  # a switch-in and the next run
             _, first_seconds, first_steps = self._switch_in  # (the excess over this run's seconds a step)
             self.switch_sums[index] = self.switch_sums[index] * _DECAY + (first_seconds - first_steps * seconds / steps)
@@ -462,7 +479,8 @@ class AutoPolicy:
         else:  # the family's acceptance and cost line change, so do all its arms' rates
             self._ceilings.clear()  # (a speculative arm's seconds bound the arms that dominate it)
             family = (arm.method, arm.num_paths)
-            self.acceptance[family].record(min(tokens - 1, arm.block_len), arm.block_len)
+            for row_tokens in (accepted if accepted is not None else (int(tokens),)):
+                self.acceptance[family].record(min(row_tokens - 1, arm.block_len), arm.block_len)
             self._lines.pop(family, None)
             for member in self._members[family]:
                 self._rates.pop(member, None)

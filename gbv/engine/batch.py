@@ -114,6 +114,24 @@ class BatchTreeDecoder:
             self.rows[index] = moved
         self.rows.pop()
 
+    @torch.inference_mode()
+    def catch_up_drafts(self, rows: list[BatchRow]) -> None:
+        """Feed the draft of each of ``rows`` the tokens it has not seen, all but the pending one, in
+        its own cache row (as :meth:`add_row` prefills): what plain steps (``auto``'s ``ar``) left it.
+        Why apart from :meth:`step`: ``auto`` times it as the cost of switching to speculation, not as
+        the speculative arm's own (a first trial charged with ~30 tokens of catch-up per row rated
+        every arm below ``ar`` for good: ``AutoPolicy.ceiling``), as ``AutoDecoder`` does for one
+        sequence (``TreeDecoder.catch_up_draft``)."""
+        for row in rows:
+            upto = len(row.tokens) - 1
+            if self.draft is None or upto - row.draft_len < 2:
+                continue
+            chain = row.tokens[row.draft_len:upto]
+            self.draft.forward(torch.tensor([chain], device=self.device),
+                               torch.arange(row.draft_len, upto, device=self.device)[None], row.draft_len,
+                               self.draft_cache, None, causal=True, last_only=True, first_row=self.rows.index(row))
+            row.draft_len = upto
+
     # ------------------------------------------------------------------------------ one iteration
     @torch.inference_mode()
     def step(self, blocks: dict[int, int]) -> dict[int, list[int]]:

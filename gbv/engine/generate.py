@@ -551,44 +551,70 @@ class BatchRows:
         if not self.active:
             return []
         entries = list(self.active.items())
-        blocks = {}
-        chosen = []  # (row, policy, arm index) of the auto rows
-        for _, (row, _, step) in entries:
-            blocks[id(row)] = step.block
-            if row.auto is not None:
-                policy, index = self._choose_arm(row, step.block, len(entries))
-                chosen.append((row, policy, index))
-                blocks[id(row)] = min(step.block, policy.arms[index].block_len)
+        blocks = {id(row): step.block for _, (row, _, step) in entries}
+        chosen = self._choose_arms([(row, step) for _, (row, _, step) in entries])
         models = (self.batch.target, self.batch.draft)
+        # What plain steps left the drafts of the auto rows that speculate now: fed first and timed apart,
+        # as the cost of switching (AutoPolicy.record_rows), not the arm's own (see catch_up_drafts).
+        lagging = [row for row, policy, index, _ in chosen if policy.arms[index].method != "ar"]
+        switching = 0.0
+        if lagging:
+            switch_start, recorded = time.perf_counter(), recording_seconds(models)
+            self.batch.catch_up_drafts(lagging)
+            switching = time.perf_counter() - switch_start - (recording_seconds(models) - recorded)
         start, recorded = time.perf_counter(), recording_seconds(models)
+        for row, policy, index, _ in chosen:
+            blocks[id(row)] = min(blocks[id(row)], policy.arms[index].block_len)
         new = self.batch.step(blocks)
         # (the step read its drafts and results back: work is done; CUDA graphs recorded on the way are
         # a once-per-process cost, not the arms', as in AutoDecoder)
         seconds = time.perf_counter() - start - (recording_seconds(models) - recorded)
-        for row, policy, index in chosen:  # each auto row is credited its share of the step
-            policy.record(index, len(new[id(row)]), seconds / len(entries))
+        runs: dict[int, tuple[Any, int, list[int]]] = {}  # policy -> (policy, arm, the tokens of its rows)
+        for row, policy, index, whole in chosen:
             label = policy.arms[index].label
             row.stats.auto_arms[label] = row.stats.auto_arms.get(label, 0) + 1
+            if whole:  # (a row whose cap cut the arm's block ran another iteration: not the arm's)
+                runs.setdefault(id(policy), (policy, index, []))[2].append(len(new[id(row)]))
+        for policy, index, row_tokens in runs.values():  # the rows' share of the step, as one iteration
+            share = len(row_tokens) / len(entries)
+            policy.record_rows(index, row_tokens, seconds * share, switching * share)
         events = []
         for key, (row, loop, _) in entries:
             events += self._advance(key, row, loop, new[id(row)])
         return events
 
-    def _choose_arm(self, row, max_block: int, batch_rows: int):
-        """The arm of an ``auto`` row for this step, from the policy of its settings and of the batch
-        size (rounded up to a power of 2): what pays at 16 rows (a compute-bound target pass) is not
-        what pays for one. One row shares the single-sequence policy."""
+    def _choose_arms(self, rows_steps: list) -> list[tuple[Any, Any, int, bool]]:
+        """One arm for this step for all the ``auto`` rows that share a policy (their settings, and the
+        batch size rounded up to a power of 2: what pays at 16 rows, a compute-bound target pass, is not
+        what pays for one; one row shares the single-sequence policy). Returns ``(row, policy, arm
+        index, whole)`` per auto row; ``whole``: the row's cap (near its end) leaves the arm's block as
+        it is, so its iteration is the arm's to record.
+
+        Why one arm for all of them: each row is credited its share of the step's seconds, which only
+        measures the arm when every row runs it. Chosen row by row, a row running ``ar`` in a step that
+        another row's 24-node trie made slow was charged for that trie, and the trie's row was charged
+        a sixteenth of it: at 16 rows in bfloat16 ``auto`` made 0.63-0.75x ``ar``'s tokens/s, its best
+        arm. Lossless as before: the choice depends only on the rows' past."""
         from gbv.engine import auto
         from gbv.engine.decoder import set_method
 
-        arms, key = row.auto
-        bucket = 1 << (batch_rows - 1).bit_length()
-        policy = auto.policy_for(self.pair.target, self.pair.draft, key if bucket == 1 else (*key, bucket), arms)
-        index = policy.choose(max_block)
-        arm = policy.arms[index]
-        if arm.method != "ar":
-            set_method(row, arm.method, arm.num_paths, arm.block_len)
-        return policy, index
+        bucket = 1 << (len(rows_steps) - 1).bit_length()
+        groups: dict[int, tuple[Any, list]] = {}
+        for row, step in rows_steps:
+            if row.auto is None:
+                continue
+            arms, key = row.auto
+            policy = auto.policy_for(self.pair.target, self.pair.draft, key if bucket == 1 else (*key, bucket), arms)
+            groups.setdefault(id(policy), (policy, []))[1].append((row, step.block))
+        chosen = []
+        for policy, members in groups.values():
+            index = policy.choose(max(block for _, block in members))  # (the longest cap: the others cut)
+            arm = policy.arms[index]
+            for row, block in members:
+                if arm.method != "ar":
+                    set_method(row, arm.method, arm.num_paths, arm.block_len)
+                chosen.append((row, policy, index, block >= arm.block_len))
+        return chosen
 
 
 # ----------------------------------------------------------------------------------------------- API

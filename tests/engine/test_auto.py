@@ -531,3 +531,50 @@ def test_ar_takes_over_from_an_arm_that_led_while_ar_ran_only_at_the_ends_of_pro
     share = _ar_share(monkeypatch, lambda run: 1.0 if run else 1.15,
                       lambda run, blocks: (1.5 if blocks <= 30 else 2.6) + (0.0 if run else 0.1))
     assert share > 0.9
+
+
+def test_a_batch_step_is_one_iteration_of_its_arm_with_every_rows_acceptance():
+    """``record_rows``: a step of 16 rows advances the clock, the arm's trials and ar's stretch by one
+    iteration at the rows' mean tokens and per-row seconds, and the family's acceptance by every row.
+    Negative control: a record per row (the rule before) ran the clock 16 iterations a step."""
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 4)]
+    batch, per_row = AutoPolicy(arms), AutoPolicy(arms)
+    tokens = [1, 2, 5, 3] * 4
+    batch.record_rows(1, tokens, 0.016)
+    for row_tokens in tokens:
+        per_row.record(1, row_tokens, 0.001)
+    assert batch.clock == 1 and batch.trials[1] == 1.0 and per_row.clock == 16
+    assert batch.tokens[1] == pytest.approx(sum(tokens) / 16) and batch.seconds[1] == pytest.approx(0.001)
+    family_batch, family_rows = batch.acceptance[("block", 1)], per_row.acceptance[("block", 1)]
+    assert family_batch.tried == pytest.approx(family_rows.tried) and family_batch.kept == pytest.approx(family_rows.kept)
+    assert batch.expected_tokens(1) == pytest.approx(per_row.expected_tokens(1))
+    for _ in range(auto._STRETCH):  # ar: a stretch of _STRETCH batch steps, not of _STRETCH rows
+        batch.record_rows(0, [1] * 16, 0.016)
+        assert (batch.runs[0] == 1) == (_ == auto._STRETCH - 1)
+    assert batch.ar_seconds(0) == pytest.approx(0.001)
+
+
+def test_the_auto_rows_of_a_batch_run_one_arm_a_step(monkeypatch):
+    """Every ``auto`` row of a batch with the same settings runs the same arm in each step (the step's
+    seconds measure that arm only then), the arms still change between steps, and a row whose cap cuts
+    the arm's block (near its end) is not recorded as the arm's iteration."""
+    from gbv.engine.generate import BatchRows
+
+    pair = sharp_llama_pair()
+    steps = []
+    real = BatchRows._choose_arms
+
+    def choose(self, rows_steps):
+        chosen = real(self, rows_steps)
+        caps = {id(row): step.block for row, step in rows_steps}
+        steps.append([(id(policy), index, whole, caps[id(row)] >= policy.arms[index].block_len)
+                      for row, policy, index, whole in chosen])
+        return chosen
+
+    monkeypatch.setattr(BatchRows, "_choose_arms", choose)
+    outs = generate(pair, prompt_ids=[[1, 2], [3], [4, 4, 1, 0], [2, 2, 2]], batch_size=4, method="auto",
+                    temperature=1.0, max_new_tokens=80, eos_token_id=[], seed=1)
+    assert all(len({(policy, index) for policy, index, _, _ in step}) == 1 for step in steps)
+    assert len({index for step in steps for _, index, _, _ in step}) > 2  # (ar and speculative arms)
+    assert all(whole == fits for step in steps for _, _, whole, fits in step)
+    assert all(sum(o.stats.auto_arms.values()) > 0 for o in outs)

@@ -102,3 +102,33 @@ def test_batch_size_is_validated(llama_toy):
         generate(llama_toy, prompt_ids=[[1], [2]], batch_size=0)
     with torch.no_grad():
         assert len(generate(llama_toy, prompt_ids=[[1], [2]], batch_size=2, max_new_tokens=3)) == 2
+
+
+def _draft_gap(batch, index: int, row, upto: int) -> float:
+    """Largest gap between row ``index``'s draft cache and a fresh prefill of its first ``upto`` tokens."""
+    fresh = batch.draft.plain_cache(1, upto + 8)
+    with torch.inference_mode():
+        batch.draft.forward(torch.tensor([row.tokens[:upto]]), torch.arange(upto)[None], 0, fresh, None, causal=True,
+                            last_only=True)
+    return max((x[index, :, :upto].float() - y[0, :, :upto].float()).abs().max().item()
+               for store in ("keys", "values")
+               for x, y in zip(getattr(batch.draft_cache, store), getattr(fresh, store)))
+
+
+def test_catch_up_feeds_each_lagging_draft_as_a_prefill_would(llama_toy):
+    """``catch_up_drafts`` (what ``auto`` runs, timed apart, before speculating after plain steps): each
+    row's draft cache then holds every token but the pending one, as a fresh prefill of them would.
+    The control: before it, the same comparison over those tokens fails (the plain steps left them out)."""
+    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, llama_toy.device, 2)
+    sampling = SamplingConfig(1.0)
+    rows = [batch.add_row(ids, "block", 1, 3, sampling, sampling, seed) for seed, ids in enumerate([[1, 2, 3], [4]])]
+    for _ in range(6):
+        batch.step({id(row): 0 for row in rows})  # plain steps: the drafts lag
+    upto = [len(row.tokens) - 1 for row in rows]
+    assert all(u - row.draft_len >= 2 for u, row in zip(upto, rows))
+    assert all(_draft_gap(batch, i, row, upto[i]) > 1e-3 for i, row in enumerate(rows))
+    batch.catch_up_drafts(rows)
+    assert [row.draft_len for row in rows] == upto
+    assert all(_draft_gap(batch, i, row, upto[i]) < 1e-5 for i, row in enumerate(rows))
+    new = batch.step({id(row): 3 for row in rows})  # and the next speculative step runs from there
+    assert all(len(new[id(row)]) >= 1 for row in rows)

@@ -1,0 +1,96 @@
+"""Batched decoding (``generate(prompts=..., batch_size=B)``, the scheduler behind ``gbv serve``): every
+row against ``ar`` at each batch size, in one process, bundled pair, 1 thread.
+
+    python scripts/bench_batch.py --dtype bfloat16 --temperature 1.0
+    python scripts/bench_batch.py --batch-sizes 1,4,16 --prompts 32 --rounds 3 --rows ar,block:2,block:4,auto
+
+Each round runs every (row, batch size) over the same ``--prompts`` GSM8K prompts (seeds 0.., EOS off,
+``--max-new-tokens``), the rows in a rotating order. ``auto``'s policies live as long as the process,
+one per batch size (rounded up to a power of 2), as in a server: the first round includes their
+exploration, and the table shows the first round and the later ones apart. Reported per batch size:
+each row's pooled tokens/s and its ratio to ``ar``, and ``auto`` against the best fixed row.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import gbv
+from gbv.data import load_prompts
+
+
+def parse_row(row: str) -> dict:
+    """``ar`` / ``auto`` / ``METHOD:L`` (one path) / ``METHOD:K:L`` -> generate's settings."""
+    parts = row.split(":")
+    if len(parts) == 1:
+        return {"method": parts[0]}
+    if len(parts) == 2:
+        return {"method": parts[0], "num_paths": 1, "block_len": int(parts[1])}
+    return {"method": parts[0], "num_paths": int(parts[1]), "block_len": int(parts[2])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--rows", default="ar,block:2,block:4,auto")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pair = gbv.load_pair("bundled", dtype=getattr(torch, args.dtype))
+    prompts = load_prompts("gsm8k", args.prompts)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows = args.rows.split(",")
+    cells = [(row, size) for size in sizes for row in rows]
+    seconds: dict = {}
+    tokens: dict = {}
+    common = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=[])
+    with torch.inference_mode():  # (warm-up: the lean views and kernels, not auto's policies)
+        gbv.generate(pair, prompt=prompts[0], method="ar", max_new_tokens=8)
+    for round_ in range(args.rounds):
+        order = cells[round_ % len(cells):] + cells[:round_ % len(cells)]
+        for row, size in order:
+            began = time.perf_counter()
+            if size == 1:
+                made = sum(gbv.generate(pair, prompt=p, seed=i, **parse_row(row), **common).stats.new_tokens
+                           for i, p in enumerate(prompts))
+            else:
+                outs = gbv.generate(pair, prompts=prompts, batch_size=size, seed=0, **parse_row(row), **common)
+                made = sum(out.stats.new_tokens for out in outs)
+            phase = "first" if round_ == 0 else "later"
+            key = (row, size, phase)
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - began
+            tokens[key] = tokens.get(key, 0) + made
+        print(f"round {round_ + 1}/{args.rounds} done", flush=True)
+    print(f"\nbundled pair, {args.dtype}, T = {args.temperature}, {len(prompts)} GSM8K prompts x "
+          f"{args.max_new_tokens} tokens, 1 thread, {args.rounds} rounds (the first apart: auto's exploration)")
+    phases = ["first"] + (["later"] if args.rounds > 1 else [])
+    print("| batch | row | " + " | ".join(f"{p} round{'s' if p == 'later' else ''}: tokens/s, vs ar" for p in phases)
+          + " |")
+    print("|---:|---|" + "---|" * len(phases))
+    for size in sizes:
+        for row in rows:
+            parts = []
+            for phase in phases:
+                rate = tokens[row, size, phase] / seconds[row, size, phase]
+                ar = tokens["ar", size, phase] / seconds["ar", size, phase] if "ar" in rows else rate
+                parts.append(f"{rate:.0f}, {rate / ar:.2f}x")
+            print(f"| {size} | {row} | " + " | ".join(parts) + " |")
+    if "auto" in rows:
+        for phase in phases:
+            line = []
+            for size in sizes:
+                fixed = {row: tokens[row, size, phase] / seconds[row, size, phase] for row in rows if row != "auto"}
+                best = max(fixed, key=fixed.get)
+                auto = tokens["auto", size, phase] / seconds["auto", size, phase]
+                line.append(f"batch {size}: {auto / fixed[best]:.3f}x {best}")
+            print(f"auto against the best fixed row ({phase}): " + "; ".join(line))
+
+
+if __name__ == "__main__":
+    main()
