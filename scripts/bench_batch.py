@@ -3,12 +3,17 @@ row against ``ar`` at each batch size, in one process, bundled pair, 1 thread.
 
     python scripts/bench_batch.py --dtype bfloat16 --temperature 1.0
     python scripts/bench_batch.py --batch-sizes 1,4,16 --prompts 32 --rounds 3 --rows ar,block:2,block:4,auto
+    python scripts/bench_batch.py --rows ar,block:2,block:4 --batch-layers on,off   # the batch layer calls A/B
 
 Each round runs every (row, batch size) over the same ``--prompts`` GSM8K prompts (seeds 0.., EOS off,
 ``--max-new-tokens``), the rows in a rotating order. ``auto``'s policies live as long as the process,
 one per batch size (rounded up to a power of 2), as in a server: the first round includes their
 exploration, and the table shows the first round and the later ones apart. Reported per batch size:
 each row's pooled tokens/s and its ratio to ``ar``, and ``auto`` against the best fixed row.
+``--batch-layers on,off`` also runs every cell with several sequences' layers as one compiled call
+(``lean_host.BATCH_LAYERS``, the default) and as a call per product and per sequence's attention (the
+form before), interleaved, and prints each row's on / off ratio (leave ``auto`` out there: its policy
+would learn from both forms).
 """
 from __future__ import annotations
 
@@ -40,13 +45,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-layers", default="on", help="on, off or on,off (see above)")
     args = parser.parse_args()
+    import gbv.engine.lean_host as lean_host
     torch.set_num_threads(1)
     pair = gbv.load_pair("bundled", dtype=getattr(torch, args.dtype))
     prompts = load_prompts("gsm8k", args.prompts)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = args.rows.split(",")
-    cells = [(row, size) for size in sizes for row in rows]
+    forms = args.batch_layers.split(",")
+    if not set(forms) <= {"on", "off"}:
+        parser.error(f"--batch-layers takes on, off or on,off, not {args.batch_layers!r}")
+    cells = [(row, size, form) for size in sizes for row in rows for form in forms]
     seconds: dict = {}
     tokens: dict = {}
     common = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=[])
@@ -54,7 +64,8 @@ def main() -> None:
         gbv.generate(pair, prompt=prompts[0], method="ar", max_new_tokens=8)
     for round_ in range(args.rounds):
         order = cells[round_ % len(cells):] + cells[:round_ % len(cells)]
-        for row, size in order:
+        for row, size, form in order:
+            lean_host.BATCH_LAYERS = form == "on"
             began = time.perf_counter()
             if size == 1:
                 made = sum(gbv.generate(pair, prompt=p, seed=i, **parse_row(row), **common).stats.new_tokens
@@ -63,10 +74,22 @@ def main() -> None:
                 outs = gbv.generate(pair, prompts=prompts, batch_size=size, seed=0, **parse_row(row), **common)
                 made = sum(out.stats.new_tokens for out in outs)
             phase = "first" if round_ == 0 else "later"
-            key = (row, size, phase)
+            key = (row, size, phase, form)
             seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - began
             tokens[key] = tokens.get(key, 0) + made
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
+    lean_host.BATCH_LAYERS = True
+    if forms == ["on", "off"] or forms == ["off", "on"]:
+        print("\nbatch layer calls on / off, tokens/s (all rounds):")
+        for size in sizes:
+            for row in rows:
+                on, off = (sum(tokens[row, size, p, f] for p in ("first", "later") if (row, size, p, f) in tokens)
+                           / sum(seconds[row, size, p, f] for p in ("first", "later") if (row, size, p, f) in seconds)
+                           for f in ("on", "off"))
+                print(f"| {size} | {row} | {on:.0f} | {off:.0f} | {on / off:.3f}x |")
+    forms_key = forms[0]
+    tokens = {key[:3]: value for key, value in tokens.items() if key[3] == forms_key}
+    seconds = {key[:3]: value for key, value in seconds.items() if key[3] == forms_key}
     print(f"\nbundled pair, {args.dtype}, T = {args.temperature}, {len(prompts)} GSM8K prompts x "
           f"{args.max_new_tokens} tokens, 1 thread, {args.rounds} rounds (the first apart: auto's exploration)")
     phases = ["first"] + (["later"] if args.rounds > 1 else [])

@@ -1305,15 +1305,17 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     const float *b_qkv, const void *w_o, const void *w_gate_up, const void *w_down, int bf16, Py_ssize_t n, int H,
     int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, void *keys,
     void *values, int kv_bf16, Py_ssize_t capacity, const unsigned char *mask, Py_ssize_t start, float scale,
-    float *scores) {
+    float *scores, Py_ssize_t batch) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
-    rms_rows(hidden, normed, n, H, eps_in);
-    if (panel_product(normed, w_qkv, bf16, qkv, n, H, width, 0)) return -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float *row = qkv + i * width;
+    const Py_ssize_t rows = batch * n, sequence = (Py_ssize_t)kv_heads * capacity * D; /* (values a cache row) */
+    rms_rows(hidden, normed, rows, H, eps_in);
+    if (panel_product(normed, w_qkv, bf16, qkv, rows, H, width, 0)) return -1;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const Py_ssize_t i = r % n, first = (r / n) * sequence; /* query i of sequence r / n */
+        float *row = qkv + r * width;
         if (b_qkv)
             for (Py_ssize_t c = 0; c < width; c++) row[c] += b_qkv[c];
-        const float *rot = rotation + i * D; /* D/2 (cos, sin) pairs */
+        const float *rot = rotation + r * D; /* D/2 (cos, sin) pairs */
         for (int head = 0; head < heads + kv_heads; head++) {
             float *v = row + (Py_ssize_t)head * D;
             for (int j = 0; j < D; j += 2) {
@@ -1323,7 +1325,7 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
             }
         }
         for (int g = 0; g < kv_heads; g++) {
-            const Py_ssize_t slot = ((Py_ssize_t)g * capacity + start + i) * D;
+            const Py_ssize_t slot = first + ((Py_ssize_t)g * capacity + start + i) * D;
             const float *k = row + (Py_ssize_t)(heads + g) * D, *v = row + (Py_ssize_t)(heads + kv_heads + g) * D;
             if (kv_bf16) {
                 for (int d = 0; d < D; d++) {
@@ -1336,14 +1338,17 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
             }
         }
     }
-    attend(qkv, width, keys, values, kv_bf16, capacity, attn, mask, n, heads, kv_heads, D, start, start + n, scale,
-           scores);
-    if (panel_product(attn, w_o, bf16, hidden, n, (Py_ssize_t)heads * D, H, 1)) return -1;
-    rms_rows(hidden, normed, n, H, eps_post);
-    if (panel_product(normed, w_gate_up, bf16, gate_up, n, H, 2 * (Py_ssize_t)I, 0)) return -1;
-    for (Py_ssize_t i = 0; i < n; i++)
-        silu_times(gate_up + i * 2 * I, gate_up + i * 2 * I + I, act + i * I, I);
-    return panel_product(act, w_down, bf16, hidden, n, I, H, 1);
+    const Py_ssize_t kv_size = kv_bf16 ? 2 : 4, end = start + n;
+    for (Py_ssize_t b = 0; b < batch; b++) /* each sequence over its own cache row, under its own mask */
+        attend(qkv + b * n * width, width, (const char *)keys + b * sequence * kv_size,
+               (const char *)values + b * sequence * kv_size, kv_bf16, capacity, attn + b * n * heads * D,
+               mask ? mask + b * n * end : NULL, n, heads, kv_heads, D, start, end, scale, scores);
+    if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
+    rms_rows(hidden, normed, rows, H, eps_post);
+    if (panel_product(normed, w_gate_up, bf16, gate_up, rows, H, 2 * (Py_ssize_t)I, 0)) return -1;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        silu_times(gate_up + r * 2 * I, gate_up + r * 2 * I + I, act + r * I, I);
+    return panel_product(act, w_down, bf16, hidden, rows, I, H, 1);
 }
 #endif
 
@@ -1605,13 +1610,13 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 
 static PyObject *layer(PyObject *self, PyObject *args) {
     PyObject *objects[15];
-    Py_ssize_t n, start;
+    Py_ssize_t n, start, batch = 1;
     int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, out_of_memory = 0;
     double eps_in, eps_post, scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|p", &objects[0], &objects[1], &objects[2], &objects[3],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pn", &objects[0], &objects[1], &objects[2], &objects[3],
                           &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9], &objects[10],
                           &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads, &kv_heads, &D, &I,
-                          &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16))
+                          &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host layer needs an x86-64 CPU with AVX2 and FMA");
@@ -1621,19 +1626,19 @@ static PyObject *layer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, kind_error(bf16));
         return NULL;
     }
-    if (n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 || start < 0) {
-        PyErr_SetString(PyExc_ValueError, "need n, H, I >= 1, head_dim a multiple of 8, heads a multiple of "
+    if (batch < 1 || n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "need batch, n, H, I >= 1, head_dim a multiple of 8, heads a multiple of "
                                           "kv_heads and start >= 0");
         return NULL;
     }
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
-    const Py_ssize_t end = start + n;
+    const Py_ssize_t end = start + n, rows = batch * n; /* (batch sequences of n queries each) */
 #define PANELS(K, N) panels_bytes(bf16, K, N)
     /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask */
-    const Py_ssize_t sizes[15] = {n * H * f, n * H * f, n * width * f, n * heads * D * f, n * 2 * I * f, n * I * f,
-                                  PANELS(H, width), width * f, PANELS((Py_ssize_t)heads * D, H),
-                                  PANELS(H, 2 * (Py_ssize_t)I), PANELS((Py_ssize_t)I, H), n * D * f, -1, -1,
-                                  n * end};
+    const Py_ssize_t sizes[15] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
+                                  rows * 2 * I * f, rows * I * f, PANELS(H, width), width * f,
+                                  PANELS((Py_ssize_t)heads * D, H), PANELS(H, 2 * (Py_ssize_t)I), PANELS((Py_ssize_t)I, H),
+                                  rows * D * f, -1, -1, rows * end};
 #undef PANELS
     static const char *names[15] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv", "w_o",
                                     "w_gate_up", "w_down", "rotation", "keys", "values", "mask"};
@@ -1649,12 +1654,12 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     Py_ssize_t capacity = 0;
     if (!failed) {
         const Py_ssize_t kv = kv_bf16 ? 2 : 4; /* bytes of a cached value */
-        capacity = views[12].len / ((Py_ssize_t)kv_heads * D * kv);
-        if (views[12].len != capacity * kv_heads * D * kv || views[13].len != views[12].len) {
-            PyErr_SetString(PyExc_ValueError, kv_bf16 ? "keys and values must both be (kv_heads, capacity, head_dim) "
-                                                        "bfloat16 (uint16)"
-                                                      : "keys and values must both be (kv_heads, capacity, head_dim) "
-                                                        "float32");
+        capacity = views[12].len / (batch * kv_heads * D * kv);
+        if (views[12].len != batch * capacity * kv_heads * D * kv || views[13].len != views[12].len) {
+            PyErr_SetString(PyExc_ValueError, kv_bf16 ? "keys and values must both be ([batch,] kv_heads, capacity, "
+                                                        "head_dim) bfloat16 (uint16)"
+                                                      : "keys and values must both be ([batch,] kv_heads, capacity, "
+                                                        "head_dim) float32");
             failed = 1;
         } else if (end > capacity) {
             PyErr_SetString(PyExc_ValueError, "slots out of range: need start + n <= capacity");
@@ -1677,7 +1682,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
             (float *)views[4].buf, (float *)views[5].buf, views[6].buf, given[7] ? (const float *)views[7].buf : NULL,
             views[8].buf, views[9].buf, views[10].buf, bf16, n, H, heads, kv_heads, D, I, eps_in, eps_post,
             (const float *)views[11].buf, views[12].buf, views[13].buf, kv_bf16, capacity,
-            given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores);
+            given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores, batch);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -2015,7 +2020,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                 v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[3 * l], constants[3 * l + 1],
                 rotation, (char *)v[5].buf + first_row * sequence * kv, (char *)v[6].buf + first_row * sequence * kv,
                 kv_bf16, capacity, fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start,
-                (float)constants[3 * l + 2], scores);
+                (float)constants[3 * l + 2], scores, 1);
         }
         const float *last = hidden + (n - rows_out) * H;
         rms_rows(last, normed, rows_out, H, final_eps);

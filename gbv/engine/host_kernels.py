@@ -273,9 +273,14 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
 
 def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWeight, w_gate_up: PanelWeight,
                w_down: PanelWeight, rotation: np.ndarray, keys: np.ndarray, values: np.ndarray,
-               mask: np.ndarray | None, start: int, eps_in: float, eps_post: float, scale: float) -> None:
+               mask: np.ndarray | None, start: int, eps_in: float, eps_post: float, scale: float,
+               batch: int = 1) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
-    ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call.
+    ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
+    with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
+    ``keys``/``values`` (batch, kv_heads, capacity, D), one cache row each, ``mask`` (batch, n,
+    start+n) or None): the products over all their rows at once, each sequence's attention over its
+    own cache row.
 
     The layer as :class:`gbv.engine.lean_host.HostForward` computes it (norm weights folded, q/k/v and
     gate/up fused, rotary pairs interleaved): rms norm, q/k/v product (+ bias), the rotation
@@ -285,15 +290,16 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     as :func:`attention_into` (``mask`` (n, start+n) or None), o product added, rms norm, gate/up
     product, SiLU(gate) * up, down product added.
     """
-    n, hidden = rows.hidden.shape
-    kv_heads, _, head_dim = keys.shape
+    total, hidden = rows.hidden.shape
+    n = total // batch
+    kv_heads, _, head_dim = keys.shape[-3:]
     kind = w_qkv.kind
     if not w_o.kind == w_gate_up.kind == w_down.kind == kind:
         raise ValueError("a layer's four panel weights must all be packed alike (one PanelWeight.kind)")
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
-                        eps_post, scale, kind, *_kv_flag(keys))
+                        eps_post, scale, kind, *(_kv_flag(keys) if batch == 1 else (kv_bf16(keys), batch)))
 
 
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:

@@ -217,6 +217,10 @@ HOST_MAX_QUERIES = 64
 # 25-33, 1.3x at 64; a causal prompt chain of 96-400 tokens 1.1-1.3x. (The limit was 24 rows while
 # the products of 25 rows ran at half the core's rate, before the seventeenth session's tiles.)
 KERNEL_MAX_ROWS = 64
+# Several sequences' layers as one compiled call each (host_kernels.layer_into with a batch), where
+# both kernels run; False: a call per product and per sequence's attention, numpy between them (the
+# form before the thirty-second session, for before/after measurements: scripts/bench_batch.py).
+BATCH_LAYERS = True
 # Panel copies are a further copy of the weights: only for models this small (those that run on one
 # thread by default, gbv/engine/threads.py), whose steps the memory traffic of the products bounds.
 PANEL_MAX_PARAMETERS = 100_000_000
@@ -523,6 +527,16 @@ class HostForward:
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
                            all_keys[index][first_row], all_values[index][first_row],
                            None if kernel_masks is None else kernel_masks[0], start, eps_in, eps_post, scaling)
+            layers = ()
+        elif panels and attend and BATCH_LAYERS:
+            # Several sequences (a batch): each layer is one compiled call too, the products over all
+            # their rows and each one's attention over its own cache row. Why: the numpy and Python
+            # between the kernels below were about a quarter of a 16-row bfloat16 step of the bundled
+            # target (128 attention calls a step, the norms, the SiLU, the stores).
+            for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
+                layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
+                           all_keys[index][sequences], all_values[index][sequences], kernel_masks, start, eps_in,
+                           eps_post, scaling, batch)
             layers = ()
         else:
             layers = self.layers

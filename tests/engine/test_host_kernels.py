@@ -563,3 +563,48 @@ def test_tile_switches_say_why_where_the_kernels_cannot_run(monkeypatch):
     for switch in (host_kernels.set_two_panel_tiles, host_kernels.set_avx512_tiles, host_kernels.set_amx_products):
         with pytest.raises(ValueError, match="not built"):
             switch(True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_batch_layer_call_equals_the_calls_per_product(bf16, monkeypatch):
+    """Several sequences' forward with each layer as one compiled call (lean_host.BATCH_LAYERS: the
+    products over all rows, each sequence's attention over its own cache row under its own mask)
+    against a call per product and per sequence's attention (the form before): the logits agree to
+    float32 rounding and every cache row holds the same keys and values (bf16: within one rounding).
+    Negative control: the batch call with the sequences' masks in the wrong rows differs."""
+    import gbv.engine.lean_host as lean_host
+
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    if bf16:
+        target = target.to(torch.bfloat16)
+    batch, n, start = 3, 4, 10
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 48, (batch, n), generator=gen).numpy()
+    positions = (np.arange(n)[None] + np.array([[4], [9], [7]])).astype(np.int64)  # rows of their own lengths
+    mask = torch.cat([_random_mask(n, start, gen) for _ in range(batch)])  # (batch, 1, n, start + n)
+    prefix = torch.randint(0, 48, (1, start), generator=gen)
+
+    calls = []
+    real = lean_host.layer_into
+    monkeypatch.setattr(lean_host, "layer_into", lambda *args, **kw: calls.append(args[-1]) or real(*args, **kw))
+
+    def run(batch_layers: bool, rows_mask: torch.Tensor):
+        monkeypatch.setattr(lean_host, "BATCH_LAYERS", batch_layers)
+        forward = LeanCausalLM(target).host_forward
+        cache = forward.lean.new_cache(batch + 1, 64)
+        with torch.inference_mode():
+            for row in range(batch):
+                forward(prefix.numpy(), np.arange(start)[None], 0, cache, None, causal=True, first_row=row + 1)
+            logits = forward(tokens, positions, start, cache, rows_mask, first_row=1)
+        return logits, cache
+
+    (fused, fused_cache), (split, split_cache) = run(True, mask), run(False, mask)
+    assert calls.count(batch) == len(target.model.layers)  # (a batch call a layer, in the first run only)
+    torch.testing.assert_close(fused, split, atol=2e-5 if bf16 else 2e-6, rtol=1e-5)
+    for store in ("keys", "values"):
+        for x, y in zip(getattr(fused_cache, store), getattr(split_cache, store)):
+            torch.testing.assert_close(x[1:, :, :start + n].float(), y[1:, :, :start + n].float(),
+                                       atol=1e-2 if bf16 else 1e-6, rtol=1e-2 if bf16 else 1e-6)
+    swapped, _ = run(True, mask[[1, 2, 0]])
+    assert (swapped - split).abs().max() > 1e-3
