@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| server | concurrency | requests | tokens | tokens/s | p50 s | p95 s | block eff. |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     rows: list[dict] = []
-    gbv_env = {**os.environ, **threads_env, "PYTHONPATH": str(ROOT)}
+    # auto's policies start from nothing (GBV_AUTO_CACHE=0): not from files an earlier run left in
+    # ~/.cache/gbv/auto, which would make one run depend on the runs before it
+    gbv_env = {**os.environ, **threads_env, "PYTHONPATH": str(ROOT), "GBV_AUTO_CACHE": "0"}
     gbv_cmd = [sys.executable, "-m", "gbv", "serve", "--threads", str(args.threads), "--max-batch", str(args.max_batch),
                "--max-queue", str(max(64, args.requests))]
     port = free_port()
