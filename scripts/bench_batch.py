@@ -25,15 +25,7 @@ import torch
 import gbv
 from gbv.data import load_prompts
 
-
-def parse_row(row: str) -> dict:
-    """``ar`` / ``auto`` / ``METHOD:L`` (one path) / ``METHOD:K:L`` -> generate's settings."""
-    parts = row.split(":")
-    if len(parts) == 1:
-        return {"method": parts[0]}
-    if len(parts) == 2:
-        return {"method": parts[0], "num_paths": 1, "block_len": int(parts[1])}
-    return {"method": parts[0], "num_paths": int(parts[1]), "block_len": int(parts[2])}
+from bench_rev_ab import parse_row  # scripts/ is on the path when run as a script
 
 
 def main() -> None:
