@@ -391,10 +391,10 @@ class AutoPolicy:
         after ``switching`` seconds of work for the switch to it (the drafts' catch-up, see
         :meth:`record`): one iteration for the arm's sums, the clock and the aging (at the rows' mean
         tokens, and the seconds over the rows: what one row's iteration cost), and every row's accepted
-        length for the family's acceptance. Why not a record per row: the clock then ran 16 iterations a step at
-        16 rows, so the other arms aged and were explored again 16x as often per step as for one
-        sequence, and a stretch of ``ar`` (_STRETCH records) was one step. Deferred records are applied
-        first."""
+        length for the family's acceptance. Why not a record per row: the clock then ran 16 iterations
+        a step at 16 rows, so the other arms aged and were explored again 16x as often per step as for
+        one sequence, and a stretch of ``ar`` (_STRETCH records) was one step. Deferred records are
+        applied first."""
         if self._pending:
             self.flush()
         rows = len(row_tokens)

@@ -546,7 +546,8 @@ def test_a_batch_step_is_one_iteration_of_its_arm_with_every_rows_acceptance():
     assert batch.clock == 1 and batch.trials[1] == 1.0 and per_row.clock == 16
     assert batch.tokens[1] == pytest.approx(sum(tokens) / 16) and batch.seconds[1] == pytest.approx(0.001)
     family_batch, family_rows = batch.acceptance[("block", 1)], per_row.acceptance[("block", 1)]
-    assert family_batch.tried == pytest.approx(family_rows.tried) and family_batch.kept == pytest.approx(family_rows.kept)
+    assert family_batch.tried == pytest.approx(family_rows.tried)
+    assert family_batch.kept == pytest.approx(family_rows.kept)
     assert batch.expected_tokens(1) == pytest.approx(per_row.expected_tokens(1))
     for _ in range(auto._STRETCH):  # ar: a stretch of _STRETCH batch steps, not of _STRETCH rows
         batch.record_rows(0, [1] * 16, 0.016)
