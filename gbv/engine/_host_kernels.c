@@ -1284,8 +1284,11 @@ __attribute__((target("avx2,fma"))) static void silu_times(const float *gate, co
     for (; c < I; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
 }
 
-/* One decoder layer for n rows of one sequence, in place on `hidden` (n, H): what the host forward
- * does per layer (lean_host.py), in one call instead of some twenty.
+/* One decoder layer for n rows of each of `batch` sequences, in place on `hidden` (batch * n, H): what
+ * the host forward does per layer (lean_host.py), in one call instead of some twenty (a batch: the
+ * norms, products and SiLU over all batch * n rows at once; sequence b's keys and values in its own
+ * cache row, `keys` + b * kv_heads * capacity * D values, and its attention under its own mask,
+ * `mask` + b * n * (start + n)).
  *
  * Why: on the bundled pair a layer's numpy and torch calls between the products cost 60-100 us
  * (about 0.7 ms of a 2.8 ms target step, 0.2 ms of a 0.6 ms draft step); here they cost a few.
