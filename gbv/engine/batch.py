@@ -127,9 +127,11 @@ class BatchTreeDecoder:
             if self.draft is None or upto - row.draft_len < 2:
                 continue
             chain = row.tokens[row.draft_len:upto]
+            # (eagerly: on CUDA a graph per lag and row would be recorded for calls met once or twice)
             self.draft.forward(torch.tensor([chain], device=self.device),
                                torch.arange(row.draft_len, upto, device=self.device)[None], row.draft_len,
-                               self.draft_cache, None, causal=True, last_only=True, first_row=self.rows.index(row))
+                               self.draft_cache, None, causal=True, last_only=True, first_row=self.rows.index(row),
+                               static=False)
             row.draft_len = upto
 
     # ------------------------------------------------------------------------------ one iteration
