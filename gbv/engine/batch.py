@@ -95,8 +95,10 @@ class BatchTreeDecoder:
             if cache.capacity < need:
                 cache.grow(need)
             if head:
+                # (eagerly, as one sequence's prompt: on CUDA a graph per prompt length and row, met once, was
+                # recorded, ~7 ms each, and filled the cache's MAX_STEPS_PER_CACHE, leaving later steps unrecorded)
                 model.forward(torch.tensor([head], device=self.device), torch.arange(len(head), device=self.device)[None],
-                              0, cache, None, causal=True, last_only=True, first_row=index)
+                              0, cache, None, causal=True, last_only=True, first_row=index, static=False)
         row.draft_len = len(head)
         self.rows.append(row)
         return row

@@ -305,3 +305,29 @@ def test_a_shape_is_recorded_at_its_record_at_use(monkeypatch):
     assert recorded_at == [4] and one.graph is not None and one.calls == 6
     assert static.steps.first_use_seconds > 0.0  # (the eager uses before, timed for auto: not an arm's cost)
     assert all(step.graph is None for key, step in caches[1].steps.items() if key[2] != 1)
+
+
+def test_a_batch_records_no_shape_for_its_prompts_or_catch_ups(monkeypatch):
+    """A batch's rows are prefilled (and, under ``auto``, their drafts caught up) eagerly, as one
+    sequence's prompt is: on CUDA a graph per prompt length and row is a recording (~7 ms) for a call
+    met once, and 128 of them filled a cache's steps (MAX_STEPS_PER_CACHE), leaving later decoding
+    steps unrecorded. The control: the steps of the batch's iterations are kept."""
+    from gbv.engine.batch import BatchTreeDecoder
+    from gbv.engine.sampling import SamplingConfig
+
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    monkeypatch.setenv("GBV_CUDA_GRAPHS", MODE)
+    target, draft = hf_pair("llama", vocab=40, seed=6)
+    batch = BatchTreeDecoder(target, draft, 40, TEST_DEVICE, 3)
+    sampling = SamplingConfig(1.0)
+    rows = [batch.add_row(ids, "block", 1, 3, sampling, sampling, seed)
+            for seed, ids in enumerate([[1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 3, 5, 7, 9, 11, 13, 15, 17, 19]])]
+    prompt_shapes = {(1, row, len(ids) - 1, False, True) for row, ids in enumerate([[0] * 6, [0] * 3, [0] * 10])}
+    for cache in (batch.target_cache, batch.draft_cache):
+        assert not set(cache.steps) & prompt_shapes
+    for _ in range(4):
+        batch.step({id(row): 0 for row in rows})  # plain steps: the drafts lag
+    batch.catch_up_drafts(rows)
+    batch.step({id(row): 3 for row in rows})
+    for cache in (batch.target_cache, batch.draft_cache):
+        assert cache.steps and all(key[0] == len(rows) for key in cache.steps if isinstance(key[0], int)), cache.steps
