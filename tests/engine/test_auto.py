@@ -576,6 +576,8 @@ def test_the_auto_rows_of_a_batch_run_one_arm_a_step(monkeypatch):
     outs = generate(pair, prompt_ids=[[1, 2], [3], [4, 4, 1, 0], [2, 2, 2]], batch_size=4, method="auto",
                     temperature=1.0, max_new_tokens=80, eos_token_id=[], seed=1)
     assert all(len({(policy, index) for policy, index, _, _ in step}) == 1 for step in steps)
-    assert len({index for step in steps for _, index, _, _ in step}) > 2  # (ar and speculative arms)
+    # (ar explores first, then the speculative arms in order; which of them get tried after the first
+    # depends on measured times, so only "more than one arm" is certain)
+    assert len({index for step in steps for _, index, _, _ in step}) > 1
     assert all(whole == fits for step in steps for _, _, whole, fits in step)
     assert all(sum(o.stats.auto_arms.values()) > 0 for o in outs)

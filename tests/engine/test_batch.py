@@ -132,3 +132,48 @@ def test_catch_up_feeds_each_lagging_draft_as_a_prefill_would(llama_toy):
     assert all(_draft_gap(batch, i, row, upto[i]) < 1e-5 for i, row in enumerate(rows))
     new = batch.step({id(row): 3 for row in rows})  # and the next speculative step runs from there
     assert all(len(new[id(row)]) >= 1 for row in rows)
+
+
+def _stale_lone_path(self, row, block):
+    """``BatchTreeDecoder._draft_lone_path`` with one fault (the negative control): every depth is fed
+    the path's first token instead of the one just drawn."""
+    q = torch.empty(1, block, self.vocab, dtype=torch.float32)
+    q_rows = q.numpy()[0]
+    token = self.draft.sampled_chain(row.tokens[row.draft_len:], row.draft_len, self.draft_cache, self.vocab,
+                                     row.draft_sampling, row.rng, q_rows[0])
+    if token is None:
+        return None
+    path = [token]
+    for i in range(1, block):
+        path.append(self.draft.sampled_chain([path[0]], len(row.tokens) - 1 + i, self.draft_cache, self.vocab,
+                                             row.draft_sampling, row.rng, q_rows[i]))
+    return path, q
+
+
+def test_a_lone_row_drafts_as_one_sequence_does(bundled, monkeypatch):
+    """A batch's only row (``gbv serve`` at concurrency 1, a batch's tail) drafts its path as one
+    sequence does, a compiled call a depth (``_draft_lone_path``), and commits the tokens of
+    ``generate`` on that prompt alone. The control: the same path fed a stale token commits others."""
+    settings = dict(method="block", block_len=4, temperature=1.0, max_new_tokens=40, eos_token_id=[], seed=3)
+    alone = generate(bundled, prompt="def fib(n):", **settings).token_ids
+    taken = []
+    real = BatchTreeDecoder._draft_lone_path
+
+    def counted(self, row, block):
+        out = real(self, row, block)
+        taken.append(out is not None)
+        return out
+
+    def lone_row_tokens():
+        job = prepare_job(bundled, bundled.tokenizer.encode("def fib(n):"), **settings)
+        rows = BatchRows(bundled, BatchTreeDecoder(bundled.target, bundled.draft, job.vocab, bundled.device, 4))
+        rows.add("a", job, emit=False)
+        while rows.active:
+            for key, event, value in rows.step():
+                if event == "done":
+                    return value.token_ids
+
+    monkeypatch.setattr(BatchTreeDecoder, "_draft_lone_path", counted)
+    assert lone_row_tokens() == alone and taken and all(taken)
+    monkeypatch.setattr(BatchTreeDecoder, "_draft_lone_path", _stale_lone_path)
+    assert lone_row_tokens() != alone
