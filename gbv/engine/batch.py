@@ -27,7 +27,7 @@ from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, samp
 from gbv.engine.static_sampling import draft_uniforms
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import build_tree
-from gbv.engine.tree_decoder import draft_lean_model, lean_model
+from gbv.engine.tree_decoder import draft_lean_model, draft_one_path, lean_model
 from gbv.verify import TorchRandom
 
 _ROOM = 512
@@ -137,9 +137,9 @@ class BatchTreeDecoder:
             row.draft_len = upto
 
     def _draft_lone_path(self, row: BatchRow, block: int) -> tuple[list[int], Tensor] | None:
-        """The one path of a batch's only row as ``TreeDecoder._draft_one_path`` drafts it: the unseen
-        chain and each depth as one compiled call of the draft's host forward on cache row 0 (forward,
-        softmax into q, draw). Returns (the path, q (1, block, V)), or None where those calls do not run
+        """The one path of a batch's only row as one sequence drafts it (:func:`draft_one_path`: the
+        unseen chain and each depth as one compiled call of the draft's host forward on cache row 0).
+        Returns (the path, q (1, block, V)), or None where those calls do not run
         (then :meth:`step` drafts as for many rows). For one row the batch's slots are the single
         decoder's (the chain from the draft length, node i in slot ``len(tokens) - 1 + i``), and the
         draws take the row's uniforms in the same order, so the tokens are those of :meth:`step`'s
@@ -148,18 +148,9 @@ class BatchTreeDecoder:
         if self.draft is None or self.draft.host_forward is None:
             return None
         q = torch.empty(1, block, self.vocab, dtype=torch.float32)
-        q_rows = q.numpy()[0]  # (block, V), written in place
-        config = row.draft_sampling
-        token = self.draft.sampled_chain(row.tokens[row.draft_len:], row.draft_len, self.draft_cache, self.vocab,
-                                         config, row.rng, q_rows[0])
-        if token is None:
-            return None
-        committed = len(row.tokens) - 1
-        path = [token]
-        for i in range(1, block):
-            path.append(self.draft.sampled_chain([path[-1]], committed + i, self.draft_cache, self.vocab, config,
-                                                 row.rng, q_rows[i]))
-        return path, q
+        path = draft_one_path(self.draft, self.draft_cache, row.tokens, row.draft_len, block, self.vocab,
+                              row.draft_sampling, row.rng, q.numpy()[0])
+        return None if path is None else (path, q)
 
     # ------------------------------------------------------------------------------ one iteration
     @torch.inference_mode()

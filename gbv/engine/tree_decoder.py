@@ -73,6 +73,25 @@ def draft_lean_model(model, target) -> LeanCausalLM:
     return draft
 
 
+def draft_one_path(draft: LeanCausalLM, cache, tokens: list[int], draft_len: int, block: int, vocab: int,
+                   config: SamplingConfig, rng, q_rows) -> list[int] | None:
+    """One path of ``block`` tokens drafted on cache row 0 after the committed ``tokens`` (the draft has
+    seen the first ``draft_len``), as ``block`` compiled calls of the draft's host forward (forward,
+    softmax into ``q_rows`` ((block, V) float32 numpy, written in place), draw from ``rng.uniform()``),
+    its tokens read back as host ints by the calls themselves: the unseen chain, then node i in slot
+    ``len(tokens) - 1 + i``, at that position (a chain of one). None where those calls do not run here
+    (no one-call forward, top-k / top-p), before anything is written or drawn. The single decoder's
+    one-path drafting, and a batch's lone row's (``BatchTreeDecoder._draft_lone_path``)."""
+    token = draft.sampled_chain(tokens[draft_len:], draft_len, cache, vocab, config, rng, q_rows[0])
+    if token is None:
+        return None
+    committed = len(tokens) - 1
+    path = [token]
+    for i in range(1, block):
+        path.append(draft.sampled_chain([path[-1]], committed + i, cache, vocab, config, rng, q_rows[i]))
+    return path
+
+
 class TreeDecoder(DecoderState):
     """The decoding state of one sequence over lean models; the same interface as ``Decoder``
     (``prefill``, ``step``, ``truncate``, ``tokens``, ``draft_len``, ``stats``)."""
@@ -123,21 +142,12 @@ class TreeDecoder(DecoderState):
         self.stats.time_draft += self._clock() - start
 
     def _draft_one_path(self, block: int, committed: int, q: torch.Tensor) -> list[int] | None:
-        """One path drafted as ``block`` compiled calls (forward, softmax into ``q`` (1, L, V), draw),
-        its tokens read back as host ints by the calls themselves; None where those calls do not run
-        here (no one-call forward, top-k / top-p, a long lag): :meth:`_draft_paths` then."""
+        """One path drafted as ``block`` compiled calls (:func:`draft_one_path`, q (1, L, V) written in
+        place); None where those calls do not run here: :meth:`_draft_paths` then."""
         if self.draft.host_forward is None:  # (on a GPU: the tensor path)
             return None
-        q_rows = q.numpy()[0]  # (L, V), written in place
-        token = self.draft.sampled_chain(self.tokens[self.draft_len:], self.draft_len, self.draft_cache, self.vocab,
-                                         self.draft_sampling, self.rng, q_rows[0])
-        if token is None:
-            return None
-        path = [token]
-        for i in range(1, block):  # node i sits in slot committed + i, at that position: a chain of one
-            path.append(self.draft.sampled_chain([path[-1]], committed + i, self.draft_cache, self.vocab,
-                                                 self.draft_sampling, self.rng, q_rows[i]))
-        return path
+        return draft_one_path(self.draft, self.draft_cache, self.tokens, self.draft_len, block, self.vocab,
+                              self.draft_sampling, self.rng, q.numpy()[0])
 
     def _draft_paths(self, block: int, rows: int, committed: int, base: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K = ``rows`` paths: the unseen chain, then one forward per depth over the path tips. Returns
