@@ -23,9 +23,8 @@ import os
 import torch
 from torch import Tensor
 
-from gbv.engine import static_steps
 from gbv.engine.sampling import SamplingConfig, fill_token_uniform, process_logits
-from gbv.engine.static_steps import MAX_QUERIES, Recorded, StaticStep, StaticSteps, static_forward
+from gbv.engine.static_steps import MAX_QUERIES, Recorded, StaticStep, StaticSteps, iteration_steps, static_forward
 from gbv.errors import GbvError
 from gbv.verify.common import TorchRandom, draw_rows_at
 
@@ -58,8 +57,8 @@ def draft_loop(lean, cache, chain: int, rows: int, block: int, vocab: int, confi
     """The loop of this shape over ``cache`` (made on first use), or None where drafting runs step by step:
     no static steps for ``lean``, a chain longer than :data:`MAX_CHAIN`, or the cache's steps full.
     ``end``: one past the last slot the phase writes (the cache grows to hold it)."""
-    steps = lean.steps
-    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps) or not 1 <= chain <= MAX_CHAIN:
+    steps = iteration_steps(lean)
+    if steps is None or not 1 <= chain <= MAX_CHAIN:
         return None
     return steps.kept(cache, ("draft", chain, rows, block, vocab, config), end,
                       lambda: DraftLoop(cache, chain, rows, block, vocab, config, steps))
@@ -149,8 +148,8 @@ def sampled_step(lean, cache, n: int, masked: bool, start: int, vocab: int, conf
                  draw: bool) -> "SampledStep | None":
     """The sampled step of this shape over row 0 of ``cache`` (made on first use), or None where the
     call runs otherwise (no static steps for ``lean``, too many queries, the cache's steps full)."""
-    steps = lean.steps
-    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps) or n > MAX_QUERIES:
+    steps = iteration_steps(lean)
+    if steps is None or n > MAX_QUERIES:
         return None
     return steps.kept(cache, ("sampled", n, masked, vocab, config, draw), start + n,
                       lambda: SampledStep(cache, n, masked, vocab, config, draw, steps))
@@ -219,7 +218,7 @@ def _plain_run() -> int:
     setting = os.environ.get("GBV_PLAIN_RUN", "8")
     if not setting.isdigit() or int(setting) < 1 or int(setting) & (int(setting) - 1):
         raise GbvError(f"GBV_PLAIN_RUN must be a power of two of at least 1 (plain steps run as one call), "
-                         f"not {setting!r}; unset it for the default, 8")
+                       f"not {setting!r}; unset it for the default, 8")
     return int(setting)
 
 
@@ -229,8 +228,7 @@ PLAIN_RUN = _plain_run()
 def plain_run_length(lean, limit: int | None) -> int:
     """How many plain steps of ``lean`` to run as one call when at most ``limit`` may run (None: any
     number): the largest power of two up to ``min(PLAIN_RUN, limit)`` where static steps run, else 1."""
-    steps = lean.steps
-    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps):
+    if iteration_steps(lean) is None:
         return 1
     longest = PLAIN_RUN if limit is None else min(PLAIN_RUN, limit)
     return 1 << (max(longest, 1).bit_length() - 1)
@@ -239,8 +237,8 @@ def plain_run_length(lean, limit: int | None) -> int:
 def plain_loop(lean, cache, count: int, start: int, vocab: int, config: SamplingConfig) -> "PlainLoop | None":
     """The loop of ``count`` plain steps over row 0 of ``cache`` (made on first use), or None where the
     steps run one at a time (no static steps for ``lean``, the cache's steps full)."""
-    steps = lean.steps
-    if not static_steps.RECORD_ITERATION or not isinstance(steps, StaticSteps):
+    steps = iteration_steps(lean)
+    if steps is None:
         return None
     return steps.kept(cache, ("plain", count, vocab, config), start + count,
                       lambda: PlainLoop(cache, count, vocab, config, steps))

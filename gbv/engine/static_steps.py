@@ -60,7 +60,7 @@ def _record_at() -> int:
     setting = os.environ.get("GBV_RECORD_AT", "1")
     if not setting.isdigit() or int(setting) < 1:
         raise GbvError(f"GBV_RECORD_AT must be a whole number of at least 1 (the use of a shape at which it "
-                         f"is recorded), not {setting!r}; unset it for the default, 1")
+                       f"is recorded), not {setting!r}; unset it for the default, 1")
     return int(setting)
 
 
@@ -346,13 +346,20 @@ class StaticMove(Recorded):
         return ()
 
 
+def iteration_steps(lean) -> StaticSteps | None:
+    """``lean``'s static steps where an iteration's work around the forwards is recorded too
+    (:data:`RECORD_ITERATION`: the drafting, the sampled steps, ar's runs, the commit's moves), else None."""
+    steps = lean.steps
+    return steps if RECORD_ITERATION and isinstance(steps, StaticSteps) else None
+
+
 def move(lean, cache, src: list[int], dst: list[int]) -> None:
     """``cache.move(src, dst)`` (row 0), as a :class:`StaticMove` where ``lean`` has static steps: of a
     power of two moves, the last one repeated (it writes the same values again), so that a few recorded
     moves serve every accepted length."""
-    steps = lean.steps
+    steps = iteration_steps(lean)
     call = None
-    if RECORD_ITERATION and isinstance(steps, StaticSteps) and cache.keys[0].shape[0] == 1:
+    if steps is not None and cache.keys[0].shape[0] == 1:
         count = 1 << (len(src) - 1).bit_length()
         src, dst = src + src[-1:] * (count - len(src)), dst + dst[-1:] * (count - len(dst))
         call = steps.kept(cache, ("move", count), 0, lambda: StaticMove(count, steps))
