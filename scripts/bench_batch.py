@@ -4,6 +4,7 @@ row against ``ar`` at each batch size, in one process, bundled pair, 1 thread.
     python scripts/bench_batch.py --dtype bfloat16 --temperature 1.0
     python scripts/bench_batch.py --batch-sizes 1,4,16 --prompts 32 --rounds 3 --rows ar,block:2,block:4,auto
     python scripts/bench_batch.py --rows ar,block:2,block:4 --batch-layers on,off   # the batch layer calls A/B
+    python scripts/bench_batch.py --rows ar,block:4,gbv:3:8 --batch-max-rows on,off   # kernels past 64 rows A/B
 
 Each round runs every (row, batch size) over the same ``--prompts`` GSM8K prompts (seeds 0.., EOS off,
 ``--max-new-tokens``), the rows in a rotating order. ``auto``'s policies live as long as the process,
@@ -13,7 +14,10 @@ each row's pooled tokens/s and its ratio to ``ar``, and ``auto`` against the bes
 ``--batch-layers on,off`` also runs every cell with several sequences' layers as one compiled call
 (``lean_host.BATCH_LAYERS``, the default) and as a call per product and per sequence's attention (the
 form before), interleaved, and prints each row's on / off ratio (leave ``auto`` out there: its policy
-would learn from both forms).
+would learn from both forms). ``--batch-max-rows on,off`` does the same for the compiled kernels on a
+batch of any rows in all (``lean_host.BATCH_MAX_ROWS = None``, the default) against the cap of 64
+rows in all that stood before the thirty-third session (larger passes on torch's products and SDPA).
+One of the two switches at a time takes both forms.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-layers", default="on", help="on, off or on,off (see above)")
+    parser.add_argument("--batch-max-rows", default="on", help="on, off or on,off (see above)")
     args = parser.parse_args()
     import gbv.engine.lean_host as lean_host
     torch.set_num_threads(1)
@@ -45,19 +50,33 @@ def main() -> None:
     prompts = load_prompts("gsm8k", args.prompts)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = args.rows.split(",")
-    forms = args.batch_layers.split(",")
-    if not set(forms) <= {"on", "off"}:
-        parser.error(f"--batch-layers takes on, off or on,off, not {args.batch_layers!r}")
-    cells = [(row, size, form) for size in sizes for row in rows for form in forms]
+    switches = {"--batch-layers": args.batch_layers.split(","), "--batch-max-rows": args.batch_max_rows.split(",")}
+    for name, given in switches.items():
+        if not set(given) <= {"on", "off"} or len(given) != len(set(given)):
+            parser.error(f"{name} takes on, off or on,off, not {','.join(given)!r}")
+    switched = [name for name, given in switches.items() if len(given) == 2]
+    if len(switched) > 1:
+        parser.error("give both forms (on,off) to one switch at a time")
+    forms = switches[switched[0]] if switched else ["on"]
+
+    def use_form(form: str) -> None:
+        """The settings of this form: the switched one as ``form``, the other as given."""
+        chosen = {name: form if name in switched else given[0] for name, given in switches.items()}
+        lean_host.BATCH_LAYERS = chosen["--batch-layers"] == "on"
+        lean_host.BATCH_MAX_ROWS = None if chosen["--batch-max-rows"] == "on" else 64
+    cells = [(row, size) for size in sizes for row in rows]
     seconds: dict = {}
     tokens: dict = {}
     common = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=[])
     with torch.inference_mode():  # (warm-up: the lean views and kernels, not auto's policies)
         gbv.generate(pair, prompt=prompts[0], method="ar", max_new_tokens=8)
     for round_ in range(args.rounds):
+        # The cells in a rotating order, and a cell's two forms in turns: the first of a pair ran
+        # 5-15% slower than the second in one test (`ar` at 16 rows, which no switch touches).
         order = cells[round_ % len(cells):] + cells[:round_ % len(cells)]
-        for row, size, form in order:
-            lean_host.BATCH_LAYERS = form == "on"
+        turns = forms if round_ % 2 == 0 else forms[::-1]
+        for row, size, form in [(row, size, form) for row, size in order for form in turns]:
+            use_form(form)
             began = time.perf_counter()
             if size == 1:
                 made = sum(gbv.generate(pair, prompt=p, seed=i, **parse_row(row), **common).stats.new_tokens
@@ -70,9 +89,9 @@ def main() -> None:
             seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - began
             tokens[key] = tokens.get(key, 0) + made
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
-    lean_host.BATCH_LAYERS = True
-    if forms == ["on", "off"] or forms == ["off", "on"]:
-        print("\nbatch layer calls on / off, tokens/s (all rounds):")
+    lean_host.BATCH_LAYERS, lean_host.BATCH_MAX_ROWS = True, None
+    if switched:
+        print(f"\n{switched[0]} on / off, tokens/s (all rounds):")
         for size in sizes:
             for row in rows:
                 on, off = (sum(tokens[row, size, p, f] for p in ("first", "later") if (row, size, p, f) in tokens)

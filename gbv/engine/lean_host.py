@@ -23,10 +23,10 @@ mathematics, summed in another order.
 :meth:`LeanCausalLM.forward` uses it for one sequence (any cache row): of any length where the
 compiled kernels run, else of up to ``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the
 model has fused interleaved transposed copies (:func:`host_forward_unsupported_reason`); and for
-several sequences where the compiled kernels run and the rows in all are at most ``KERNEL_MAX_ROWS``
+several sequences where the compiled kernels run, each of at most ``KERNEL_MAX_ROWS`` queries
 (:meth:`HostForward.takes`; without the kernels, batches of 8 measured 0.96-0.99x the torch forward,
-``scripts/bench_host_forward_ab.py --batch 8``). Larger batches, long prompts without the kernels and
-CUDA take the torch path: on a GPU no tensor ever leaves the device for this. A small bfloat16 model
+``scripts/bench_host_forward_ab.py --batch 8``). Batches without the kernels, long prompts without
+them and CUDA take the torch path: on a GPU no tensor ever leaves the device for this. A small bfloat16 model
 on the CPU runs here too, in float32 over its bf16 weight values (``LeanCausalLM.bf16_in_float32``;
 the panels then hold bfloat16, half the bytes); where the kernels do not run, bfloat16 takes the
 torch path.
@@ -217,6 +217,13 @@ HOST_MAX_QUERIES = 64
 # 25-33, 1.3x at 64; a causal prompt chain of 96-400 tokens 1.1-1.3x. (The limit was 24 rows while
 # the products of 25 rows ran at half the core's rate, before the seventeenth session's tiles.)
 KERNEL_MAX_ROWS = 64
+# Several sequences (a batch) take the compiled kernels whatever their rows in all (None), each
+# sequence of up to KERNEL_MAX_ROWS queries. Why no cap: a batch's layers are one compiled call each
+# (BATCH_LAYERS), and past 64 rows the torch path cost 1.5-1.8x their time in bfloat16 (AMX products
+# against oneDNN's and SDPA) and about the same in float32: ``scripts/bench_batch.py --batch-max-rows
+# on,off``, whose "off" is the cap of 64 rows in all that stood before the thirty-third session
+# (16 rows of BV L = 4 are 80; of GBV K = 3, L = 8 up to 400).
+BATCH_MAX_ROWS: int | None = None
 # Several sequences' layers as one compiled call each (host_kernels.layer_into with a batch), where
 # both kernels run; False: a call per product and per sequence's attention, numpy between them (the
 # form before the thirty-second session, for before/after measurements: scripts/bench_batch.py).
@@ -278,7 +285,7 @@ class _Product:
              panels: bool) -> None:
         """``out = x @ W`` (``out += x @ W`` when accumulating); ``x``/``x_t`` and ``out``/``out_t`` are
         the numpy and torch views of the same buffers."""
-        if panels and self.panel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        if panels and self.panel is not None:
             self.panel.matmul_into(x, out, accumulate)
             return
         if self.round_inputs:
@@ -403,13 +410,13 @@ class HostForward:
     def takes(self, batch: int, n: int) -> bool:
         """Whether :meth:`LeanCausalLM.forward` should run ``batch`` sequences of ``n`` queries here: one
         sequence of up to ``HOST_MAX_QUERIES``, or of any length as one compiled call
-        (:meth:`one_call`), or several where the compiled kernels run and the rows in all are at most
-        ``KERNEL_MAX_ROWS``. (Without the kernels, batches of 8 measured 0.96-0.99x the torch forward:
-        torch's products dominate either way.)"""
+        (:meth:`one_call`), or several where the compiled kernels run, of up to ``KERNEL_MAX_ROWS``
+        queries each (and ``BATCH_MAX_ROWS`` rows in all, where set). (Without the kernels, batches of
+        8 measured 0.96-0.99x the torch forward: torch's products dominate either way.)"""
         if batch == 1:
             return n <= HOST_MAX_QUERIES or self.one_call(n)
-        return (batch * n <= KERNEL_MAX_ROWS and self.panels_off is None and self.attention_off is None
-                and torch.get_num_threads() == 1)
+        return (n <= KERNEL_MAX_ROWS and (BATCH_MAX_ROWS is None or batch * n <= BATCH_MAX_ROWS)
+                and self.panels_off is None and self.attention_off is None and torch.get_num_threads() == 1)
 
     def rows(self, batch: int, n: int) -> _Rows:
         """The work buffers for ``batch`` sequences of ``n`` queries: kept per shape for the decoding
@@ -511,6 +518,9 @@ class HostForward:
         # The kernels run on one thread: with more, torch's GEMM and SDPA are left the work.
         one_thread = torch.get_num_threads() == 1
         panels = self.panels_off is None and one_thread and self.lm_head.panel is not None  # (packed at build)
+        # One sequence's products of more than KERNEL_MAX_ROWS rows go to torch's GEMM (where this loop
+        # runs a long prompt: without the one-call forward); a batch's stay on the kernels (takes()).
+        loop_panels = panels and (batch > 1 or n <= KERNEL_MAX_ROWS)
         if self.attention_off is None and one_thread and n <= KERNEL_MAX_ROWS:
             if mask is None and not causal and n > 1:
                 raise ValueError("several queries need a mask or causal=True")
@@ -542,7 +552,7 @@ class HostForward:
             layers = self.layers
         for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(layers):
             self._rms_into(rows, eps_in)
-            w_qkv.into(rows.normed, rows.normed_t, rows.qkv, rows.qkv_t, False, panels)
+            w_qkv.into(rows.normed, rows.normed_t, rows.qkv, rows.qkv_t, False, loop_panels)
             if b_qkv is not None:
                 rows.qkv += b_qkv
             rows.qk_complex *= rotation
@@ -559,16 +569,16 @@ class HostForward:
                     rows.query, _as_float32(keys[:, :, :end]), _as_float32(values[:, :, :end]),
                     attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)  # (B, heads, N, D)
                 np.copyto(rows.attn_heads, attn.numpy().transpose(0, 2, 1, 3))
-            w_o.into(rows.attn, rows.attn_t, rows.hidden, rows.hidden_t, True, panels)
+            w_o.into(rows.attn, rows.attn_t, rows.hidden, rows.hidden_t, True, loop_panels)
             self._rms_into(rows, eps_post)
-            w_gate_up.into(rows.normed, rows.normed_t, rows.gate_up, rows.gate_up_t, False, panels)
+            w_gate_up.into(rows.normed, rows.normed_t, rows.gate_up, rows.gate_up_t, False, loop_panels)
             act = rows.act  # SiLU(g) * u = g * u / (1 + exp(-g))
             np.negative(rows.gate, out=act)
             np.exp(act, out=act)
             act += 1.0
             np.divide(rows.gate, act, out=act)
             act *= rows.up
-            w_down.into(rows.act, rows.act_t, rows.hidden, rows.hidden_t, True, panels)
+            w_down.into(rows.act, rows.act_t, rows.hidden, rows.hidden_t, True, loop_panels)
         if last_only and n > 1:
             last = self.rows(batch, 1)
             np.copyto(last.hidden, rows.hidden.reshape(batch, n, -1)[:, -1])
@@ -577,5 +587,6 @@ class HostForward:
         # The logits leave in a fresh tensor (the caller keeps them).
         logits = np.empty((rows.normed.shape[0], self.lm_head.weight_t.shape[1]), dtype=np.float32)
         logits_t = torch.from_numpy(logits)
-        self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False, panels)
+        self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False,
+                          panels and (batch > 1 or rows.normed.shape[0] <= KERNEL_MAX_ROWS))
         return logits_t.view(batch, n, -1)

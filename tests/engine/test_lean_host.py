@@ -203,7 +203,8 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     """fp32 Llama / Qwen2 on the CPU: yes. bfloat16, Qwen3's q/k norms, or GBV_HOST_FORWARD=0: no.
     One sequence in any cache row takes the host forward: of any length where the compiled kernels
     run (one compiled call), of up to HOST_MAX_QUERIES queries elsewhere; several sequences only where
-    the compiled kernels run and the rows in all are at most KERNEL_MAX_ROWS."""
+    the compiled kernels run, each of at most KERNEL_MAX_ROWS queries, whatever their rows in all
+    (unless BATCH_MAX_ROWS caps them, as before the thirty-third session)."""
     target, _ = hf_pair("llama", vocab=48, seed=5)
     lean = LeanCausalLM(target)
     assert lean.host_forward is not None
@@ -227,14 +228,22 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
         cache = lean.new_cache(2, 160)
         long = lean_host.HOST_MAX_QUERIES + 1
         lean.forward(torch.ones(1, long, dtype=torch.long), torch.arange(long)[None], 0, cache, None, causal=True)
-        many = lean_host.KERNEL_MAX_ROWS // 2 + 1  # two sequences, more rows in all than the kernels take
+        many = lean_host.KERNEL_MAX_ROWS // 2 + 1  # two sequences, more than KERNEL_MAX_ROWS rows in all
         lean.forward(torch.ones(2, many, dtype=torch.long), torch.arange(many).expand(2, many), 0, cache, None,
+                     causal=True)
+        assert calls == ([(1, long), (2, many)] if with_kernels else [])
+        del calls[:]
+        monkeypatch.setattr(lean_host, "BATCH_MAX_ROWS", lean_host.KERNEL_MAX_ROWS)  # (the cap before)
+        lean.forward(torch.ones(2, many, dtype=torch.long), torch.arange(many).expand(2, many), 0, cache, None,
+                     causal=True)
+        monkeypatch.setattr(lean_host, "BATCH_MAX_ROWS", None)
+        over = lean_host.KERNEL_MAX_ROWS + 1  # two sequences, one of more queries than the kernels take
+        lean.forward(torch.ones(2, over, dtype=torch.long), torch.arange(over).expand(2, over), 0, cache, None,
                      causal=True)
         kernels_off = lean.host_forward.panels_off
         lean.host_forward.panels_off = "off for this test"
         lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
-        assert calls == ([(1, long)] if with_kernels else [])
-        del calls[:]
+        assert calls == []
         lean.host_forward.panels_off = kernels_off
         lean.forward(torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), 0, cache, None, causal=True)
         lean.forward(torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], 0, cache, None, causal=True,
@@ -259,7 +268,7 @@ def test_host_forward_over_several_sequences_equals_the_torch_forward():
 
     host.forward = host_forward
     gen = torch.Generator().manual_seed(2)
-    caches = [lean.new_cache(4, 16) for lean in (host, plain)]
+    caches = [lean.new_cache(4, 64) for lean in (host, plain)]
     with torch.inference_mode():
         for row, length in ((1, 5), (2, 9), (3, 3)):  # prefill rows 1-3 one by one (first_row), last only
             prompt = torch.randint(0, 48, (1, length), generator=gen)
@@ -268,7 +277,7 @@ def test_host_forward_over_several_sequences_equals_the_torch_forward():
             torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
         lengths = torch.tensor([5, 9, 3])
         start = 9
-        for n in (1, 4, 7):
+        for n in (1, 4, 7, 25):  # (25: 75 rows in all, more than KERNEL_MAX_ROWS; a batch takes them)
             tokens = torch.randint(0, 48, (3, n), generator=gen)
             positions = lengths[:, None] + torch.arange(n)[None]
             slots = torch.arange(start + n)
