@@ -177,3 +177,55 @@ def test_a_lone_row_drafts_as_one_sequence_does(bundled, monkeypatch):
     assert lone_row_tokens() == alone and taken and all(taken)
     monkeypatch.setattr(BatchTreeDecoder, "_draft_lone_path", _stale_lone_path)
     assert lone_row_tokens() != alone
+
+
+def _batch_tokens(pair, jobs) -> list[list[int]]:
+    """The rows' tokens when ``jobs`` decode together in one batch (each job its own row)."""
+    rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, jobs[0].vocab, pair.device, len(jobs)))
+    for i, job in enumerate(jobs):
+        rows.add(i, job, emit=False)
+    done = {}
+    while rows.active:
+        for key, event, value in rows.step():
+            assert event != "error", value
+            if event == "done":
+                done[key] = value.token_ids
+    return [done[i] for i in range(len(jobs))]
+
+
+def test_rows_of_one_path_draw_a_depth_in_one_call(bundled, monkeypatch):
+    """Rows that all draft one path under the same settings draw each depth in one call over the
+    batch (one ``sample_into_at`` of n rows), and p of all rows' nodes comes from one softmax; rows of
+    different settings fall back to a call a row. Either way each row commits what it commits alone.
+    The control: the one call given the uniforms one row off commits other tokens."""
+    import gbv.engine.batch as batch_module
+    from gbv.data import load_prompts
+
+    prompts = [bundled.tokenizer.encode(p) for p in load_prompts("gsm8k", 4)]
+    common = dict(method="block", block_len=4, max_new_tokens=24, eos_token_id=[])
+    same = [prepare_job(bundled, ids, temperature=1.0, seed=i, **common) for i, ids in enumerate(prompts)]
+    mixed = [prepare_job(bundled, ids, temperature=(1.0, 0.6)[i % 2], seed=i, **common)
+             for i, ids in enumerate(prompts)]
+    alone = {(i, t): generate(bundled, prompt_ids=ids, temperature=t, seed=i, **common).token_ids
+             for i, ids in enumerate(prompts) for t in (1.0, 0.6)}
+    real = batch_module.sample_into_at
+    widths = []
+
+    def counted(logits, config, probs, u):
+        widths.append(logits.shape[0])
+        return real(logits, config, probs, u)
+
+    monkeypatch.setattr(batch_module, "sample_into_at", counted)
+    assert _batch_tokens(bundled, same) == [alone[i, 1.0] for i in range(4)]
+    assert max(widths) == 4  # (all rows at once)
+    del widths[:]
+    assert _batch_tokens(bundled, mixed) == [alone[i, (1.0, 0.6)[i % 2]] for i in range(4)]
+    assert max(widths) == 1  # (a call a row)
+
+    def rows_off_by_one(logits, config, probs, u):
+        if u is not None and logits.shape[0] > 1:
+            u = u.roll(1, 0)
+        return real(logits, config, probs, u)
+
+    monkeypatch.setattr(batch_module, "sample_into_at", rows_off_by_one)
+    assert _batch_tokens(bundled, same) != [alone[i, 1.0] for i in range(4)]
