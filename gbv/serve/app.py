@@ -151,7 +151,7 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
         except GbvError as exc:
             raise bad(None, str(exc)) from None
         return Job(iterator=iterator, loop=asyncio.get_running_loop(), events=asyncio.Queue(), params=params,
-                   spec=spec)
+                   spec=spec, stream=bool(req.stream))
 
     def submit(job: Job) -> None:
         try:

@@ -55,6 +55,10 @@ class Job:
     events: asyncio.Queue
     params: dict[str, Any] = field(default_factory=dict)
     spec: Any = None
+    # Whether the handler streams: only then does the batch send a chunk event a step (a non-streaming
+    # handler waits for "done"; chunks cost each row an incremental detokenisation a step and a
+    # wake-up of the event loop, which holds the GIL against the worker).
+    stream: bool = True
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -190,7 +194,7 @@ class Scheduler:
         for job in rows:
             if job.id not in batch.active and not job.cancelled.is_set():
                 try:
-                    events += batch.add(job.id, job.spec, emit=True)
+                    events += batch.add(job.id, job.spec, emit=job.stream)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of memory for this row
                     events.append((job.id, "error", exc))
         events += batch.step()

@@ -153,3 +153,45 @@ def test_full_queue_raises_and_a_failing_request_does_not_stop_the_others():
     done, failed = run(scenario, max_batch=1, max_queue=1)
     assert done == (["a0", "a1"], ("done", "a"))
     assert failed[0] == ["x"] and failed[1][0] == "error" and str(failed[1][1]) == "boom"
+
+
+class _RecordingBatch:
+    """A stand-in for ``BatchRows``: each row emits a chunk a step when added with ``emit``, and is done
+    after ``steps`` steps; records the ``emit`` each key was added with."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.active, self.emit = steps, {}, {}
+
+    def add(self, key, spec, emit: bool) -> list:
+        self.active[key], self.emit[key] = 0, emit
+        return []
+
+    def step(self) -> list:
+        events = []
+        for key in list(self.active):
+            self.active[key] += 1
+            if self.emit[key]:
+                events.append((key, "chunk", f"{key}:{self.active[key]}"))
+            if self.active[key] == self.steps:
+                del self.active[key]
+                events.append((key, "done", key))
+        return events
+
+
+def test_a_batch_emits_chunks_only_for_streaming_handlers():
+    """A non-streaming job is added to the batch without chunks (its handler waits for "done"), a
+    streaming one with them."""
+    batch = _RecordingBatch(steps=3)
+
+    async def scenario(scheduler):
+        loop = asyncio.get_running_loop()
+        quiet = Job(iterator=None, loop=loop, events=asyncio.Queue(), stream=False)
+        loud = Job(iterator=None, loop=loop, events=asyncio.Queue(), stream=True)
+        scheduler.submit(quiet)
+        scheduler.submit(loud)
+        return quiet.id, loud.id, await drain(quiet), await drain(loud)
+
+    quiet_id, loud_id, quiet, loud = run(scenario, batch_rows=batch)
+    assert batch.emit == {quiet_id: False, loud_id: True}
+    assert quiet == ([], ("done", quiet_id))
+    assert loud == ([f"{loud_id}:1", f"{loud_id}:2", f"{loud_id}:3"], ("done", loud_id))

@@ -52,6 +52,16 @@ def test_completion_greedy_equals_offline_and_reports_usage(server, pair):
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_non_streaming_completion_stops_at_a_stop_string_as_offline(server, pair):
+    """A non-streaming request decodes without chunk events; its stop strings still cut it where
+    offline ``gbv.generate`` cuts."""
+    prompt = load_prompts("gsm8k", limit=2)[1]
+    stop = offline(pair, prompt, 24)[6:9]
+    out = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].text == offline(pair, prompt, 24, stop_strings=[stop])
+    assert out.choices[0].finish_reason == "stop"
+
+
 def test_chat_uses_the_transcript_prompt(server, pair):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 3 + 4?"}]
     out = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
