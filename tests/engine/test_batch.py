@@ -221,6 +221,10 @@ def test_rows_of_one_path_draw_a_depth_in_one_call(bundled, monkeypatch):
     del widths[:]
     assert _batch_tokens(bundled, mixed) == [alone[i, (1.0, 0.6)[i % 2]] for i in range(4)]
     assert max(widths) == 1  # (a call a row)
+    top_k = [prepare_job(bundled, ids, temperature=1.0, top_k=5, seed=i, **common) for i, ids in enumerate(prompts)]
+    assert _batch_tokens(bundled, top_k) == [  # (the one call on torch's softmax: top-k)
+        generate(bundled, prompt_ids=ids, temperature=1.0, top_k=5, seed=i, **common).token_ids
+        for i, ids in enumerate(prompts)]
 
     def rows_off_by_one(logits, config, probs, u):
         if u is not None and logits.shape[0] > 1:
