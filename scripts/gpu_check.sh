@@ -78,11 +78,12 @@ part graphs 150 python3 scripts/bench_cuda_graphs.py --device "$device" --prompt
 part tests 90 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cacheprovider -n 4 \
   tests/engine/test_engine.py tests/engine/test_exactness.py tests/engine/test_verify_on_host.py \
   tests/engine/test_batch.py::test_row_law_in_a_batch_of_mixed_prompts_lengths_and_methods \
+  tests/engine/test_batch.py::test_sampled_rows_do_not_depend_on_neighbours \
   tests/engine/test_tree.py::test_tree_pass_logits_equal_plain_sequences \
   tests/engine/test_tree.py::test_one_query_without_a_mask_attends_exactly_its_prefix \
   "tests/engine/test_tree.py::test_tree_engine_law[gbv]" "tests/engine/test_tree.py::test_tree_engine_law[traversal]" \
   tests/engine/test_sampling_cache.py tests/engine/test_static_steps.py tests/engine/test_static_sampling.py \
-  -k "static_steps or static_calls_equal or see_their_cousins or move_off_by_one or wrong_slots or pooled_caches or batch_rows_through or every_graph_of_a_cache_died or failed_recording or replicate_select_crop or api_fallback_layers or prompts_or_catch_ups or plain_runs or reuses_a_uniform or auto_runs_its_ar or cache_keyword or greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
+  -k "static_steps or static_calls_equal or see_their_cousins or move_off_by_one or wrong_slots or pooled_caches or batch_rows_through or every_graph_of_a_cache_died or failed_recording or replicate_select_crop or api_fallback_layers or prompts_or_catch_ups or plain_runs or reuses_a_uniform or auto_runs_its_ar or cache_keyword or greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or do_not_depend_on_neighbours or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
 
 part greedy 40 python3 - "$device" <<'PY'
 import sys, gbv
