@@ -206,8 +206,9 @@ class BatchTreeDecoder:
             first = logits[torch.arange(n, device=dev), last, :self.vocab]
             # Where every drafting row draws one path under the same settings (BV, token-level
             # sampling, any greedy draft), each depth's draws for all rows are one call
-            # (sample_into_at over (n, V) rows) rather than one a row: at 16 rows of BV L = 4 the
-            # per-row calls were ~1.3 ms of a 10 ms step. Rows not drafting at a depth are drawn
+            # (sample_into_at over (n, V) rows) rather than one a row: at 16 rows of BV L = 4 in
+            # bfloat16 that took the step's host work from ~3.3 to ~2.85 ms of ~10 ms
+            # (scripts/batch_step_split.py). Rows not drafting at a depth are drawn
             # too and their tokens ignored (their slots are masked, as the 0s were). The same
             # uniforms, taken row by row as before, and the same kernel: the same tokens.
             configs = {r.draft_sampling for r, d in zip(rows, drafting) if d}
@@ -272,7 +273,8 @@ class BatchTreeDecoder:
         # 2. target: every drafting row's trie, a lone root for a plain step, in one forward. The inputs
         # are built on the host with numpy and handed over at once (views on the CPU, one copy
         # elsewhere: tree.packed_to, with the tries' path nodes). Why: as torch ops, four a row and a
-        # trie's tensors each, they were ~0.25 ms of a 2.5 ms step at 16 rows of `ar` in bfloat16.
+        # trie's tensors each, they took a 16-row `ar` step's host work (bfloat16) from 0.41 to
+        # 0.67-0.70 ms of ~2.5 ms (scripts/batch_step_split.py).
         trees: list[TokenTree | None] = [None] * n  # (drafting rows only)
         for b in range(n):
             if drafting[b]:
@@ -309,8 +311,8 @@ class BatchTreeDecoder:
 
         # Where every verifying row samples the target the same way, p of all rows' nodes is one
         # process_logits call (one compiled softmax on the CPU) rather than one a row, and a row of one
-        # path (a chain: nodes 0..L) takes its rows as a view. At 16 rows of BV L = 4 the per-row calls
-        # were ~0.7 ms of a 10 ms step. (Padding nodes of shorter tries are finite rows, ignored.)
+        # path (a chain: nodes 0..L) takes its rows as a view: ~0.2 ms less host work a step at 16 rows
+        # of BV L = 4 (bfloat16). (Padding nodes of shorter tries are finite rows, ignored.)
         verifying = [b for b in range(n) if drafting[b]]
         target_configs = {rows[b].target_sampling for b in verifying}
         p_all = (process_logits(logits[:, :, :self.vocab], next(iter(target_configs)))
@@ -327,7 +329,7 @@ class BatchTreeDecoder:
             return drafted[b, :tips_k[b], :block[b]], qs[b], p
 
         # Off the CPU (verifies_on_host) every verifying row's inputs are copied to the host in one read;
-        # on the CPU each row computes its own when it comes (one row's p at a time).
+        # on the CPU each row takes its own when it comes (its slice of p_all, or its own softmax).
         on_host = verifying if self.verify_on_host else []
         copied: dict[int, tuple[Tensor, ...]] = {}
         if on_host:
