@@ -581,3 +581,35 @@ def test_the_auto_rows_of_a_batch_run_one_arm_a_step(monkeypatch):
     assert len({index for step in steps for _, index, _, _ in step}) > 1
     assert all(whole == fits for step in steps for _, _, whole, fits in step)
     assert all(sum(o.stats.auto_arms.values()) > 0 for o in outs)
+
+
+def test_a_batch_row_keeps_the_policy_of_its_batch_size(monkeypatch):
+    """The auto rows of a batch look their policy up once per batch size (cached on the row): as the
+    batch shrinks from 4 rows to 2 and to 1, each step still uses the policy that ``policy_for`` gives
+    for the current size bucket (the single-sequence one at 1 row)."""
+    from gbv.engine.batch import BatchTreeDecoder
+    from gbv.engine.generate import BatchRows, prepare_job
+
+    pair = sharp_llama_pair()
+    seen = []
+    real = BatchRows._choose_arms
+
+    def choose(self, rows_steps):
+        chosen = real(self, rows_steps)
+        bucket = 1 << (len(rows_steps) - 1).bit_length()
+        for row, policy, _, _ in chosen:
+            arms, key = row.auto
+            expected = auto.policy_for(pair.target, pair.draft, key if bucket == 1 else (*key, bucket), arms)
+            seen.append((bucket, policy is expected))
+        return chosen
+
+    monkeypatch.setattr(BatchRows, "_choose_arms", choose)
+    jobs = [prepare_job(pair, ids, method="auto", temperature=1.0, max_new_tokens=new, eos_token_id=[], seed=i)
+            for i, (ids, new) in enumerate([([1, 2], 6), ([3], 6), ([4, 4, 1], 20), ([2, 2], 40)])]
+    rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, jobs[0].vocab, pair.device, 4))
+    for i, job in enumerate(jobs):
+        rows.add(i, job, emit=False)
+    while rows.active:
+        rows.step()
+    assert {bucket for bucket, _ in seen} == {1, 2, 4}
+    assert all(same for _, same in seen)
