@@ -518,9 +518,12 @@ class HostForward:
         # The kernels run on one thread: with more, torch's GEMM and SDPA are left the work.
         one_thread = torch.get_num_threads() == 1
         panels = self.panels_off is None and one_thread and self.lm_head.panel is not None  # (packed at build)
-        # One sequence's products of more than KERNEL_MAX_ROWS rows go to torch's GEMM (where this loop
-        # runs a long prompt: without the one-call forward); a batch's stay on the kernels (takes()).
-        loop_panels = panels and (batch > 1 or n <= KERNEL_MAX_ROWS)
+        def panels_for(product_rows: int) -> bool:
+            # One sequence's products of more than KERNEL_MAX_ROWS rows go to torch's GEMM (where this
+            # loop runs a long prompt: without the one-call forward); a batch's stay on the kernels.
+            return panels and (batch > 1 or product_rows <= KERNEL_MAX_ROWS)
+
+        loop_panels = panels_for(batch * n)
         if self.attention_off is None and one_thread and n <= KERNEL_MAX_ROWS:
             if mask is None and not causal and n > 1:
                 raise ValueError("several queries need a mask or causal=True")
@@ -587,6 +590,5 @@ class HostForward:
         # The logits leave in a fresh tensor (the caller keeps them).
         logits = np.empty((rows.normed.shape[0], self.lm_head.weight_t.shape[1]), dtype=np.float32)
         logits_t = torch.from_numpy(logits)
-        self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False,
-                          panels and (batch > 1 or rows.normed.shape[0] <= KERNEL_MAX_ROWS))
+        self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False, panels_for(rows.normed.shape[0]))
         return logits_t.view(batch, n, -1)
