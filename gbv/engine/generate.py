@@ -513,6 +513,7 @@ class BatchRows:
             row = self.batch.add_row(job.ids, method, num_paths, block_len, config.target_sampling,
                                      config.draft_sampling, config.seed)
         row.auto = None
+        row.auto_policy = None  # (bucket, policy) of the batch size it last ran at (_choose_arms)
         if auto_arms is not None:
             row.stats.method = "auto"
             row.auto = (auto_arms, (config.target_sampling, config.draft_sampling, job.vocab))
@@ -606,7 +607,7 @@ class BatchRows:
             arms, key = row.auto
             # The row's policy for this batch size, looked up once a size (policy_for hashes the
             # row's arms and settings: at 16 rows that was ~3% of an `ar` step in bfloat16).
-            cached = getattr(row, "auto_policy", None)
+            cached = row.auto_policy
             if cached is not None and cached[0] == bucket:
                 policy = cached[1]
             else:
