@@ -150,6 +150,22 @@ def _stale_lone_path(self, row, block):
     return path, q
 
 
+def _batch_tokens(pair, jobs, max_rows: int | None = None) -> list[list[int]]:
+    """The rows' tokens when ``jobs`` decode together in one batch (each job its own row) of
+    ``max_rows`` rows (default: one per job)."""
+    rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, jobs[0].vocab, pair.device,
+                                            max_rows or len(jobs)))
+    for i, job in enumerate(jobs):
+        rows.add(i, job, emit=False)
+    done = {}
+    while rows.active:
+        for key, event, value in rows.step():
+            assert event != "error", value
+            if event == "done":
+                done[key] = value.token_ids
+    return [done[i] for i in range(len(jobs))]
+
+
 def test_a_lone_row_drafts_as_one_sequence_does(bundled, monkeypatch):
     """A batch's only row (``gbv serve`` at concurrency 1, a batch's tail) drafts its path as one
     sequence does, a compiled call a depth (``_draft_lone_path``), and commits the tokens of
@@ -166,31 +182,12 @@ def test_a_lone_row_drafts_as_one_sequence_does(bundled, monkeypatch):
 
     def lone_row_tokens():
         job = prepare_job(bundled, bundled.tokenizer.encode("def fib(n):"), **settings)
-        rows = BatchRows(bundled, BatchTreeDecoder(bundled.target, bundled.draft, job.vocab, bundled.device, 4))
-        rows.add("a", job, emit=False)
-        while rows.active:
-            for key, event, value in rows.step():
-                if event == "done":
-                    return value.token_ids
+        return _batch_tokens(bundled, [job], max_rows=4)[0]
 
     monkeypatch.setattr(BatchTreeDecoder, "_draft_lone_path", counted)
     assert lone_row_tokens() == alone and taken and all(taken)
     monkeypatch.setattr(BatchTreeDecoder, "_draft_lone_path", _stale_lone_path)
     assert lone_row_tokens() != alone
-
-
-def _batch_tokens(pair, jobs) -> list[list[int]]:
-    """The rows' tokens when ``jobs`` decode together in one batch (each job its own row)."""
-    rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, jobs[0].vocab, pair.device, len(jobs)))
-    for i, job in enumerate(jobs):
-        rows.add(i, job, emit=False)
-    done = {}
-    while rows.active:
-        for key, event, value in rows.step():
-            assert event != "error", value
-            if event == "done":
-                done[key] = value.token_ids
-    return [done[i] for i in range(len(jobs))]
 
 
 def test_rows_of_one_path_draw_a_depth_in_one_call(bundled, monkeypatch):
