@@ -257,7 +257,9 @@ class BatchTreeDecoder:
                 mask = torch.cat([prefix[:, None, :].expand(n, width, -1),
                                   own[None].expand(n, -1, -1)], dim=2) & live[:, None, None]
                 mask[:, path_of, start + path_of] = True  # every query sees itself (idle rows too)
-                pos = (lens_t + i)[:, None].expand(n, width)
+                # An idle row's queries are masked and ignored; position 0 keeps them inside the draft's
+                # rotary table, which its committed length (grown by plain steps) may have passed.
+                pos = torch.where(live, lens_t + i, 0)[:, None].expand(n, width)
                 logits = self.draft.forward(drafted[:, :, i - 1], pos, start, self.draft_cache, mask[:, None])
                 if shared is not None:
                     drafted[:, 0, i] = sample_into_at(logits[:, 0, :self.vocab], shared, q_all[:, i], _depth(u_all, i))

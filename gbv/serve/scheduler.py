@@ -159,12 +159,10 @@ class Scheduler:
         iteration, send each row's new events (chunk / done / error) to its handler, and return the
         rows that are finished (done or failed) and must leave the running set.
 
-        Today the engine decodes one sequence at a time, so this calls ``next()`` on each row's
+        On the tree engine (``batch_rows``) every row advances in the same forwards
+        (:meth:`_step_batch`). On the plain Hugging Face path this calls ``next()`` on each row's
         per-sequence iterator (:func:`gbv.engine.generate.stream_generate`; each ``next()`` runs at
-        least one decoder iteration, the first one also the prefill) in turn. This is the one place to
-        replace with a truly batched decoder: one draft forward per depth and one target forward for
-        all rows, each row with its own cache length, tree and generator. Everything else in the
-        scheduler (admission between iterations, cancellation, the queue) stays as it is.
+        least one decoder iteration, the first one also the prefill) in turn.
         """
         if self.batch_rows is not None:
             return self._step_batch(rows)
@@ -197,7 +195,17 @@ class Scheduler:
                     events += batch.add(job.id, job.spec, emit=job.stream)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of memory for this row
                     events.append((job.id, "error", exc))
-        events += batch.step()
+        try:
+            events += batch.step()
+        except Exception as exc:  # noqa: BLE001 - a bug in a shared step: fail its rows, keep serving
+            # The step runs every row in the same forwards, so no row's state can be trusted after it
+            # raised: each active row is freed and answered with the error (500), and the worker goes on
+            # with the next requests. Uncaught, the exception ended the worker thread and every later
+            # request waited forever.
+            for key in list(batch.active):
+                batch.cancel(key)
+                if key in by_id:
+                    events.append((key, "error", exc))
         finished = []
         for key, kind, value in events:
             job = by_id[key]

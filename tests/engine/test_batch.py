@@ -230,3 +230,21 @@ def test_rows_of_one_path_draw_a_depth_in_one_call(bundled, monkeypatch):
 
     monkeypatch.setattr(batch_module, "sample_into_at", rows_off_by_one)
     assert _batch_tokens(bundled, same) != [alone[i, 1.0] for i in range(4)]
+
+
+def test_a_plain_row_past_the_drafts_rotary_table_beside_a_drafting_row(bundled):
+    """An ``ar`` row (or an ``auto`` row in plain steps) never feeds the draft, so its draft length
+    stays at its prompt while its committed length grows. While a neighbour drafts, the idle row's
+    draft queries (ignored, masked) must not take positions past the draft's rotary table: a served
+    ``ar`` request that ran past position 256 beside a speculative one raised IndexError in
+    ``HostForward._forward`` and failed every request of the batch. Both rows commit what they
+    commit alone."""
+    tokenizer = bundled.tokenizer
+    long_prompt = tokenizer.encode(" ".join(["Question: Natalia sold clips to 48 of her friends."] * 20))[:240]
+    short_prompt = tokenizer.encode("def fib(n):")
+    settings = [dict(method="ar", prompt_ids=long_prompt), dict(method="block", block_len=4, prompt_ids=short_prompt)]
+    common = dict(temperature=1.0, max_new_tokens=48, eos_token_id=[], seed=5)
+    alone = [generate(bundled, **s, **common).token_ids for s in settings]
+    jobs = [prepare_job(bundled, s["prompt_ids"], **{k: v for k, v in s.items() if k != "prompt_ids"}, **common)
+            for s in settings]
+    assert _batch_tokens(bundled, jobs) == alone

@@ -195,3 +195,44 @@ def test_a_batch_emits_chunks_only_for_streaming_handlers():
     assert batch.emit == {quiet_id: False, loud_id: True}
     assert quiet == ([], ("done", quiet_id))
     assert loud == ([f"{loud_id}:1", f"{loud_id}:2", f"{loud_id}:3"], ("done", loud_id))
+
+
+class _FailingOnceBatch(_RecordingBatch):
+    """Its first step raises (a bug in a shared forward); later steps work. ``cancel`` frees a row."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.failed, self.cancelled = False, []
+
+    def cancel(self, key) -> None:
+        self.cancelled.append(key)
+        self.active.pop(key, None)
+
+    def step(self) -> list:
+        if not self.failed:
+            self.failed = True
+            raise IndexError("index 256 is out of bounds")
+        return super().step()
+
+
+def test_a_failing_batch_step_fails_its_rows_and_the_worker_serves_on():
+    """A step that raises answers each of its rows with the error and frees them; the worker thread
+    lives on and decodes the next request (before, the exception ended the worker and every later
+    request waited forever)."""
+    batch = _FailingOnceBatch(steps=2)
+
+    async def scenario(scheduler):
+        loop = asyncio.get_running_loop()
+        first = [Job(iterator=None, loop=loop, events=asyncio.Queue(), stream=False) for _ in range(2)]
+        for job in first:
+            scheduler.submit(job)
+        failed = [await drain(job) for job in first]
+        later = Job(iterator=None, loop=loop, events=asyncio.Queue(), stream=False)
+        scheduler.submit(later)
+        return [job.id for job in first], failed, later.id, await drain(later)
+
+    first_ids, failed, later_id, later = run(scenario, batch_rows=batch)
+    assert [(chunks, kind) for chunks, (kind, _) in failed] == [([], "error"), ([], "error")]
+    assert all(isinstance(error, IndexError) for _, (_, error) in failed)
+    assert sorted(batch.cancelled) == sorted(first_ids)
+    assert later == ([], ("done", later_id))
