@@ -1,0 +1,147 @@
+"""Random batches against single sequences: does a row of a batch commit what it commits alone, and does
+any mix of requests crash the batch?
+
+    python scripts/fuzz_batch.py                                  # 30 trials, float32, seed 0
+    python scripts/fuzz_batch.py --trials 30 --dtype bfloat16 --seed 2
+    python scripts/fuzz_batch.py --trials 5 --seed 3 --only 29    # rerun one trial
+
+Each trial draws 1-6 requests: a method among every verifier, ``ar`` and ``auto``; K 1-4, L 1-8; a
+temperature of 0, 0.2 or 1 (top-k sometimes); 1-120 new tokens, EOS on or off; a prompt cut from this
+repo's README of 1 to 1,000 tokens (lengths around the rotary tables' and caches' sizes: 255-257,
+511-513, and near the bundled models' 1,024 positions). They decode as the rows of one
+``BatchRows`` of 1..n rows (continuous batching: the rest wait for a free row), chunk events on or off
+per row, and sometimes one request is cancelled halfway. Each trial loads a fresh pair, so its tables
+and caches start as a new process's. Every row that ran to its end, but the ``auto`` ones (their arms
+depend on the batch), is then compared with ``generate`` on its prompt alone.
+
+A crash is a bug. A differing row is not, as such: the batch computes each row's logits with other
+row counts, slot layouts and kernels than a lone sequence, so p and q agree with the lone ones to
+rounding only (about 1e-6 in float32), and a sampled token changes where its uniform falls within that
+of a boundary; bfloat16 rounds activations and cache entries, which widens it (docs/ENGINE.md, "Many
+sequences"). The summary counts both, greedy and sampled rows apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import gbv  # noqa: E402
+from gbv.engine.batch import BatchTreeDecoder  # noqa: E402
+from gbv.engine.generate import BatchRows, generate, prepare_job  # noqa: E402
+from gbv.verify import METHODS  # noqa: E402
+
+PROMPT_LENGTHS = (1, 3, 64, 255, 256, 257, 511, 512, 513, 900, 1000)
+
+
+def draw_trial(rnd: random.Random, text_ids: list[int]) -> tuple[list[tuple[list[int], dict]], int]:
+    """The requests of one trial, ``(prompt ids, settings)`` each, and the batch's rows."""
+    methods = [*METHODS, "ar", "auto"]
+    requests = []
+    for _ in range(rnd.randint(1, 6)):
+        start = rnd.randint(0, len(text_ids) - max(PROMPT_LENGTHS))
+        length = rnd.choice(PROMPT_LENGTHS)
+        settings = dict(method=rnd.choice(methods), num_paths=rnd.randint(1, 4), block_len=rnd.randint(1, 8),
+                        temperature=rnd.choice([0.0, 0.2, 1.0]), max_new_tokens=rnd.randint(1, 120),
+                        eos_token_id=[] if rnd.random() < 0.5 else None, seed=rnd.randint(0, 100))
+        if rnd.random() < 0.2:
+            settings["top_k"] = rnd.choice([1, 5, 50])
+        requests.append((text_ids[start:start + length], settings))
+    return requests, rnd.randint(1, len(requests))
+
+
+def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[int, list[int]], int | None]:
+    """Every request through one BatchRows; returns ``index -> token ids`` of the rows that ran to their
+    end, and the index of the cancelled one (or None)."""
+    jobs = [prepare_job(pair, ids, **settings) for ids, settings in requests]
+    rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, jobs[0].vocab, pair.device, max_rows))
+    waiting = list(enumerate(jobs))
+    cancel = rnd.randrange(len(jobs)) if len(jobs) > 1 and rnd.random() < 0.2 else None
+    cancel_at = rnd.randint(1, 20)
+    done: dict[int, list[int]] = {}
+    steps = 0
+
+    def collect(events) -> None:
+        for key, event, value in events:
+            if event == "error":
+                raise value
+            if event == "done":
+                done[key] = value.token_ids
+
+    while waiting or rows.active:
+        while waiting and rows.has_room():
+            key, job = waiting.pop(0)
+            collect(rows.add(key, job, emit=rnd.random() < 0.5))
+        collect(rows.step())
+        steps += 1
+        if cancel is not None and steps == cancel_at:
+            if cancel in rows.active:
+                rows.cancel(cancel)
+            else:
+                waiting = [(key, job) for key, job in waiting if key != cancel]
+            done.pop(cancel, None)
+    if cancel is not None:
+        done.pop(cancel, None)
+    return done, cancel
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0, help="trial t draws from random.Random(seed * 1000 + t)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--only", default=None, help="comma-separated trial numbers to run (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    text_ids = gbv.load_pair("bundled").tokenizer.encode((ROOT / "README.md").read_text())
+    trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
+    totals = dict(trials=0, crashes=0, rows=0, greedy=0, greedy_differ=0, sampled=0, sampled_differ=0)
+    started = time.perf_counter()
+    for trial in trials:
+        rnd = random.Random(args.seed * 1000 + trial)
+        requests, max_rows = draw_trial(rnd, text_ids)
+        totals["trials"] += 1
+        # A fresh pair a trial: its lean views start with the tables and caches of a new process (a
+        # served request past the draft's first rotary table crashed only there).
+        pair = gbv.load_pair("bundled", dtype=args.dtype)
+        try:
+            done, cancelled = run_batch(pair, requests, max_rows, rnd)
+        except Exception:  # noqa: BLE001 - reported, and the next trial runs
+            totals["crashes"] += 1
+            traceback.print_exc()
+            print(f"trial {trial}: CRASH with {max_rows} rows: {[(len(ids), s) for ids, s in requests]}", flush=True)
+            continue
+        differ = []
+        for index, tokens in done.items():
+            ids, settings = requests[index]
+            if settings["method"] == "auto":
+                continue
+            kind = "greedy" if settings["temperature"] == 0 or settings.get("top_k") == 1 else "sampled"
+            totals["rows"] += 1
+            totals[kind] += 1
+            alone = generate(pair, prompt_ids=ids, **settings).token_ids
+            if alone != tokens:
+                totals[kind + "_differ"] += 1
+                first = next((i for i, (a, b) in enumerate(zip(alone, tokens)) if a != b), min(len(alone), len(tokens)))
+                differ.append(f"row {index} ({len(ids)}-token prompt, {settings}) from token {first} of {len(alone)}")
+        note = f"; cancelled row {cancelled}" if cancelled is not None else ""
+        print(f"trial {trial}: {len(requests)} requests, {max_rows} rows{note}: "
+              + ("; ".join(differ) if differ else "every compared row as alone"), flush=True)
+    print(f"\n{args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: {totals['trials']} trials, "
+          f"{totals['crashes']} crashed; rows compared with alone: {totals['rows']} "
+          f"(greedy {totals['greedy']}, of which {totals['greedy_differ']} differ; "
+          f"sampled {totals['sampled']}, of which {totals['sampled_differ']} differ)")
+    return 1 if totals["crashes"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
