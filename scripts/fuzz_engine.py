@@ -1,11 +1,11 @@
-"""Random batches against single sequences: does a row of a batch commit what it commits alone, and does
-any mix of requests crash the batch?
+"""Random requests through the engine: does any mix crash it, and what differs from a reference?
 
-    python scripts/fuzz_batch.py                                  # 30 trials, float32, seed 0
-    python scripts/fuzz_batch.py --trials 30 --dtype bfloat16 --seed 2
-    python scripts/fuzz_batch.py --trials 5 --seed 3 --only 29    # rerun one trial
+    python scripts/fuzz_engine.py                                  # batches: 30 trials, float32, seed 0
+    python scripts/fuzz_engine.py --trials 30 --dtype bfloat16 --seed 2
+    python scripts/fuzz_engine.py --seed 3 --only 29               # rerun one trial
+    python scripts/fuzz_engine.py --mode single --trials 150       # single sequences
 
-Each trial draws 1-6 requests: a method among every verifier, ``ar`` and ``auto``; K 1-4, L 1-8; a
+``--mode batch`` (the default): does a row of a batch commit what it commits alone? Each trial draws 1-6 requests: a method among every verifier, ``ar`` and ``auto``; K 1-4, L 1-8; a
 temperature of 0, 0.2 or 1 (top-k sometimes); 1-120 new tokens, EOS on or off; a prompt cut from this
 repo's README of 1 to 1,000 tokens (lengths around the rotary tables' and caches' sizes: 255-257,
 511-513, and near the bundled models' 1,024 positions). They decode as the rows of one
@@ -19,6 +19,13 @@ row counts, slot layouts and kernels than a lone sequence, so p and q agree with
 rounding only (about 1e-6 in float32), and a sampled token changes where its uniform falls within that
 of a boundary; bfloat16 rounds activations and cache entries, which widens it (docs/ENGINE.md, "Many
 sequences"). The summary counts both, greedy and sampled rows apart.
+
+``--mode single``: each trial is one ``generate`` call with random settings (every method, K 1-6, L
+1-12, temperatures 0-1.5, top-k, top-p, a draft temperature, stop strings, EOS on or off) on a prompt
+of 1 to 1,023 tokens. A crash or a GbvError is reported; a greedy speculative generation is compared
+with greedy ``ar`` on the same prompt. They agree but for rounding: a tree pass computes the logits
+of several tokens with other kernels than a one-token step, so a near-tie can go the other way
+(likelier in bfloat16).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import gbv  # noqa: E402
 from gbv.engine.batch import BatchTreeDecoder  # noqa: E402
 from gbv.engine.generate import BatchRows, generate, prepare_job  # noqa: E402
+from gbv.errors import GbvError  # noqa: E402
 from gbv.verify import METHODS  # noqa: E402
 
 PROMPT_LENGTHS = (1, 3, 64, 255, 256, 257, 511, 512, 513, 900, 1000)
@@ -94,15 +102,75 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
     return done, cancel
 
 
+def single_trial(pair, rnd: random.Random, text_ids: list[int]) -> tuple[dict, list[int], str | None]:
+    """One generate call with random settings; returns (settings, prompt, what differs or None)."""
+    length = rnd.choice((1, 2, 17, 255, 256, 257, 600, 1000, 1020, 1023))
+    start = rnd.randint(0, len(text_ids) - 1100)
+    ids = text_ids[start:start + length]
+    settings = dict(method=rnd.choice([*METHODS, "ar", "auto"]), num_paths=rnd.randint(1, 6),
+                    block_len=rnd.randint(1, 12), temperature=rnd.choice([0.0, 0.0, 0.2, 0.7, 1.0, 1.5]),
+                    max_new_tokens=rnd.randint(1, 150), seed=rnd.randint(0, 9))
+    if rnd.random() < 0.3:
+        settings["top_k"] = rnd.choice([1, 2, 10, 100])
+    if rnd.random() < 0.3:
+        settings["top_p"] = rnd.choice([0.1, 0.5, 0.9, 1.0])
+    if rnd.random() < 0.3:
+        settings["draft_temperature"] = rnd.choice([0.0, 0.1, 0.5, 1.0, 2.0])
+    if rnd.random() < 0.3:
+        settings["eos_token_id"] = []
+    if rnd.random() < 0.2:
+        settings["stop_strings"] = [rnd.choice(["\n", ".", "the", "```"])]
+    out = generate(pair, prompt_ids=ids, **settings)
+    if settings["temperature"] != 0 or settings["method"] == "ar":
+        return settings, ids, None
+    ref = generate(pair, prompt_ids=ids, **{**settings, "method": "ar"}).token_ids
+    if ref == out.token_ids:
+        return settings, ids, ""
+    first = next((i for i, (a, b) in enumerate(zip(ref, out.token_ids)) if a != b), min(len(ref), len(out.token_ids)))
+    return settings, ids, f"greedy {settings['method']} differs from greedy ar from token {first} of {len(ref)}"
+
+
+def main_single(args, text_ids: list[int]) -> int:
+    pair = gbv.load_pair("bundled", dtype=args.dtype)
+    trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
+    crashes = errors = greedy = differ = 0
+    started = time.perf_counter()
+    for trial in trials:
+        rnd = random.Random(args.seed * 1000 + trial)
+        try:
+            settings, ids, outcome = single_trial(pair, rnd, text_ids)
+        except GbvError as exc:
+            errors += 1
+            print(f"trial {trial}: GbvError: {exc}", flush=True)
+            continue
+        except Exception:  # noqa: BLE001 - reported, and the next trial runs
+            crashes += 1
+            traceback.print_exc()
+            print(f"trial {trial}: CRASH", flush=True)
+            continue
+        if outcome is not None:
+            greedy += 1
+            differ += bool(outcome)
+        if outcome:
+            print(f"trial {trial} ({len(ids)}-token prompt, {settings}): {outcome}", flush=True)
+    print(f"\nsingle sequences, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: "
+          f"{len(trials)} trials, {crashes} crashed, {errors} GbvErrors; greedy speculative runs: {greedy}, "
+          f"of which {differ} differ from greedy ar")
+    return 1 if crashes else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0, help="trial t draws from random.Random(seed * 1000 + t)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--only", default=None, help="comma-separated trial numbers to run (default: all)")
+    parser.add_argument("--mode", choices=("batch", "single"), default="batch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     text_ids = gbv.load_pair("bundled").tokenizer.encode((ROOT / "README.md").read_text())
+    if args.mode == "single":
+        return main_single(args, text_ids)
     trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
     totals = dict(trials=0, crashes=0, rows=0, greedy=0, greedy_differ=0, sampled=0, sampled_differ=0)
     started = time.perf_counter()
