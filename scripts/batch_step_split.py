@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.batch_size < 2:
+        parser.error("--batch-size must be at least 2 (one prompt at a time decodes on the single-sequence "
+                     "decoder, which has no batched step to time)")
     torch.set_num_threads(1)
     pair = gbv.load_pair("bundled", dtype=getattr(torch, args.dtype))
     prompts = load_prompts("gsm8k", args.prompts)
