@@ -526,6 +526,20 @@ class BatchRows:
             entry[1].close()
             self.batch.remove_row(entry[0])
 
+    def reset(self) -> list:
+        """Drop every row at once, without moving any cache row (what a failed shared step leaves
+        cannot be trusted); returns the keys that were active. The caches stay allocated for the next
+        rows."""
+        keys = list(self.active)
+        for _, loop, _ in self.active.values():
+            try:
+                loop.close()
+            except Exception:  # noqa: BLE001 - the row is dropped either way
+                pass
+        self.active.clear()
+        self.batch.rows.clear()
+        return keys
+
     def _advance(self, key, row, loop, reply) -> list[tuple[Any, str, Any]]:
         """Run ``loop`` until it asks for the next step (or ends); collect its events."""
         events = []

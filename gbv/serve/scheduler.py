@@ -199,13 +199,10 @@ class Scheduler:
             events += batch.step()
         except Exception as exc:  # noqa: BLE001 - a bug in a shared step: fail its rows, keep serving
             # The step runs every row in the same forwards, so no row's state can be trusted after it
-            # raised: each active row is freed and answered with the error (500), and the worker goes on
-            # with the next requests. Uncaught, the exception ended the worker thread and every later
-            # request waited forever.
-            for key in list(batch.active):
-                batch.cancel(key)
-                if key in by_id:
-                    events.append((key, "error", exc))
+            # raised: every row is dropped at once (no cache moves) and answered with the error (500),
+            # and the worker goes on with the next requests. Uncaught, the exception ended the worker
+            # thread and every later request waited forever.
+            events += [(key, "error", exc) for key in batch.reset() if key in by_id]
         finished = []
         for key, kind, value in events:
             job = by_id[key]

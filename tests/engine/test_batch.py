@@ -97,6 +97,25 @@ def test_batch_rows_cancel_frees_the_row(llama_toy):
     assert events[-1][:2] == ("b", "done") and len(events[-1][2].token_ids) == 5
 
 
+def test_batch_rows_reset_drops_every_row_and_the_next_rows_decode_as_alone(llama_toy):
+    """What the server does after a shared step failed: every row leaves at once (no cache moves), and
+    rows added afterwards, into the same caches, commit what they commit alone."""
+    batch = BatchTreeDecoder(llama_toy.target, llama_toy.draft, 5, llama_toy.device, 2)
+    rows = BatchRows(llama_toy, batch)
+    for key, prompt in (("a", [1, 2, 3, 4]), ("b", [3])):
+        rows.add(key, prepare_job(llama_toy, prompt, method="block", block_len=3, max_new_tokens=30), emit=False)
+    rows.step()
+    rows.step()
+    assert sorted(rows.reset()) == ["a", "b"] and not rows.active and not batch.rows and rows.has_room()
+    settings = dict(method="gbv", num_paths=2, block_len=3, temperature=1.0, max_new_tokens=12, eos_token_id=[], seed=4)
+    alone = generate(llama_toy, prompt_ids=[2, 1], **settings).token_ids
+    rows.add("c", prepare_job(llama_toy, [2, 1], **settings), emit=False)
+    done = {}
+    while rows.active:
+        done.update((key, value.token_ids) for key, event, value in rows.step() if event == "done")
+    assert done == {"c": alone}
+
+
 def test_batch_size_is_validated(llama_toy):
     with pytest.raises(gbv.errors.GbvError, match="batch_size"):
         generate(llama_toy, prompt_ids=[[1], [2]], batch_size=0)

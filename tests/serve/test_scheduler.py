@@ -198,15 +198,17 @@ def test_a_batch_emits_chunks_only_for_streaming_handlers():
 
 
 class _FailingOnceBatch(_RecordingBatch):
-    """Its first step raises (a bug in a shared forward); later steps work. ``cancel`` frees a row."""
+    """Its first step raises (a bug in a shared forward); later steps work. ``reset`` drops every row."""
 
     def __init__(self, steps: int) -> None:
         super().__init__(steps)
         self.failed, self.cancelled = False, []
 
-    def cancel(self, key) -> None:
-        self.cancelled.append(key)
-        self.active.pop(key, None)
+    def reset(self) -> list:
+        keys = list(self.active)
+        self.cancelled += keys
+        self.active.clear()
+        return keys
 
     def step(self) -> list:
         if not self.failed:
