@@ -43,10 +43,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-layers", default="on", help="on, off or on,off (see above)")
     parser.add_argument("--batch-max-rows", default="on", help="on, off or on,off (see above)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part batch)")
     args = parser.parse_args()
     import gbv.engine.lean_host as lean_host
     torch.set_num_threads(1)
-    pair = gbv.load_pair("bundled", dtype=getattr(torch, args.dtype))
+    pair = gbv.load_pair("bundled", device=args.device, dtype=getattr(torch, args.dtype))
     prompts = load_prompts("gsm8k", args.prompts)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = args.rows.split(",")

@@ -131,7 +131,7 @@ def single_trial(pair, rnd: random.Random, text_ids: list[int]) -> tuple[dict, l
 
 
 def main_single(args, text_ids: list[int]) -> int:
-    pair = gbv.load_pair("bundled", dtype=args.dtype)
+    pair = gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
     trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
     crashes = errors = greedy = differ = 0
     started = time.perf_counter()
@@ -153,7 +153,7 @@ def main_single(args, text_ids: list[int]) -> int:
             differ += bool(outcome)
         if outcome:
             print(f"trial {trial} ({len(ids)}-token prompt, {settings}): {outcome}", flush=True)
-    print(f"\nsingle sequences, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: "
+    print(f"\nsingle sequences, {args.device}, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: "
           f"{len(trials)} trials, {crashes} crashed, {errors} GbvErrors; greedy speculative runs: {greedy}, "
           f"of which {differ} differ from greedy ar")
     return 1 if crashes else 0
@@ -166,6 +166,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--only", default=None, help="comma-separated trial numbers to run (default: all)")
     parser.add_argument("--mode", choices=("batch", "single"), default="batch")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part fuzz)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     text_ids = gbv.load_pair("bundled").tokenizer.encode((ROOT / "README.md").read_text())
@@ -180,7 +181,7 @@ def main() -> int:
         totals["trials"] += 1
         # A fresh pair a trial: its lean views start with the tables and caches of a new process (a
         # served request past the draft's first rotary table crashed only there).
-        pair = gbv.load_pair("bundled", dtype=args.dtype)
+        pair = gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
         try:
             done, cancelled = run_batch(pair, requests, max_rows, rnd)
         except Exception:  # noqa: BLE001 - reported, and the next trial runs
@@ -204,7 +205,7 @@ def main() -> int:
         note = f"; cancelled row {cancelled}" if cancelled is not None else ""
         print(f"trial {trial}: {len(requests)} requests, {max_rows} rows{note}: "
               + ("; ".join(differ) if differ else "every compared row as alone"), flush=True)
-    print(f"\n{args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: {totals['trials']} trials, "
+    print(f"\n{args.device}, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: {totals['trials']} trials, "
           f"{totals['crashes']} crashed; rows compared with alone: {totals['rows']} "
           f"(greedy {totals['greedy']}, of which {totals['greedy_differ']} differ; "
           f"sampled {totals['sampled']}, of which {totals['sampled_differ']} differ)")

@@ -24,7 +24,9 @@
 #   plain-runs.txt  scripts/bench_plain_runs.py: ar's plain steps in runs of one recorded call (1, 4, 8,
 #                 16 steps) for ar and auto, T = 0.2 and 1;
 #   auto.txt      scripts/bench_auto_vs_block.py on the device, 5 + 5 prompts, T = 1 and 0.2, auto's arms;
-#   compile.txt   scripts/bench_compile_cuda.py: inductor's kernels of a static step against the eager ones.
+#   compile.txt   scripts/bench_compile_cuda.py: inductor's kernels of a static step against the eager ones;
+#   batch.txt     scripts/bench_batch.py on the device: batched decoding (1, 4, 16 rows) of ar, BV L = 4, auto;
+#   fuzz.txt      scripts/fuzz_engine.py on the device: 12 random request mixes through one batch (crashes).
 # GBV_CHECK_DEVICE=cpu runs the same parts on the CPU (a dry run of this script where no GPU is; about 4
 # minutes on the 2-core CPU machines). GBV_CHECK_PARTS="graphs tests ..." runs only those parts;
 # GBV_CHECK_SYNC_WHERE=host counts syncs with host verification only; GBV_CHECK_BUILD=0 skips building
@@ -104,6 +106,13 @@ part engine-float32 130 python3 scripts/bench_engine.py --prompts "$prompts" --m
   --temperature 0.2,1.0 --dtype float32 --device "$device" --out "$out/engine-float32.md"
 part engine-bfloat16 90 python3 scripts/bench_engine.py --prompts 1 --max-new-tokens 128 --row-times \
   --temperature 0.2,1.0 --dtype bfloat16 --device "$device" --out "$out/engine-bfloat16.md"
+
+# Batched decoding (BatchTreeDecoder: one draft forward a depth, one target forward a step for all rows)
+# has not run on a GPU yet: its speed against ar, and random request mixes through it (a crash is a bug;
+# rows differing from their lone runs are rounding, docs/ENGINE.md "Many sequences").
+part batch 120 python3 scripts/bench_batch.py --device "$device" --batch-sizes 1,4,16 --rows ar,block:4,auto \
+  --prompts "$((prompts * 4))" --rounds 2
+part fuzz 120 python3 scripts/fuzz_engine.py --device "$device" --trials 12
 
 # ar's plain steps in runs of one recorded call (PlainLoop) against a call per step, ar and auto.
 part plain-runs 90 python3 scripts/bench_plain_runs.py --device "$device" --prompts "$prompts"
