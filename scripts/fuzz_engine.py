@@ -5,10 +5,12 @@
     python scripts/fuzz_engine.py --seed 3 --only 29               # rerun one trial
     python scripts/fuzz_engine.py --mode single --trials 150       # single sequences
 
-``--mode batch`` (the default): does a row of a batch commit what it commits alone? Each trial draws 1-6 requests: a method among every verifier, ``ar`` and ``auto``; K 1-4, L 1-8; a
-temperature of 0, 0.2 or 1 (top-k sometimes); 1-120 new tokens, EOS on or off; a prompt cut from this
-repo's README of 1 to 1,000 tokens (lengths around the rotary tables' and caches' sizes: 255-257,
-511-513, and near the bundled models' 1,024 positions). They decode as the rows of one
+``--mode batch`` (the default): does a row of a batch commit what it commits alone? Each trial draws
+1-6 requests: a method among every verifier, ``ar`` and ``auto``; K 1-4, L 1-8; a temperature of 0,
+0.2 or 1 (top-k sometimes); 1-120 new tokens, EOS on or off; a prompt cut from the text of the first
+200 bundled GSM8K prompts (fixed, so a trial is the same trial on every revision), of 1 to 1,000
+tokens (lengths around the rotary tables' and caches' sizes: 255-257, 511-513, and near the bundled
+models' 1,024 positions). They decode as the rows of one
 ``BatchRows`` of 1..n rows (continuous batching: the rest wait for a free row), chunk events on or off
 per row, and sometimes one request is cancelled halfway. Each trial loads a fresh pair, so its tables
 and caches start as a new process's. Every row that ran to its end, but the ``auto`` ones (their arms
@@ -25,12 +27,14 @@ sequences"). The summary counts both, greedy and sampled rows apart.
 of 1 to 1,023 tokens. A crash or a GbvError is reported; a greedy speculative generation is compared
 with greedy ``ar`` on the same prompt. They agree but for rounding: a tree pass computes the logits
 of several tokens with other kernels than a one-token step, so a near-tie can go the other way
-(likelier in bfloat16).
+(likelier in bfloat16). Where they differ, the two tokens' logits in the float32 Hugging Face forward
+at that point are printed: a near-tie is rounding, a clear gap would be a bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import sys
 import time
@@ -43,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import gbv  # noqa: E402
+from gbv.data import load_prompts  # noqa: E402
 from gbv.engine.batch import BatchTreeDecoder  # noqa: E402
 from gbv.engine.generate import BatchRows, generate, prepare_job  # noqa: E402
 from gbv.errors import GbvError  # noqa: E402
@@ -127,7 +132,25 @@ def single_trial(pair, rnd: random.Random, text_ids: list[int]) -> tuple[dict, l
     if ref == out.token_ids:
         return settings, ids, ""
     first = next((i for i, (a, b) in enumerate(zip(ref, out.token_ids)) if a != b), min(len(ref), len(out.token_ids)))
-    return settings, ids, f"greedy {settings['method']} differs from greedy ar from token {first} of {len(ref)}"
+    gap = ""
+    if first < min(len(ref), len(out.token_ids)):
+        gap = f"; {near_tie(ids + ref[:first], ref[first], out.token_ids[first])}"
+    return settings, ids, f"greedy {settings['method']} differs from greedy ar from token {first} of {len(ref)}{gap}"
+
+
+@functools.lru_cache(maxsize=1)
+def _float32_target():
+    return gbv.load_pair("bundled", dtype="float32").target
+
+
+@torch.inference_mode()
+def near_tie(context: list[int], token_a: int, token_b: int) -> str:
+    """How far apart the two tokens' logits are after ``context`` in the float32 Hugging Face forward of
+    the bundled target: a near-tie (a few thousandths) is rounding; a clear gap would be a bug."""
+    logits = _float32_target()(torch.tensor([context])).logits[0, -1]
+    order = torch.argsort(logits, descending=True).tolist()
+    return (f"float32 logits {float(logits[token_a]):.4f} and {float(logits[token_b]):.4f} "
+            f"(ranks {order.index(token_a) + 1} and {order.index(token_b) + 1})")
 
 
 def main_single(args, text_ids: list[int]) -> int:
@@ -169,7 +192,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part fuzz)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    text_ids = gbv.load_pair("bundled").tokenizer.encode((ROOT / "README.md").read_text())
+    text = "\n\n".join(load_prompts("gsm8k", 200))
+    text_ids = gbv.load_pair("bundled").tokenizer.encode(text)
     if args.mode == "single":
         return main_single(args, text_ids)
     trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
