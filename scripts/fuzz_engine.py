@@ -101,10 +101,14 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
                 rows.cancel(cancel)
             else:
                 waiting = [(key, job) for key, job in waiting if key != cancel]
-            done.pop(cancel, None)
-    if cancel is not None:
+    if cancel is not None:  # (not compared, whether it was cancelled or had finished before)
         done.pop(cancel, None)
     return done, cancel
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter's length where one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def single_trial(pair, rnd: random.Random, text_ids: list[int]) -> tuple[dict, list[int], str | None]:
@@ -131,7 +135,7 @@ def single_trial(pair, rnd: random.Random, text_ids: list[int]) -> tuple[dict, l
     ref = generate(pair, prompt_ids=ids, **{**settings, "method": "ar"}).token_ids
     if ref == out.token_ids:
         return settings, ids, ""
-    first = next((i for i, (a, b) in enumerate(zip(ref, out.token_ids)) if a != b), min(len(ref), len(out.token_ids)))
+    first = first_difference(ref, out.token_ids)
     gap = ""
     if first < min(len(ref), len(out.token_ids)):
         gap = f"; {near_tie(ids + ref[:first], ref[first], out.token_ids[first])}"
@@ -153,9 +157,8 @@ def near_tie(context: list[int], token_a: int, token_b: int) -> str:
             f"(ranks {order.index(token_a) + 1} and {order.index(token_b) + 1})")
 
 
-def main_single(args, text_ids: list[int]) -> int:
+def main_single(args, trials, text_ids: list[int]) -> int:
     pair = gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
-    trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
     crashes = errors = greedy = differ = 0
     started = time.perf_counter()
     for trial in trials:
@@ -182,21 +185,7 @@ def main_single(args, text_ids: list[int]) -> int:
     return 1 if crashes else 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0, help="trial t draws from random.Random(seed * 1000 + t)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--only", default=None, help="comma-separated trial numbers to run (default: all)")
-    parser.add_argument("--mode", choices=("batch", "single"), default="batch")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part fuzz)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    text = "\n\n".join(load_prompts("gsm8k", 200))
-    text_ids = gbv.load_pair("bundled").tokenizer.encode(text)
-    if args.mode == "single":
-        return main_single(args, text_ids)
-    trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
+def main_batch(args, trials, text_ids: list[int]) -> int:
     totals = dict(trials=0, crashes=0, rows=0, greedy=0, greedy_differ=0, sampled=0, sampled_differ=0)
     started = time.perf_counter()
     for trial in trials:
@@ -224,8 +213,8 @@ def main() -> int:
             alone = generate(pair, prompt_ids=ids, **settings).token_ids
             if alone != tokens:
                 totals[kind + "_differ"] += 1
-                first = next((i for i, (a, b) in enumerate(zip(alone, tokens)) if a != b), min(len(alone), len(tokens)))
-                differ.append(f"row {index} ({len(ids)}-token prompt, {settings}) from token {first} of {len(alone)}")
+                differ.append(f"row {index} ({len(ids)}-token prompt, {settings}) from token "
+                              f"{first_difference(alone, tokens)} of {len(alone)}")
         note = f"; cancelled row {cancelled}" if cancelled is not None else ""
         print(f"trial {trial}: {len(requests)} requests, {max_rows} rows{note}: "
               + ("; ".join(differ) if differ else "every compared row as alone"), flush=True)
@@ -234,6 +223,22 @@ def main() -> int:
           f"(greedy {totals['greedy']}, of which {totals['greedy_differ']} differ; "
           f"sampled {totals['sampled']}, of which {totals['sampled_differ']} differ)")
     return 1 if totals["crashes"] else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0, help="trial t draws from random.Random(seed * 1000 + t)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--only", default=None, help="comma-separated trial numbers to run (default: all)")
+    parser.add_argument("--mode", choices=("batch", "single"), default="batch")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part fuzz)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    text = "\n\n".join(load_prompts("gsm8k", 200))
+    text_ids = gbv.load_pair("bundled").tokenizer.encode(text)
+    trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
+    return (main_single if args.mode == "single" else main_batch)(args, trials, text_ids)
 
 
 if __name__ == "__main__":

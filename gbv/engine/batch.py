@@ -117,6 +117,11 @@ class BatchTreeDecoder:
             self.rows[index] = moved
         self.rows.pop()
 
+    def remove_all_rows(self) -> None:
+        """Drop every row at once, moving no cache row (after a step that failed halfway, nothing in
+        the caches is kept); the caches stay allocated, and the next row is prefilled into row 0."""
+        self.rows.clear()
+
     @torch.inference_mode()
     def catch_up_drafts(self, rows: list[BatchRow]) -> None:
         """Feed the draft of each of ``rows`` the tokens it has not seen, all but the pending one, in

@@ -537,7 +537,7 @@ class BatchRows:
             except Exception:  # noqa: BLE001 - the row is dropped either way
                 pass
         self.active.clear()
-        self.batch.rows.clear()
+        self.batch.remove_all_rows()
         return keys
 
     def _advance(self, key, row, loop, reply) -> list[tuple[Any, str, Any]]:

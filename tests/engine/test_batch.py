@@ -261,9 +261,8 @@ def test_a_plain_row_past_the_drafts_rotary_table_beside_a_drafting_row(bundled)
     tokenizer = bundled.tokenizer
     long_prompt = tokenizer.encode(" ".join(["Question: Natalia sold clips to 48 of her friends."] * 20))[:240]
     short_prompt = tokenizer.encode("def fib(n):")
-    settings = [dict(method="ar", prompt_ids=long_prompt), dict(method="block", block_len=4, prompt_ids=short_prompt)]
+    requests = [(long_prompt, dict(method="ar")), (short_prompt, dict(method="block", block_len=4))]
     common = dict(temperature=1.0, max_new_tokens=48, eos_token_id=[], seed=5)
-    alone = [generate(bundled, **s, **common).token_ids for s in settings]
-    jobs = [prepare_job(bundled, s["prompt_ids"], **{k: v for k, v in s.items() if k != "prompt_ids"}, **common)
-            for s in settings]
+    alone = [generate(bundled, prompt_ids=ids, **method, **common).token_ids for ids, method in requests]
+    jobs = [prepare_job(bundled, ids, **method, **common) for ids, method in requests]
     assert _batch_tokens(bundled, jobs) == alone
