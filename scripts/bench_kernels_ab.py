@@ -8,6 +8,8 @@ a commit against the installed ones, in one process, interleaved (1 thread, bund
    (what a block of n - 1 drafted tokens costs the target, or a depth step of n paths the draft).
 2. Attention alone (``host_kernels.attention_into``): n queries under an all-true mask over 150 cached
    slots, 8 heads of 32 (the bundled models' shape).
+3. The same under a tree mask: a root and K = 3 disjoint paths of L nodes (n = 3 L + 1, what GBV's
+   target pass attends), after the prefix; also as forwards of the target (first table's rows "tree").
 
 Each measurement alternates the two builds 40 (forwards) or 60 (attention) times and prints the
 medians and their ratio; the machine is shared, so only the ratios mean anything. The old file is
@@ -31,17 +33,37 @@ from gbv.models.loading import load_pair
 from kernels_at import kernels_at
 
 
+avx512 = True  # whether the installed kernels run the AVX-512 tiles (main), which the other build then takes too
+
+
 def alternate(builds: dict, run, repeats: int, inner: int) -> dict[str, float]:
     """Median seconds of ``run()`` per build (each timed over ``inner`` calls), builds alternating."""
     times = {name: [] for name in builds}
     for _ in range(repeats):
         for name, module in builds.items():
             host_kernels._host_kernels = module
+            # (the prefetch hint chosen at load lives in each module: a module swapped in keeps its
+            # default, non-temporal, which on the Xeon made a float32 step 3x slower)
+            if host_kernels.prefetch_temporal() is not None:
+                module.set_prefetch_temporal(host_kernels.prefetch_temporal())
+            module.set_avx512(avx512)  # (GBV_HOST_AVX512=0 switched the installed module's only)
             start = time.perf_counter()
             for _ in range(inner):
                 run()
             times[name].append((time.perf_counter() - start) / inner)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def paths_mask(num_paths: int, block_len: int) -> torch.Tensor:
+    """(n, n) bool: node i attends node j, for a root (node 0) and ``num_paths`` disjoint paths of
+    ``block_len`` nodes after it (path k's depth-d node is 1 + k L + d)."""
+    n = 1 + num_paths * block_len
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[:, 0] = True
+    for k in range(num_paths):
+        for d in range(block_len):
+            mask[1 + k * block_len + d, 1 + k * block_len:1 + k * block_len + d + 1] = True
+    return mask
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the compiled kernels do not run here: {host_kernels_unavailable()}")
     torch.set_num_threads(1)
     installed = host_kernels._host_kernels
+    global avx512
+    avx512 = installed.avx512()
     builds = {"before": kernels_at(args.before), "after": installed}
     pair = load_pair("bundled", dtype=args.dtype)
     prefix = args.prefix
@@ -73,6 +97,16 @@ def main(argv: list[str] | None = None) -> None:
                     ms = alternate(builds, lambda: lean.forward(tokens, positions, prefix, cache, mask), 40, 5)
                     print(f"| {name} | {n} | {ms['before'] * 1e3:.3f} | {ms['after'] * 1e3:.3f} | "
                           f"{ms['after'] / ms['before']:.3f} |")
+                for block_len in (4, 8):  # the tries of K = 3 paths: 13 and 25 nodes
+                    tree = paths_mask(3, block_len)
+                    n = tree.shape[0]
+                    tokens = torch.full((1, n), 7)
+                    depth = tree.sum(dim=1) - 1
+                    positions = prefix + depth[None]
+                    mask = prefix_then(tree, prefix)
+                    ms = alternate(builds, lambda: lean.forward(tokens, positions, prefix, cache, mask), 40, 5)
+                    print(f"| {name} | tree {n} | {ms['before'] * 1e3:.3f} | {ms['after'] * 1e3:.3f} | "
+                          f"{ms['after'] / ms['before']:.3f} |")
 
         print(f"\n2. Attention of n queries over {prefix} cached slots (8 heads of 32), us\n")
         print(f"| queries | {args.before} | now | now / before |\n|---:|---:|---:|---:|")
@@ -88,6 +122,23 @@ def main(argv: list[str] | None = None) -> None:
             us = alternate(builds, lambda: attention_into(qkv, keys, values, out, mask, heads, prefix, end, 0.2),
                            60, 20)
             print(f"| {n} | {us['before'] * 1e6:.1f} | {us['after'] * 1e6:.1f} | {us['after'] / us['before']:.3f} |")
+
+        print(f"\n3. Attention of a root and 3 paths of L nodes after {prefix} cached slots (8 heads of 32), us\n")
+        print(f"| L | queries | {args.before} | now | now / before |\n|---:|---:|---:|---:|---:|")
+        for block_len in (1, 2, 4, 8):
+            tree = paths_mask(3, block_len).numpy()
+            n = tree.shape[0]
+            end = prefix + n
+            keys = rng.standard_normal((heads, end + 8, head_dim)).astype(np.float32)
+            values = rng.standard_normal((heads, end + 8, head_dim)).astype(np.float32)
+            qkv = rng.standard_normal((n, 3 * heads * head_dim)).astype(np.float32)
+            out = np.zeros((n, heads * head_dim), np.float32)
+            mask = np.ones((n, end), bool)
+            mask[:, prefix:] = tree
+            us = alternate(builds, lambda: attention_into(qkv, keys, values, out, mask, heads, prefix, end, 0.2),
+                           60, 20)
+            print(f"| {block_len} | {n} | {us['before'] * 1e6:.1f} | {us['after'] * 1e6:.1f} | "
+                  f"{us['after'] / us['before']:.3f} |")
     finally:
         host_kernels._host_kernels = installed
 

@@ -16,6 +16,10 @@ rounds of after/before tokens/s (each round's ratio from its pooled tokens/s), t
 pooled tokens/s of each variant. A worker only calls the public API (``gbv.load_pair``,
 ``gbv.generate`` and its ``stats``), so any revision with it can serve as "before".
 
+Also reported: each variant's block efficiency (new tokens per target call) and the median ratio of
+seconds per target call. A change that moves the logits by rounding samples other texts from the same
+seeds, whose acceptance differs in every round alike; the time per call compares the costs apart from it.
+
 Rows: ``ar``, ``auto``, ``METHOD:L`` (one path, e.g. ``block:4``) or ``METHOD:K:L`` (``gbv:3:8``).
 """
 
@@ -69,8 +73,9 @@ def worker(args) -> None:
                 out = gbv.generate(pair, prompt=prompt, max_new_tokens=args.max_new_tokens, seed=seed, **common,
                                    **settings[row])
                 spent = time.perf_counter() - start
-                tokens, seconds = totals.setdefault(f"{row} T={temperature}", [0, 0.0])
-                totals[f"{row} T={temperature}"] = [tokens + len(out.token_ids), seconds + spent]
+                tokens, seconds, calls = totals.setdefault(f"{row} T={temperature}", [0, 0.0, 0])
+                totals[f"{row} T={temperature}"] = [tokens + len(out.token_ids), seconds + spent,
+                                                    calls + out.stats.to_dict()["target_calls"]]
     print(json.dumps({"gbv": gbv.__file__, "totals": totals}))
 
 
@@ -129,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"`{args.before}` (before) against the working tree (after), {args.dtype}, 1 thread, {args.rounds} rounds "
           f"x {2 * args.prompts} prompts x {args.max_new_tokens} tokens\n")
     print("| row | before tokens/s | after tokens/s | after / before (median) | range over rounds "
-          "| after / before, each against its process's ar (median) |")
-    print("|---|---:|---:|---:|---|---:|")
+          "| after / before, each against its process's ar (median) | block efficiency, before / after "
+          "| seconds per target call, after / before (median) |")
+    print("|---|---:|---:|---:|---|---:|---|---:|")
 
     def speed(totals: dict, row: str) -> float:
         return totals[row][0] / totals[row][1]
@@ -145,8 +151,14 @@ def main(argv: list[str] | None = None) -> None:
         relative = "-"
         if ar in runs["after"][0] and row != ar:
             relative = f"{statistics.median(speed(a, row) / speed(a, ar) / (speed(b, row) / speed(b, ar)) for a, b in pairs):.3f}"
+        # A change that moves the logits by rounding changes which texts are sampled, so the two variants
+        # may keep different numbers of tokens per call on the same prompts and seeds, in every round
+        # alike: the time per target call (an iteration) compares their costs apart from that.
+        efficiency = {v: runs[v][0][row][0] / runs[v][0][row][2] for v in runs}
+        per_call = statistics.median((a[row][1] / a[row][2]) / (b[row][1] / b[row][2]) for a, b in pairs)
         print(f"| {row} | {rate['before']:.1f} | {rate['after']:.1f} | {statistics.median(ratios):.3f} | "
-              f"{ratios[0]:.3f}-{ratios[-1]:.3f} | {relative} |")
+              f"{ratios[0]:.3f}-{ratios[-1]:.3f} | {relative} | {efficiency['before']:.2f} / "
+              f"{efficiency['after']:.2f} | {per_call:.3f} |")
 
 
 if __name__ == "__main__":

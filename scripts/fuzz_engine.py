@@ -16,19 +16,21 @@ per row, and sometimes one request is cancelled halfway. Each trial loads a fres
 and caches start as a new process's. Every row that ran to its end, but the ``auto`` ones (their arms
 depend on the batch), is then compared with ``generate`` on its prompt alone.
 
-A crash is a bug. A differing row is not, as such: the batch computes each row's logits with other
-row counts, slot layouts and kernels than a lone sequence, so p and q agree with the lone ones to
-rounding only (about 1e-6 in float32), and a sampled token changes where its uniform falls within that
-of a boundary; bfloat16 rounds activations and cache entries, which widens it (docs/ENGINE.md, "Many
-sequences"). The summary counts both, greedy and sampled rows apart.
+A crash is a bug. So is a differing row where the compiled CPU kernels run (one thread): their sums
+run in one order for every pass, so a token's logits do not depend on the rows, row counts or slot
+layout of the pass it is in, and a row commits what it commits alone, bit for bit (docs/ENGINE.md, "One
+sum order for every pass"); the run then exits 1. Elsewhere (a GPU, torch's products) the batch
+computes a row's logits to rounding of the lone ones only, and a differing row is reported, not
+failed. The summary counts both, greedy and sampled rows apart.
 
 ``--mode single``: each trial is one ``generate`` call with random settings (every method, K 1-6, L
 1-12, temperatures 0-1.5, top-k, top-p, a draft temperature, stop strings, EOS on or off) on a prompt
 of 1 to 1,023 tokens. A crash or a GbvError is reported; a greedy speculative generation is compared
-with greedy ``ar`` on the same prompt. They agree but for rounding: a tree pass computes the logits
-of several tokens with other kernels than a one-token step, so a near-tie can go the other way
-(likelier in bfloat16). Where they differ, the two tokens' logits in the float32 Hugging Face forward
-at that point are printed: a near-tie is rounding, a clear gap would be a bug.
+with greedy ``ar`` on the same prompt. On the compiled CPU kernels they are the same tokens (a tree
+pass computes each token's logits as a one-token step does), and a difference fails the run. Elsewhere
+they agree but for rounding, and a near-tie can go the other way; where they differ, the two tokens'
+logits in the float32 Hugging Face forward at that point are printed: a near-tie is rounding, a clear
+gap would be a bug.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import gbv  # noqa: E402
 from gbv.data import load_prompts  # noqa: E402
 from gbv.engine.batch import BatchTreeDecoder  # noqa: E402
 from gbv.engine.generate import BatchRows, generate, prepare_job  # noqa: E402
+from gbv.engine.host_kernels import host_kernels_unavailable  # noqa: E402
 from gbv.errors import GbvError  # noqa: E402
 from gbv.verify import METHODS  # noqa: E402
 
@@ -104,6 +107,12 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
     if cancel is not None:  # (not compared, whether it was cancelled or had finished before)
         done.pop(cancel, None)
     return done, cancel
+
+
+def exact_rows(args) -> bool:
+    """Whether rows must equal their references bit for bit: on the CPU where the compiled kernels run
+    (``main`` sets one thread)."""
+    return args.device == "cpu" and host_kernels_unavailable() is None and torch.get_num_threads() == 1
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -182,7 +191,7 @@ def main_single(args, trials, text_ids: list[int]) -> int:
     print(f"\nsingle sequences, {args.device}, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: "
           f"{len(trials)} trials, {crashes} crashed, {errors} GbvErrors; greedy speculative runs: {greedy}, "
           f"of which {differ} differ from greedy ar")
-    return 1 if crashes else 0
+    return 1 if crashes or (differ and exact_rows(args)) else 0
 
 
 def main_batch(args, trials, text_ids: list[int]) -> int:
@@ -222,7 +231,8 @@ def main_batch(args, trials, text_ids: list[int]) -> int:
           f"{totals['crashes']} crashed; rows compared with alone: {totals['rows']} "
           f"(greedy {totals['greedy']}, of which {totals['greedy_differ']} differ; "
           f"sampled {totals['sampled']}, of which {totals['sampled_differ']} differ)")
-    return 1 if totals["crashes"] else 0
+    differ = totals["greedy_differ"] + totals["sampled_differ"]
+    return 1 if totals["crashes"] or (differ and exact_rows(args)) else 0
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
-"""Does a product's row depend on how many rows the product has? The first source of a batch row's
-rounding gap to its lone run (docs/ENGINE.md, "Many sequences").
+"""Does a product's row depend on how many rows the product has? (docs/ENGINE.md, "One sum order for
+every pass": it must not, for a batch row to commit what it commits alone.)
 
     python scripts/product_row_invariance.py
 
@@ -7,10 +7,11 @@ For each kind of panel the host kernels multiply by (float32; bfloat16 on the AV
 on AMX, where the CPU has it), multiplies the same first row of x, (1, 256), by a (256, 768) weight
 inside products of M = 1 .. 70 rows, and prints the largest difference of that row's 768 outputs
 from the product of one row, and the groups of row counts whose row is the same bit for bit (the AVX2
-tiles too, where the CPU has AVX-512, since they are what a CPU without it runs). 0 everywhere would
-make the products batch-invariant; a difference is the kernels summing a row in another order for
-other row counts (sets of sums over k by tile height; on AMX, dot products for one row and tiles
-for more).
+tiles too, where the CPU has AVX-512, since they are what a CPU without it runs). 0 everywhere, one
+group: the products are batch-invariant, as they have been since the thirty-fifth session (every tile
+sums k in one chain; one AMX row is a tile). Before, the tiles split k into sets by tile height and one
+AMX row took dot products: groups {1-3}, {4-7}, {8+} on the AVX-512 tiles, {1}, {2-3}, {4+} on the
+AVX2 ones and {1}, {2+} on AMX (docs/results/engine/product-row-invariance-thirtyfourth.txt).
 """
 
 from __future__ import annotations

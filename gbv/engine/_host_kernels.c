@@ -13,12 +13,13 @@
  * panels of PANEL = 16 columns, (ceil(N / 16), K, 16), zero-padded on the right (PanelWeight in
  * gbv/engine/host_kernels.py packs it), in float32 or in bfloat16 (half the bytes to stream; each
  * value widened to its float32 in registers, so the sums are those of float32 panels of the same
- * values). For each panel, rows are taken TILE_ROWS at a time; the panel (K * 64 bytes) stays in
- * the L1/L2 cache while every row tile reads it, so the weight crosses the memory bus once.
+ * values). For each panel (or group of panels), rows are taken a tile at a time; the panels stay in
+ * the L1/L2 cache while every row tile reads them, so the weight crosses the memory bus once.
  *
  * Each output is sum_k x[r, k] * W[k, c] accumulated in order of k in float32 (one fused
- * multiply-add per term), then added to y when accumulating: the same sum as any GEMM, in another
- * order. No threads: the engine runs small models on one (gbv/engine/threads.py).
+ * multiply-add per term) in every tile, then added to y when accumulating: the same sum as any GEMM,
+ * in another order, and the same bits for a row whatever the product's row count (a step, a tree
+ * pass, a batch). No threads: the engine runs small models on one (gbv/engine/threads.py).
  *
  * Where the CPU has AMX, bfloat16 weights are packed for its tiles instead (amx_product below), and
  * those products round x to bfloat16 first.
@@ -87,95 +88,81 @@ static int prefetch_temporal = 0;
             _mm_prefetch(at_, _MM_HINT_NTA);                                                        \
     } while (0)
 
-/* The tiles' sums, stored into R rows of y (row stride ys): `width` of the panel's 16 columns. */
-#define STORE_TILE(R)                                                                               \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                           \
-        float *out = y + r * ys;                                                                    \
-        if (width == PANEL) {                                                                       \
-            if (accumulate) {                                                                       \
-                lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(out));                                 \
-                hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(out + 8));                             \
-            }                                                                                       \
-            _mm256_storeu_ps(out, lo[r]);                                                           \
-            _mm256_storeu_ps(out + 8, hi[r]);                                                       \
-        } else { /* the last panel of a width that is not a multiple of 16 */                       \
-            float sums[PANEL];                                                                      \
-            _mm256_storeu_ps(sums, lo[r]);                                                          \
-            _mm256_storeu_ps(sums + 8, hi[r]);                                                      \
-            for (int c = 0; c < width; c++)                                                         \
-                out[c] = accumulate ? out[c] + sums[c] : sums[c];                                   \
-        }                                                                                           \
+/* y's row `out`: `width` of the panel's 16 columns, from lo (columns 0-7) and hi (8-15), added to what
+ * it holds when accumulating. */
+__attribute__((target("avx2,fma"))) static inline void store_panel_row(float *out, __m256 lo, __m256 hi, int width,
+                                                                      int accumulate) {
+    if (width == PANEL) {
+        if (accumulate) {
+            lo = _mm256_add_ps(lo, _mm256_loadu_ps(out));
+            hi = _mm256_add_ps(hi, _mm256_loadu_ps(out + 8));
+        }
+        _mm256_storeu_ps(out, lo);
+        _mm256_storeu_ps(out + 8, hi);
+    } else { /* the last panel of a width that is not a multiple of 16 */
+        float sums[PANEL];
+        _mm256_storeu_ps(sums, lo);
+        _mm256_storeu_ps(sums + 8, hi);
+        for (int c = 0; c < width; c++) out[c] = accumulate ? out[c] + sums[c] : sums[c];
     }
+}
 
-/* One tile: R rows of x (row stride xs) by one panel of WTYPE weights, into R rows of y (row stride
- * ys), `width` of the panel's 16 columns. R and S are constants in each copy, so that the
- * accumulators stay in registers: every loop over them is unrolled. (Without the unroll pragmas GCC
- * kept the arrays in memory and stored ten accumulators to the stack at every k: 20 store micro-ops
- * against 12 fused multiply-adds, and the 6-row tile ran at 0.57 of this core's one 8-wide FMA per
- * cycle; unrolled, 0.95.)
+/* One tile: R rows of x (row stride xs) by P adjacent panels of WTYPE weights (panel p at
+ * panel_bytes + p K PANEL values), into R rows of y (row stride ys); `width` is the last panel's width
+ * (the others are whole). R and P are constants in each copy, so that the accumulators stay in
+ * registers: every loop over them is unrolled. (Without the unroll pragmas GCC kept the arrays in
+ * memory and stored ten accumulators to the stack at every k: 20 store micro-ops against 12 fused
+ * multiply-adds, and the 6-row tile ran at 0.57 of this core's one 8-wide FMA per cycle; unrolled,
+ * 0.95.)
  *
- * S (1, 2 or 4) sets of accumulators take the values of k by k mod S, and are added at the end, in
- * order of s: a chain of fused multiply-adds waits on its own latency (4-5 cycles on the machines
- * measured), so a tile of few rows needs more independent sums than its 2R to keep the FMA units
- * busy. */
-#define DEFINE_TILE(R, S, NAME, WTYPE, LOAD)                                                        \
-    __attribute__((target("avx2,fma"))) static void tile_##NAME##_##R(                              \
+ * Each output's sum runs over k in one accumulator, in order of k (one fused multiply-add per term),
+ * in every tile of every height and panel count, here and in the AVX-512 tiles below. So a row's
+ * products do not depend on how many rows the product has, nor on which tile takes it: a token's
+ * logits are the same in a 1-token step, a 25-node tree pass and a batch of 16 sequences (docs/ENGINE.md,
+ * "One sum order for every pass"). A chain of fused multiply-adds waits on its own latency (4-5 cycles
+ * on the machines measured), so a tile needs about 8 independent sums to keep two FMA units busy: a
+ * tile of few rows takes them from several panels at once (P), not from splitting k (which made a
+ * row's sums depend on its tile's height). */
+#define DEFINE_TILE(R, P, NAME, WTYPE, LOAD)                                                        \
+    __attribute__((target("avx2,fma"))) static void tile##P##_##NAME##_##R(                         \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
         int width, int accumulate) {                                                                \
         const WTYPE *panel = (const WTYPE *)panel_bytes;                                            \
-        __m256 lo_s[S][R], hi_s[S][R], lo[R], hi[R];                                                \
-        _Pragma("GCC unroll 4") for (int s = 0; s < S; s++)                                         \
+        __m256 lo[P][R], hi[P][R];                                                                  \
+        _Pragma("GCC unroll 4") for (int p = 0; p < P; p++)                                         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
-                lo_s[s][r] = _mm256_setzero_ps();                                                   \
-                hi_s[s][r] = _mm256_setzero_ps();                                                   \
+                lo[p][r] = _mm256_setzero_ps();                                                     \
+                hi[p][r] = _mm256_setzero_ps();                                                     \
             }                                                                                       \
-        Py_ssize_t k = 0;                                                                           \
-        _Pragma("GCC unroll 2") for (; k + S <= K; k += S) {                                        \
-            _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) {                                   \
-                if (sizeof(WTYPE) == 4 || S % 2 || s % 2 == 0) /* once per 64-byte line */         \
-                    PREFETCH(panel, k + s);                                                         \
+        _Pragma("GCC unroll 2") for (Py_ssize_t k = 0; k < K; k++) {                                \
+            _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) {                                   \
+                const WTYPE *this_panel = panel + p * K * PANEL;                                    \
+                if (sizeof(WTYPE) == 4 || k % 2 == 0) /* once per 64-byte line */                   \
+                    PREFETCH(this_panel, k);                                                        \
                 __m256 w_lo, w_hi;                                                                  \
-                LOAD(panel, k + s, w_lo, w_hi);                                                     \
+                LOAD(this_panel, k, w_lo, w_hi);                                                    \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
-                    const __m256 b = _mm256_broadcast_ss(x + r * xs + k + s);                       \
-                    lo_s[s][r] = _mm256_fmadd_ps(b, w_lo, lo_s[s][r]);                              \
-                    hi_s[s][r] = _mm256_fmadd_ps(b, w_hi, hi_s[s][r]);                              \
+                    const __m256 b = _mm256_broadcast_ss(x + r * xs + k);                           \
+                    lo[p][r] = _mm256_fmadd_ps(b, w_lo, lo[p][r]);                                  \
+                    hi[p][r] = _mm256_fmadd_ps(b, w_hi, hi[p][r]);                                  \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        for (; k < K; k++) { /* the last K mod S values of k, into the first set */                 \
-            __m256 w_lo, w_hi;                                                                      \
-            LOAD(panel, k, w_lo, w_hi);                                                             \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
-                const __m256 b = _mm256_broadcast_ss(x + r * xs + k);                               \
-                lo_s[0][r] = _mm256_fmadd_ps(b, w_lo, lo_s[0][r]);                                  \
-                hi_s[0][r] = _mm256_fmadd_ps(b, w_hi, hi_s[0][r]);                                  \
-            }                                                                                       \
-        }                                                                                           \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
-            lo[r] = lo_s[0][r];                                                                     \
-            hi[r] = hi_s[0][r];                                                                     \
-            _Pragma("GCC unroll 4") for (int s = 1; s < S; s++) {                                   \
-                lo[r] = _mm256_add_ps(lo[r], lo_s[s][r]);                                           \
-                hi[r] = _mm256_add_ps(hi[r], hi_s[s][r]);                                           \
-            }                                                                                       \
-        }                                                                                           \
-        STORE_TILE(R)                                                                               \
+        _Pragma("GCC unroll 4") for (int p = 0; p < P; p++)                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                     \
+                store_panel_row(y + r * ys + p * PANEL, lo[p][r], hi[p][r], p == P - 1 ? width : PANEL, \
+                                accumulate);                                                        \
     }
 
-/* Sets of sums per tile height. The Zen 3 core here runs two 8-wide FMAs a cycle with a latency of 4
- * (scripts/fma_peak.c: 2.00 FMA/cycle with 10 chains, 1.45 with 6), so a tile needs about 8
- * independent sums. Measured on the bundled target's products (scripts/bench_host_kernels.py table 1,
- * the C file of before built beside): one set for 1 row lost a third of its rate (an earlier
- * machine); two sets for 3 rows cut its bfloat16 products from 0.69-0.70 to 0.59-0.60 ms (no gain on
- * the earlier Zen 1 machine, nor in float32, where 3 rows are bound by memory); four sets for 1 row
- * of bfloat16 panels, 0.39-0.42 -> 0.34-0.38 ms (float32 panels, whose one row is bound by memory,
- * neither gain nor lose: they keep the sets of bf16 panels, so that the two give the same sums, bit for
- * bit, for the same values). */
+/* The AVX2 tiles: P panels by R rows, about 8 sums each (2 R P: the lo and hi halves of each panel
+ * row); the one-panel tiles take the panels left over. */
 #define DEFINE_TILES(NAME, WTYPE, LOAD)                                                             \
     DEFINE_TILE(1, 4, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(2, 2, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(3, 2, NAME, WTYPE, LOAD)                                                            \
+    DEFINE_TILE(1, 1, NAME, WTYPE, LOAD)                                                            \
+    DEFINE_TILE(2, 1, NAME, WTYPE, LOAD)                                                            \
+    DEFINE_TILE(3, 1, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(4, 1, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(5, 1, NAME, WTYPE, LOAD)                                                            \
     DEFINE_TILE(6, 1, NAME, WTYPE, LOAD)
@@ -184,64 +171,73 @@ DEFINE_TILES(f32, float, LOAD_F32)
 DEFINE_TILES(bf16, uint16_t, LOAD_BF16)
 
 typedef void (*tile_fn)(const float *, Py_ssize_t, const void *, Py_ssize_t, float *, Py_ssize_t, int, int);
-static const tile_fn TILES_F32[TILE_ROWS + 1] = {NULL, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5,
-                                                 tile_f32_6};
-static const tile_fn TILES_BF16[TILE_ROWS + 1] = {NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4,
-                                                  tile_bf16_5, tile_bf16_6};
+static const tile_fn TILES_F32[TILE_ROWS + 1] = {NULL, tile1_f32_1, tile1_f32_2, tile1_f32_3, tile1_f32_4,
+                                                 tile1_f32_5, tile1_f32_6};
+static const tile_fn TILES_BF16[TILE_ROWS + 1] = {NULL, tile1_bf16_1, tile1_bf16_2, tile1_bf16_3, tile1_bf16_4,
+                                                  tile1_bf16_5, tile1_bf16_6};
+/* Multi-panel AVX2 tiles by rows (products of 1 to 3 rows): the tile and its panel count. */
+static const tile_fn TILESP_F32[4] = {NULL, tile4_f32_1, tile2_f32_2, tile2_f32_3};
+static const tile_fn TILESP_BF16[4] = {NULL, tile4_bf16_1, tile2_bf16_2, tile2_bf16_3};
+static const int TILESP_PANELS[4] = {0, 4, 2, 2};
 
-/* AVX-512 tiles, for products of 2 rows or more where the CPU has AVX-512F (set_avx512). Why: a pass of
- * several rows (the target's pass over a block or a tree) is bound by the fused multiply-adds, not by
- * the weight's bytes: on an Intel Xeon with AVX-512 the bundled target's 25-node pass took 4.3x a 1-token
- * step in float32. One 16-wide vector holds a whole panel row, so a tile does half the FMAs of two 8-wide
- * ones, loads each panel row once for up to TILE512_ROWS rows (16 accumulators of 32 registers), and
- * reads the panel from the L1 / L2 half as many times. A 1-row product, bound by the weight's bytes,
- * keeps the AVX2 tile tuned for it. bfloat16 panel rows (in the column order 0-3, 8-11, 4-7, 12-15 of
- * the AVX2 loads) are widened in that order and put back in column order once, at the store, so that
- * float32 and bfloat16 panels of the same values still give the same sums, bit for bit. Sets of sums
- * as above: about 8 independent chains (two FMA units, latency 4). */
+/* AVX-512 tiles, for products where the CPU has AVX-512F (set_avx512). Why: a pass of several rows
+ * (the target's pass over a block or a tree) is bound by the fused multiply-adds, not by the weight's
+ * bytes: on an Intel Xeon with AVX-512 the bundled target's 25-node pass took 4.3x a 1-token step in
+ * float32. One 16-wide vector holds a whole panel row, so a tile does half the FMAs of two 8-wide
+ * ones, loads each panel row once for all its rows, and reads the panel from the L1 / L2 half as many
+ * times. bfloat16 panel rows (in the column order 0-3, 8-11, 4-7, 12-15 of the AVX2 loads) are
+ * widened in that order and put back in column order once, at the store, so that float32 and bfloat16
+ * panels of the same values still give the same sums, bit for bit.
+ *
+ * P adjacent panels by R rows, each output's sum over k in one accumulator, in order (as the AVX2
+ * tiles: the same sums, bit for bit). Several panels share each broadcast of x: R + P loads for R P
+ * FMAs. (With one panel, the broadcast load per FMA bound a pass of many rows to the load ports: a
+ * prompt's prefill made ~90 GFLOP/s here where torch's GEMM makes 160-170.) Tiles of 8 rows or more
+ * take two panels (2 x 14 accumulators, 2 panel rows and a broadcast fit the 32 registers; split as
+ * evenly as they come, 8 rows or more give tiles of 7 to 14 rows: 15 = 8 + 7), fewer rows take more
+ * panels for about 8 independent sums (two FMA units, latency 4), and one-panel tiles take the panels
+ * left over. ``width`` is the last panel's (the others are whole). */
 #define TILE512_ROWS 16
 #define LOAD512_F32(p, k) _mm512_loadu_ps((p) + (k) * PANEL)
 #define LOAD512_BF16(p, k)                                                                          \
     _mm512_castsi512_ps(                                                                            \
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((p) + (k) * PANEL))), 16))
-#define DEFINE_TILE512(R, S, NAME, WTYPE, LOAD, BF16)                                               \
-    __attribute__((target("avx512f"))) static void tile512_##NAME##_##R(                            \
+#define DEFINE_TILE512(R, P, NAME, WTYPE, LOAD, BF16)                                               \
+    __attribute__((target("avx512f"))) static void tile512x##P##_##NAME##_##R(                      \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
         int width, int accumulate) {                                                                \
         const WTYPE *panel = (const WTYPE *)panel_bytes;                                            \
-        __m512 acc_s[S][R], acc[R];                                                                 \
-        _Pragma("GCC unroll 4") for (int s = 0; s < S; s++)                                         \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc_s[s][r] = _mm512_setzero_ps(); \
-        Py_ssize_t k = 0;                                                                           \
-        _Pragma("GCC unroll 2") for (; k + S <= K; k += S) {                                        \
-            _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) {                                   \
-                if (sizeof(WTYPE) == 4 || S % 2 || s % 2 == 0) /* once per 64-byte line */         \
-                    PREFETCH(panel, k + s);                                                         \
-                const __m512 w = LOAD(panel, k + s);                                                \
-                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                \
-                    acc_s[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k + s]), w, acc_s[s][r]);  \
+        __m512 acc[P][R];                                                                           \
+        _Pragma("GCC unroll 4") for (int p = 0; p < P; p++)                                         \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[p][r] = _mm512_setzero_ps();   \
+        _Pragma("GCC unroll 2") for (Py_ssize_t k = 0; k < K; k++) {                                \
+            __m512 w[P];                                                                            \
+            _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) {                                   \
+                if (sizeof(WTYPE) == 4 || k % 2 == 0) /* once per 64-byte line */                   \
+                    PREFETCH(panel + p * K * PANEL, k);                                             \
+                w[p] = LOAD(panel + p * K * PANEL, k);                                              \
             }                                                                                       \
-        }                                                                                           \
-        for (; k < K; k++) { /* the last K mod S values of k, into the first set */                 \
-            const __m512 w = LOAD(panel, k);                                                        \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
-                acc_s[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), w, acc_s[0][r]);       \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
+                const __m512 b = _mm512_set1_ps(x[r * xs + k]);                                     \
+                _Pragma("GCC unroll 4") for (int p = 0; p < P; p++)                                 \
+                    acc[p][r] = _mm512_fmadd_ps(b, w[p], acc[p][r]);                                \
+            }                                                                                       \
         }                                                                                           \
         const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15); \
         const __mmask16 lanes = (__mmask16)((1u << width) - 1u);                                    \
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                      \
-            acc[r] = acc_s[0][r];                                                                   \
-            _Pragma("GCC unroll 4") for (int s = 1; s < S; s++) acc[r] = _mm512_add_ps(acc[r], acc_s[s][r]); \
-            if (BF16) acc[r] = _mm512_permutexvar_ps(order, acc[r]); /* back to column order */     \
-            float *out = y + r * ys;                                                                \
-            if (width == PANEL) {                                                                   \
-                if (accumulate) acc[r] = _mm512_add_ps(acc[r], _mm512_loadu_ps(out));               \
-                _mm512_storeu_ps(out, acc[r]);                                                      \
-            } else { /* the last panel of a width that is not a multiple of 16 */                   \
-                if (accumulate) acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(lanes, out));  \
-                _mm512_mask_storeu_ps(out, lanes, acc[r]);                                          \
+        _Pragma("GCC unroll 4") for (int p = 0; p < P; p++)                                         \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
+                __m512 sums = acc[p][r];                                                            \
+                if (BF16) sums = _mm512_permutexvar_ps(order, sums); /* back to column order */     \
+                float *out = y + r * ys + p * PANEL;                                                \
+                if (p < P - 1 || width == PANEL) {                                                  \
+                    if (accumulate) sums = _mm512_add_ps(sums, _mm512_loadu_ps(out));               \
+                    _mm512_storeu_ps(out, sums);                                                    \
+                } else { /* the last panel of a width that is not a multiple of 16 */               \
+                    if (accumulate) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(lanes, out));  \
+                    _mm512_mask_storeu_ps(out, lanes, sums);                                        \
+                }                                                                                   \
             }                                                                                       \
-        }                                                                                           \
     }
 #define DEFINE_TILES512(NAME, WTYPE, LOAD, BF16)                                                    \
     DEFINE_TILE512(1, 4, NAME, WTYPE, LOAD, BF16)                                                   \
@@ -251,6 +247,20 @@ static const tile_fn TILES_BF16[TILE_ROWS + 1] = {NULL, tile_bf16_1, tile_bf16_2
     DEFINE_TILE512(5, 2, NAME, WTYPE, LOAD, BF16)                                                   \
     DEFINE_TILE512(6, 2, NAME, WTYPE, LOAD, BF16)                                                   \
     DEFINE_TILE512(7, 2, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(8, 2, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(9, 2, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(10, 2, NAME, WTYPE, LOAD, BF16)                                                  \
+    DEFINE_TILE512(11, 2, NAME, WTYPE, LOAD, BF16)                                                  \
+    DEFINE_TILE512(12, 2, NAME, WTYPE, LOAD, BF16)                                                  \
+    DEFINE_TILE512(13, 2, NAME, WTYPE, LOAD, BF16)                                                  \
+    DEFINE_TILE512(14, 2, NAME, WTYPE, LOAD, BF16)                                                  \
+    DEFINE_TILE512(1, 1, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(2, 1, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(3, 1, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(4, 1, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(5, 1, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(6, 1, NAME, WTYPE, LOAD, BF16)                                                   \
+    DEFINE_TILE512(7, 1, NAME, WTYPE, LOAD, BF16)                                                   \
     DEFINE_TILE512(8, 1, NAME, WTYPE, LOAD, BF16)                                                   \
     DEFINE_TILE512(9, 1, NAME, WTYPE, LOAD, BF16)                                                   \
     DEFINE_TILE512(10, 1, NAME, WTYPE, LOAD, BF16)                                                  \
@@ -261,87 +271,30 @@ static const tile_fn TILES_BF16[TILE_ROWS + 1] = {NULL, tile_bf16_1, tile_bf16_2
     DEFINE_TILE512(15, 1, NAME, WTYPE, LOAD, BF16)                                                  \
     DEFINE_TILE512(16, 1, NAME, WTYPE, LOAD, BF16)
 
-
 DEFINE_TILES512(f32, float, LOAD512_F32, 0)
 DEFINE_TILES512(bf16, uint16_t, LOAD512_BF16, 1)
 
-/* Tiles of two adjacent panels (32 columns) by up to TILE512X2_ROWS rows, for products of at least
- * TILE512X2_MIN_ROWS rows. Why: the one-panel tiles above issue a broadcast load of x per FMA (16 + 1
- * loads for 16 FMAs a value of k), so the load ports, not the two FMA units, bound a pass of many rows
- * (a prompt's prefill made ~90 GFLOP/s here where torch's GEMM makes 160-170). Two panels share each
- * broadcast: R + 2 loads for 2R FMAs. 2 x 14 accumulators, 2 panel rows and a broadcast fit the 32
- * registers. Split as evenly as they come, 8 rows or more give tiles of 7 to 14 rows (15 = 8 + 7). Each output's sum runs over k in one accumulator, in order, as in the one-panel tiles of
- * 8 rows or more: the same sums, bit for bit. ``width`` is the second panel's (the first is whole). */
+static const tile_fn TILES512_F32[TILE512_ROWS + 1] = {
+    NULL, tile512x1_f32_1, tile512x1_f32_2, tile512x1_f32_3, tile512x1_f32_4, tile512x1_f32_5, tile512x1_f32_6,
+    tile512x1_f32_7, tile512x1_f32_8, tile512x1_f32_9, tile512x1_f32_10, tile512x1_f32_11, tile512x1_f32_12,
+    tile512x1_f32_13, tile512x1_f32_14, tile512x1_f32_15, tile512x1_f32_16};
+static const tile_fn TILES512_BF16[TILE512_ROWS + 1] = {
+    NULL, tile512x1_bf16_1, tile512x1_bf16_2, tile512x1_bf16_3, tile512x1_bf16_4, tile512x1_bf16_5,
+    tile512x1_bf16_6, tile512x1_bf16_7, tile512x1_bf16_8, tile512x1_bf16_9, tile512x1_bf16_10, tile512x1_bf16_11,
+    tile512x1_bf16_12, tile512x1_bf16_13, tile512x1_bf16_14, tile512x1_bf16_15, tile512x1_bf16_16};
+/* Multi-panel AVX-512 tiles by rows: four panels for 1-3 rows, two for 4-14 (rows 8 and more are split
+ * into tiles of at most TILE512X2_ROWS). */
 #define TILE512X2_ROWS 14
 #define TILE512X2_MIN_ROWS 8
-#define DEFINE_TILE512X2(R, NAME, WTYPE, LOAD, BF16)                                                \
-    __attribute__((target("avx512f"))) static void tile512x2_##NAME##_##R(                          \
-        const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
-        int width, int accumulate) {                                                                \
-        const WTYPE *panel0 = (const WTYPE *)panel_bytes, *panel1 = panel0 + K * PANEL;             \
-        __m512 acc0[R], acc1[R];                                                                    \
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                      \
-            acc0[r] = _mm512_setzero_ps();                                                          \
-            acc1[r] = _mm512_setzero_ps();                                                          \
-        }                                                                                           \
-        _Pragma("GCC unroll 2") for (Py_ssize_t k = 0; k < K; k++) {                                \
-            if (sizeof(WTYPE) == 4 || k % 2 == 0) { /* once per 64-byte line */                     \
-                PREFETCH(panel0, k);                                                                \
-                PREFETCH(panel1, k);                                                                \
-            }                                                                                       \
-            const __m512 w0 = LOAD(panel0, k), w1 = LOAD(panel1, k);                                \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
-                const __m512 b = _mm512_set1_ps(x[r * xs + k]);                                     \
-                acc0[r] = _mm512_fmadd_ps(b, w0, acc0[r]);                                          \
-                acc1[r] = _mm512_fmadd_ps(b, w1, acc1[r]);                                          \
-            }                                                                                       \
-        }                                                                                           \
-        const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15); \
-        const __mmask16 lanes = (__mmask16)((1u << width) - 1u);                                    \
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                      \
-            if (BF16) { /* back to column order */                                                  \
-                acc0[r] = _mm512_permutexvar_ps(order, acc0[r]);                                    \
-                acc1[r] = _mm512_permutexvar_ps(order, acc1[r]);                                    \
-            }                                                                                       \
-            float *out = y + r * ys;                                                                \
-            if (accumulate) acc0[r] = _mm512_add_ps(acc0[r], _mm512_loadu_ps(out));                 \
-            _mm512_storeu_ps(out, acc0[r]);                                                         \
-            if (width == PANEL) {                                                                   \
-                if (accumulate) acc1[r] = _mm512_add_ps(acc1[r], _mm512_loadu_ps(out + PANEL));     \
-                _mm512_storeu_ps(out + PANEL, acc1[r]);                                             \
-            } else {                                                                                \
-                if (accumulate) acc1[r] = _mm512_add_ps(acc1[r], _mm512_maskz_loadu_ps(lanes, out + PANEL)); \
-                _mm512_mask_storeu_ps(out + PANEL, lanes, acc1[r]);                                 \
-            }                                                                                       \
-        }                                                                                           \
-    }
-#define DEFINE_TILES512X2(NAME, WTYPE, LOAD, BF16)                                                  \
-    DEFINE_TILE512X2(7, NAME, WTYPE, LOAD, BF16)                                                    \
-    DEFINE_TILE512X2(8, NAME, WTYPE, LOAD, BF16)                                                    \
-    DEFINE_TILE512X2(9, NAME, WTYPE, LOAD, BF16)                                                    \
-    DEFINE_TILE512X2(10, NAME, WTYPE, LOAD, BF16)                                                   \
-    DEFINE_TILE512X2(11, NAME, WTYPE, LOAD, BF16)                                                   \
-    DEFINE_TILE512X2(12, NAME, WTYPE, LOAD, BF16)                                                   \
-    DEFINE_TILE512X2(13, NAME, WTYPE, LOAD, BF16)                                                   \
-    DEFINE_TILE512X2(14, NAME, WTYPE, LOAD, BF16)
-DEFINE_TILES512X2(f32, float, LOAD512_F32, 0)
-DEFINE_TILES512X2(bf16, uint16_t, LOAD512_BF16, 1)
-
-static const tile_fn TILES512_F32[TILE512_ROWS + 1] = {
-    NULL, tile512_f32_1, tile512_f32_2, tile512_f32_3, tile512_f32_4, tile512_f32_5, tile512_f32_6, tile512_f32_7,
-    tile512_f32_8, tile512_f32_9, tile512_f32_10, tile512_f32_11, tile512_f32_12, tile512_f32_13, tile512_f32_14,
-    tile512_f32_15, tile512_f32_16};
-static const tile_fn TILES512_BF16[TILE512_ROWS + 1] = {
-    NULL, tile512_bf16_1, tile512_bf16_2, tile512_bf16_3, tile512_bf16_4, tile512_bf16_5, tile512_bf16_6,
-    tile512_bf16_7, tile512_bf16_8, tile512_bf16_9, tile512_bf16_10, tile512_bf16_11, tile512_bf16_12,
-    tile512_bf16_13, tile512_bf16_14, tile512_bf16_15, tile512_bf16_16};
-
-static const tile_fn TILES512X2_F32[TILE512X2_ROWS + 1] = {
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, tile512x2_f32_7, tile512x2_f32_8, tile512x2_f32_9, tile512x2_f32_10,
-    tile512x2_f32_11, tile512x2_f32_12, tile512x2_f32_13, tile512x2_f32_14};
-static const tile_fn TILES512X2_BF16[TILE512X2_ROWS + 1] = {
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, tile512x2_bf16_7, tile512x2_bf16_8, tile512x2_bf16_9,
-    tile512x2_bf16_10, tile512x2_bf16_11, tile512x2_bf16_12, tile512x2_bf16_13, tile512x2_bf16_14};
+static const tile_fn TILES512P_F32[TILE512X2_ROWS + 1] = {
+    NULL, tile512x4_f32_1, tile512x4_f32_2, tile512x4_f32_3, tile512x2_f32_4, tile512x2_f32_5, tile512x2_f32_6,
+    tile512x2_f32_7, tile512x2_f32_8, tile512x2_f32_9, tile512x2_f32_10, tile512x2_f32_11, tile512x2_f32_12,
+    tile512x2_f32_13, tile512x2_f32_14};
+static const tile_fn TILES512P_BF16[TILE512X2_ROWS + 1] = {
+    NULL, tile512x4_bf16_1, tile512x4_bf16_2, tile512x4_bf16_3, tile512x2_bf16_4, tile512x2_bf16_5,
+    tile512x2_bf16_6, tile512x2_bf16_7, tile512x2_bf16_8, tile512x2_bf16_9, tile512x2_bf16_10, tile512x2_bf16_11,
+    tile512x2_bf16_12, tile512x2_bf16_13, tile512x2_bf16_14};
+static const int TILES512P_PANELS[TILE512X2_ROWS + 1] = {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
 /* Whether products of TILE512X2_MIN_ROWS rows or more take the two-panel tiles (where the AVX-512 tiles
  * run); set_two_panel_tiles (GBV_HOST_TWO_PANEL=0 in gbv/engine/host_kernels.py) turns them off. */
 static int two_panel_tiles = 1;
@@ -382,7 +335,10 @@ static int use_avx512(void) {
  * panel's 16 columns: the B operand of the tile instruction (the "VNNI" order), read as one stream.
  * Rows of x go 16 at a time (two such tiles at once where there are more than 16 rows left), the
  * last tile padded with zero rows, or as one tile of M rows up to 16; the tile results are copied (or
- * added) into y column by column. One row takes AVX512-BF16 dot products instead (amx_one_row).
+ * added) into y column by column. One row is a tile of one row too: a row's products then do not depend
+ * on how many rows the product has (bit for bit; AVX512-BF16 dot products, which one row took before,
+ * give other sums than the tiles: the tiles' rounding within a block is not that of chained fused
+ * multiply-adds), at ~3% of a bfloat16 1-token step (docs/ENGINE.md, "One sum order for every pass").
  * ------------------------------------------------------------------------------------------- */
 /* (compilers that know the AMX intrinsics, on Linux, where the tile data is asked for by arch_prctl) */
 #if defined(__linux__) && \
@@ -469,41 +425,6 @@ __attribute__((target("avx512f"))) static void amx_write(const float *c, float *
     }
 }
 
-/* One row of AMX panels by AVX512-BF16 dot products (VDPBF16PS: 16 columns times a pair of values of k
- * a step, the same 64-byte blocks the tiles read): y[0, :] = [y +] xb (K32 bfloat16, zeros past K) @ W.
- * Four sums per pair of panels (even and odd rows of each block), added at the end. */
-__attribute__((target("avx512f,avx512bf16"))) static void amx_one_row(const uint16_t *xb, const uint16_t *panels,
-                                                                     float *y, Py_ssize_t K32, Py_ssize_t N,
-                                                                     int accumulate) {
-    const Py_ssize_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), steps = K32 / AMX_STEP;
-    for (Py_ssize_t p = 0; p < pairs; p++) {
-        const uint16_t *pair = panels + p * K32 * 2 * PANEL;
-        __m512 even0 = _mm512_setzero_ps(), odd0 = _mm512_setzero_ps();
-        __m512 even1 = _mm512_setzero_ps(), odd1 = _mm512_setzero_ps();
-        for (Py_ssize_t s = 0; s < steps; s++) {
-            const uint16_t *b0 = pair + 2 * s * AMX_BLOCK, *b1 = b0 + AMX_BLOCK;
-            const uint32_t *x2 = (const uint32_t *)(xb + s * AMX_STEP); /* pairs (x[k], x[k + 1]) */
-            for (int j = 0; j < AMX_ROWS; j += 2) {
-                const __m512bh xe = (__m512bh)_mm512_set1_epi32((int)x2[j]);
-                const __m512bh xo = (__m512bh)_mm512_set1_epi32((int)x2[j + 1]);
-                even0 = _mm512_dpbf16_ps(even0, xe, (__m512bh)_mm512_loadu_si512(b0 + j * AMX_STEP));
-                even1 = _mm512_dpbf16_ps(even1, xe, (__m512bh)_mm512_loadu_si512(b1 + j * AMX_STEP));
-                odd0 = _mm512_dpbf16_ps(odd0, xo, (__m512bh)_mm512_loadu_si512(b0 + (j + 1) * AMX_STEP));
-                odd1 = _mm512_dpbf16_ps(odd1, xo, (__m512bh)_mm512_loadu_si512(b1 + (j + 1) * AMX_STEP));
-            }
-        }
-        const __m512 sums[2] = {_mm512_add_ps(even0, odd0), _mm512_add_ps(even1, odd1)};
-        for (int half = 0; half < 2; half++) {
-            const Py_ssize_t c0 = (2 * p + half) * PANEL;
-            if (c0 >= N) break;
-            const __mmask16 mask = (__mmask16)(N - c0 >= PANEL ? 0xFFFF : (1u << (N - c0)) - 1);
-            __m512 v = sums[half];
-            if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, y + c0));
-            _mm512_mask_storeu_ps(y + c0, mask, v);
-        }
-    }
-}
-
 /* y (M, N) = [y +] bf16(x) (M, K) @ W (K, N), W packed as above. 0 where done; -1 out of memory. */
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static int amx_product(
     const float *x, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int accumulate) {
@@ -522,10 +443,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static int amx_p
      * time: scripts/bench_kernels_ab.py). More: tiles of 16 rows, the last padded with zero rows. */
     const int rows = row_tiles == 1 ? (int)M : AMX_ROWS;
     amx_round_rows(x, M, K, row_tiles == 1 ? M : row_tiles * AMX_ROWS, amx_x);
-    if (M == 1) { /* (a step's products: the tiles' 15 idle rows and tile traffic cost 3-4% there) */
-        amx_one_row(amx_x, panels, y, K32, N, accumulate);
-        return 0;
-    }
     amx_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
@@ -608,32 +525,42 @@ static int panel_product(const float *x, const void *panels, int kind, float *y,
     const int bf16 = kind == PANELS_BF16;
     const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
     const Py_ssize_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
-    if (M >= 2 && use_avx512()) {
-        const tile_fn *tiles512 = bf16 ? TILES512_BF16 : TILES512_F32;
-        Py_ssize_t p = 0; /* the first panel the one-panel tiles take */
-        if (two_panel_tiles && M >= TILE512X2_MIN_ROWS) { /* pairs of panels; a last odd one below */
-            const tile_fn *pairs = bf16 ? TILES512X2_BF16 : TILES512X2_F32;
+    if (M == 0) return 0;
+    Py_ssize_t p = 0; /* the first panel the one-panel tiles take */
+    if (use_avx512()) {
+        const tile_fn *multi = bf16 ? TILES512P_BF16 : TILES512P_F32;
+        if (M < TILE512X2_MIN_ROWS) { /* one tile of M rows by P panels, then the panels left over */
+            const int P = TILES512P_PANELS[M];
+            for (; p + P <= num_panels; p += P) {
+                const int width = (int)(N - (p + P - 1) * PANEL < PANEL ? N - (p + P - 1) * PANEL : PANEL);
+                multi[M](x, K, (const char *)panels + p * panel_bytes, K, y + p * PANEL, N, width, accumulate);
+            }
+        } else if (two_panel_tiles) { /* pairs of panels; a last odd one below */
             for (; p + 1 < num_panels; p += 2) {
                 const int width = (int)(N - (p + 1) * PANEL < PANEL ? N - (p + 1) * PANEL : PANEL);
-                rows_in_tiles(pairs, TILE512X2_ROWS, x, M, K, (const char *)panels + p * panel_bytes, y + p * PANEL,
+                rows_in_tiles(multi, TILE512X2_ROWS, x, M, K, (const char *)panels + p * panel_bytes, y + p * PANEL,
                               N, width, accumulate);
             }
         }
         for (; p < num_panels; p++) {
             const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
-            rows_in_tiles(tiles512, TILE512_ROWS, x, M, K, (const char *)panels + p * panel_bytes, y + p * PANEL, N,
-                          width, accumulate);
+            rows_in_tiles(bf16 ? TILES512_BF16 : TILES512_F32, TILE512_ROWS, x, M, K,
+                          (const char *)panels + p * panel_bytes, y + p * PANEL, N, width, accumulate);
         }
         return 0;
     }
-    const tile_fn *tiles = bf16 ? TILES_BF16 : TILES_F32;
-    for (Py_ssize_t p = 0; p < num_panels; p++) {
-        const void *panel = (const char *)panels + p * panel_bytes;
-        const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
-        for (Py_ssize_t r = 0; r < M; r += TILE_ROWS) {
-            const int rows = (int)(M - r < TILE_ROWS ? M - r : TILE_ROWS);
-            tiles[rows](x + r * K, K, panel, K, y + r * N + p * PANEL, N, width, accumulate);
+    if (M < 4) { /* one tile of M rows by P panels, then the panels left over */
+        const int P = TILESP_PANELS[M];
+        const tile_fn tile = (bf16 ? TILESP_BF16 : TILESP_F32)[M];
+        for (; p + P <= num_panels; p += P) {
+            const int width = (int)(N - (p + P - 1) * PANEL < PANEL ? N - (p + P - 1) * PANEL : PANEL);
+            tile(x, K, (const char *)panels + p * panel_bytes, K, y + p * PANEL, N, width, accumulate);
         }
+    }
+    for (; p < num_panels; p++) {
+        const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+        rows_in_tiles(bf16 ? TILES_BF16 : TILES_F32, TILE_ROWS, x, M, K, (const char *)panels + p * panel_bytes,
+                      y + p * PANEL, N, width, accumulate);
     }
     return 0;
 }
@@ -670,18 +597,21 @@ __attribute__((target("avx2,fma"))) static inline __m256 key_sums(__m256 a0, __m
     return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);
 }
 
-__attribute__((target("avx2,fma"))) static inline float vector_sum(__m256 sum) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
+/* The eight lanes of one key's partial sums s as key_sums adds them: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) +
+ * (s6 + s7)). (A key's score is the same whether it is scored alone or among eight, and whichever
+ * slot it sits in.) */
+__attribute__((target("avx2,fma"))) static inline float lane_tree(__m256 sum) {
+    float s[8];
+    _mm256_storeu_ps(s, sum);
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
-/* sum_d a[d] * b[d] over D values (D a multiple of 8: eight partial sums, then added). */
+/* sum_d a[d] * b[d] over D values (D a multiple of 8: eight partial sums, over d mod 8, then added as
+ * key_sums adds them). */
 __attribute__((target("avx2,fma"))) static inline float dot8_f32(const float *a, const float *b, int D) {
     __m256 sum = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), sum);
-    return vector_sum(sum);
+    return lane_tree(sum);
 }
 
 /* The dot products of q with eight consecutive keys (rows of D floats), as one vector. */
@@ -726,7 +656,7 @@ __attribute__((target("avx2,fma"))) static inline float dot8_bf16(const float *q
         sum = _mm256_fmadd_ps(_mm256_loadu_ps(qp + d + 8), hi, sum);
     }
     if (d < D) sum = _mm256_fmadd_ps(_mm256_loadu_ps(qp + d), KV8_BF16(k + d), sum);
-    return vector_sum(sum);
+    return lane_tree(sum);
 }
 
 __attribute__((target("avx2,fma"))) static inline __m256 dot8x8_bf16(const float *qp, const uint16_t *k, int D) {
@@ -769,13 +699,14 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
 }
 
 /* out[0 : 8 CH] = sum_{j < limit} weight_j v_j[0 : 8 CH] * inverse, where v_j = v + j * D: 8 CH
- * columns of the values (of type T) in registers, two slots a step (two sets of sums: each waits on its
- * own fused multiply-adds only). A slot not attended has weight 0 and adds 0 * v = 0 exactly (cached
- * values are finite). CH is a constant in each copy, so that the sums stay in registers (with a
- * run-time count GCC kept them on the stack: a load and a store around every multiply-add). */
+ * columns of the values (of type T) in registers, two slots a step (two sets of sums, even and odd
+ * entries of the list of attended slots: each waits on its own fused multiply-adds only). CH is a
+ * constant in each copy, so that the sums stay in registers (with a run-time count GCC kept them on
+ * the stack: a load and a store around every multiply-add). */
 #define DEFINE_WEIGHTED(CH, S, T, KV8)                                                              \
     __attribute__((target("avx2,fma"))) static inline void weighted_##S##_##CH(                     \
-        const float *weights, const T *v, int D, Py_ssize_t limit, float inverse, float *out) {     \
+        const float *weights, const T *v, int D, Py_ssize_t limit, float inverse, float *out,       \
+        float *partials) {                                                                          \
         __m256 even[CH], odd[CH];                                                                   \
         _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) even[k] = odd[k] = _mm256_setzero_ps(); \
         Py_ssize_t j = 0;                                                                           \
@@ -793,6 +724,13 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
             _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++)                                    \
                 even[k] = _mm256_fmadd_ps(w_even, KV8(v + j * D + 8 * k), even[k]);                 \
         }                                                                                           \
+        if (partials) { /* the two sets' sums, to be continued (weighted_continue_*) */             \
+            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) {                                  \
+                _mm256_storeu_ps(partials + 8 * k, even[k]);                                        \
+                _mm256_storeu_ps(partials + D + 8 * k, odd[k]);                                     \
+            }                                                                                       \
+            return;                                                                                 \
+        }                                                                                           \
         const __m256 factor = _mm256_set1_ps(inverse);                                              \
         _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++)                                        \
             _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(_mm256_add_ps(even[k], odd[k]), factor));   \
@@ -803,15 +741,18 @@ DEFINE_WEIGHTED(3, f32, float, KV8_F32)
 DEFINE_WEIGHTED(4, f32, float, KV8_F32)
 DEFINE_WEIGHTED(1, bf16, uint16_t, KV8_BF16) /* (the last 8 columns of an odd multiple of 8) */
 
-/* out[0 : D] = sum_{j < limit} weight_j v_j * inverse, 32 columns at a time. */
+/* out[0 : D] = sum_{j < limit} weight_j v_j * inverse, 32 columns at a time; with `partials`, the two
+ * sets' sums there instead (even slots in partials[0 : D], odd ones in partials[D : 2 D]). */
 __attribute__((target("avx2,fma"))) static inline void weighted_sum_f32(const float *weights, const float *v, int D,
-                                                                Py_ssize_t limit, float inverse, float *out) {
+                                                                Py_ssize_t limit, float inverse, float *out,
+                                                                float *partials) {
     for (int c = 0; c < D; c += 32) {
+        float *part = partials ? partials + c : NULL;
         switch ((D - c) >= 32 ? 4 : (D - c) / 8) {
-        case 4: weighted_f32_4(weights, v + c, D, limit, inverse, out + c); break;
-        case 3: weighted_f32_3(weights, v + c, D, limit, inverse, out + c); break;
-        case 2: weighted_f32_2(weights, v + c, D, limit, inverse, out + c); break;
-        default: weighted_f32_1(weights, v + c, D, limit, inverse, out + c);
+        case 4: weighted_f32_4(weights, v + c, D, limit, inverse, out + c, part); break;
+        case 3: weighted_f32_3(weights, v + c, D, limit, inverse, out + c, part); break;
+        case 2: weighted_f32_2(weights, v + c, D, limit, inverse, out + c, part); break;
+        default: weighted_f32_1(weights, v + c, D, limit, inverse, out + c, part);
         }
     }
 }
@@ -820,7 +761,8 @@ __attribute__((target("avx2,fma"))) static inline void weighted_sum_f32(const fl
  * and 8-11 in `lo`, 4-7 and 12-15 in `hi`) and put back in order as they are stored. */
 #define DEFINE_WEIGHTED_BF16(C16)                                                                   \
     __attribute__((target("avx2,fma"))) static inline void weighted16_bf16_##C16(                   \
-        const float *weights, const uint16_t *v, int D, Py_ssize_t limit, float inverse, float *out) { \
+        const float *weights, const uint16_t *v, int D, Py_ssize_t limit, float inverse, float *out, \
+        float *partials) {                                                                          \
         __m256 lo_even[C16], hi_even[C16], lo_odd[C16], hi_odd[C16], lo, hi;                       \
         _Pragma("GCC unroll 2") for (int k = 0; k < C16; k++)                                       \
             lo_even[k] = hi_even[k] = lo_odd[k] = hi_odd[k] = _mm256_setzero_ps();                  \
@@ -846,6 +788,15 @@ __attribute__((target("avx2,fma"))) static inline void weighted_sum_f32(const fl
                 hi_even[k] = _mm256_fmadd_ps(w_even, hi, hi_even[k]);                               \
             }                                                                                       \
         }                                                                                           \
+        if (partials) { /* the two sets' sums in column order, to be continued */                   \
+            _Pragma("GCC unroll 2") for (int k = 0; k < C16; k++) {                                 \
+                _mm256_storeu_ps(partials + 16 * k, _mm256_permute2f128_ps(lo_even[k], hi_even[k], 0x20)); \
+                _mm256_storeu_ps(partials + 16 * k + 8, _mm256_permute2f128_ps(lo_even[k], hi_even[k], 0x31)); \
+                _mm256_storeu_ps(partials + D + 16 * k, _mm256_permute2f128_ps(lo_odd[k], hi_odd[k], 0x20)); \
+                _mm256_storeu_ps(partials + D + 16 * k + 8, _mm256_permute2f128_ps(lo_odd[k], hi_odd[k], 0x31)); \
+            }                                                                                       \
+            return;                                                                                 \
+        }                                                                                           \
         const __m256 factor = _mm256_set1_ps(inverse);                                              \
         _Pragma("GCC unroll 2") for (int k = 0; k < C16; k++) {                                     \
             lo = _mm256_mul_ps(_mm256_add_ps(lo_even[k], lo_odd[k]), factor); /* 0-3, 8-11 */       \
@@ -858,14 +809,104 @@ DEFINE_WEIGHTED_BF16(1)
 DEFINE_WEIGHTED_BF16(2)
 
 __attribute__((target("avx2,fma"))) static void weighted_sum_bf16(const float *weights, const uint16_t *v, int D,
-                                                                 Py_ssize_t limit, float inverse, float *out) {
+                                                                 Py_ssize_t limit, float inverse, float *out,
+                                                                 float *partials) {
     int c = 0;
-    for (; c + 32 <= D; c += 32) weighted16_bf16_2(weights, v + c, D, limit, inverse, out + c);
+    for (; c + 32 <= D; c += 32)
+        weighted16_bf16_2(weights, v + c, D, limit, inverse, out + c, partials ? partials + c : NULL);
     if (c + 16 <= D) {
-        weighted16_bf16_1(weights, v + c, D, limit, inverse, out + c);
+        weighted16_bf16_1(weights, v + c, D, limit, inverse, out + c, partials ? partials + c : NULL);
         c += 16;
     }
-    if (c < D) weighted_bf16_1(weights, v + c, D, limit, inverse, out + c);
+    if (c < D) weighted_bf16_1(weights, v + c, D, limit, inverse, out + c, partials ? partials + c : NULL);
+}
+
+/* The weighted sums continued over the slots t0 <= t < m of a compacted list (compact_allowed): slot
+ * t's weight weights[t], its value row v + rows[t - t0] D (v + t D where rows is NULL), added to the
+ * even set's sums (partials[0 : D]) or the odd set's (partials[D : 2 D]) by the parity of t, in order:
+ * the sums weighted_sum_* would have made over the whole list. */
+#define DEFINE_WEIGHTED_CONTINUE_CH(CH, S, T, KV8)                                                  \
+    __attribute__((target("avx2,fma"))) static inline void weighted_continue_##S##_##CH(            \
+        const float *weights, const T *v, int D, Py_ssize_t t0, Py_ssize_t m, const int32_t *rows,  \
+        float *partials) {                                                                          \
+        __m256 even[CH], odd[CH];                                                                   \
+        _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) {                                      \
+            even[k] = _mm256_loadu_ps(partials + 8 * k);                                            \
+            odd[k] = _mm256_loadu_ps(partials + D + 8 * k);                                         \
+        }                                                                                           \
+        Py_ssize_t t = t0;                                                                          \
+        if (t < m && (t & 1)) { /* an odd first entry */                                            \
+            const T *row = v + (rows ? (Py_ssize_t)rows[t - t0] : t) * D;                           \
+            const __m256 w = _mm256_broadcast_ss(weights + t);                                      \
+            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) odd[k] = _mm256_fmadd_ps(w, KV8(row + 8 * k), odd[k]); \
+            t++;                                                                                    \
+        }                                                                                           \
+        for (; t + 2 <= m; t += 2) {                                                                \
+            const T *row_even = v + (rows ? (Py_ssize_t)rows[t - t0] : t) * D;                      \
+            const T *row_odd = v + (rows ? (Py_ssize_t)rows[t + 1 - t0] : t + 1) * D;               \
+            const __m256 w_even = _mm256_broadcast_ss(weights + t);                                 \
+            const __m256 w_odd = _mm256_broadcast_ss(weights + t + 1);                              \
+            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) {                                  \
+                even[k] = _mm256_fmadd_ps(w_even, KV8(row_even + 8 * k), even[k]);                  \
+                odd[k] = _mm256_fmadd_ps(w_odd, KV8(row_odd + 8 * k), odd[k]);                      \
+            }                                                                                       \
+        }                                                                                           \
+        if (t < m) { /* an even last entry */                                                       \
+            const T *row = v + (rows ? (Py_ssize_t)rows[t - t0] : t) * D;                           \
+            const __m256 w = _mm256_broadcast_ss(weights + t);                                      \
+            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) even[k] = _mm256_fmadd_ps(w, KV8(row + 8 * k), even[k]); \
+        }                                                                                           \
+        _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) {                                      \
+            _mm256_storeu_ps(partials + 8 * k, even[k]);                                            \
+            _mm256_storeu_ps(partials + D + 8 * k, odd[k]);                                         \
+        }                                                                                           \
+    }
+DEFINE_WEIGHTED_CONTINUE_CH(4, f32, float, KV8_F32)
+DEFINE_WEIGHTED_CONTINUE_CH(1, f32, float, KV8_F32)
+DEFINE_WEIGHTED_CONTINUE_CH(4, bf16, uint16_t, KV8_BF16)
+DEFINE_WEIGHTED_CONTINUE_CH(1, bf16, uint16_t, KV8_BF16)
+#define DEFINE_WEIGHTED_CONTINUE(S, T)                                                              \
+    __attribute__((target("avx2,fma"))) static void weighted_continue_##S(                          \
+        const float *weights, const T *v, int D, Py_ssize_t t0, Py_ssize_t m, const int32_t *rows,  \
+        float *partials) {                                                                          \
+        if (t0 >= m) return;                                                                        \
+        int c = 0; /* 32 columns at a time, then 8 (each column's two sums as before) */            \
+        for (; c + 32 <= D; c += 32) weighted_continue_##S##_4(weights, v + c, D, t0, m, rows, partials + c); \
+        for (; c < D; c += 8) weighted_continue_##S##_1(weights, v + c, D, t0, m, rows, partials + c); \
+    }
+DEFINE_WEIGHTED_CONTINUE(f32, float)
+DEFINE_WEIGHTED_CONTINUE(bf16, uint16_t)
+
+/* out[0 : D] = (even + odd) * inverse from the two sets' sums, as weighted_sum_* ends. */
+__attribute__((target("avx2,fma"))) static void weighted_finish(const float *partials, int D, float inverse,
+                                                                float *out) {
+    const __m256 factor = _mm256_set1_ps(inverse);
+    for (int c = 0; c < D; c += 8)
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(partials + c),
+                                                              _mm256_loadu_ps(partials + D + c)), factor));
+}
+
+/* The slots a query attends, as one list in order of slot: scores[0 : limit) compacted in place to
+ * the allowed ones (allowed[j] non-zero), their count returned. *prefix: the slots before the first
+ * one not allowed (the list's first *prefix entries are slots 0 .. *prefix - 1); rows[t - *prefix]:
+ * the slot of entry t for the rest. Why: the softmax and the weighted sums then run over the list,
+ * whose order and parity do not depend on where in the cache the attended slots sit, nor on slots
+ * not attended between them (a tree's nodes after a gap, a batch row's nodes after other rows'
+ * longer prefixes): a query's attention is the same, bit for bit, as that of the same token in a
+ * chain with no gaps (docs/ENGINE.md, "One sum order for every pass"). */
+static Py_ssize_t compact_allowed(float *scores, Py_ssize_t limit, const unsigned char *allowed, int32_t *rows,
+                                  Py_ssize_t *prefix) {
+    const unsigned char *first_out = (const unsigned char *)memchr(allowed, 0, (size_t)limit);
+    Py_ssize_t j = first_out == NULL ? limit : first_out - allowed;
+    *prefix = j;
+    Py_ssize_t t = j;
+    for (; j < limit; j++)
+        if (allowed[j]) {
+            scores[t] = scores[j];
+            rows[t - *prefix] = (int32_t)j;
+            t++;
+        }
+    return t;
 }
 
 /* Queries whose scores are computed together from the transposed keys (attend()), and the fewest
@@ -879,9 +920,10 @@ __attribute__((target("avx2,fma"))) static void weighted_sum_bf16(const float *w
 
 /* Floats of attend()'s scratch for `end` slots and head_dim D: the keys of one kv head transposed
  * (D rows of the slots rounded up to 16) and the scores of QUERY_TILE queries over as many slots (the
- * per-query paths use the first slots + D: one query's scores, and its permuted copy for bf16). */
+ * per-query paths use the first slots + D: one query's scores, and its permuted copy for bf16), then
+ * attend_lists: QUERY_TILE lists of as many slots and QUERY_TILE x 2 D sums. */
 static size_t attend_scratch_floats(Py_ssize_t end, int D) {
-    return (size_t)((end + 15) / 16 * 16) * (size_t)(D + QUERY_TILE);
+    return (size_t)((end + 15) / 16 * 16) * (size_t)(D + 2 * QUERY_TILE) + (size_t)(2 * D * QUERY_TILE);
 }
 
 /* Softmax of one query's scores over slots j < limit (those not `allowed`, where given, and those from
@@ -915,78 +957,98 @@ __attribute__((target("avx2,fma"))) static float softmax_scores(float *scores, P
 }
 
 /* Scores of R queries (rows q_r = q + r * q_stride, D values each) over slots [0, slots), slots a
- * multiple of 16, from keys transposed as kt[d * kt_stride + j]: scores[r * s_stride + j] =
- * scale * sum_d q_r[d] kt[d][j], summed in order of d (one fused multiply-add per term). Sixteen
- * slots by R queries a step: 2R sums in registers, no sums across lanes. */
-#define DEFINE_SCORE_TILE(R)                                                                        \
-    __attribute__((target("avx2,fma"))) static void score_tile_##R(                                 \
-        const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D,          \
-        Py_ssize_t slots, float scale, float *scores, Py_ssize_t s_stride) {                        \
-        const __m256 scale8 = _mm256_set1_ps(scale);                                                \
-        for (Py_ssize_t j = 0; j < slots; j += 16) {                                                \
-            __m256 lo[R], hi[R];                                                                    \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps(); \
-            for (int d = 0; d < D; d++) {                                                           \
-                const __m256 k_lo = _mm256_loadu_ps(kt + d * kt_stride + j);                        \
-                const __m256 k_hi = _mm256_loadu_ps(kt + d * kt_stride + j + 8);                    \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                               \
-                    const __m256 b = _mm256_broadcast_ss(q + r * q_stride + d);                     \
-                    lo[r] = _mm256_fmadd_ps(b, k_lo, lo[r]);                                        \
-                    hi[r] = _mm256_fmadd_ps(b, k_hi, hi[r]);                                        \
+ * multiple of 8 (AVX2) or 16 (AVX-512), from keys transposed as kt[d * kt_stride + j]:
+ * scores[r * s_stride + j] = scale * (the sum of q_r[d] kt[d][j] over d) in the order of the per-query
+ * path (dot8x8_*): eight partial sums, chain l over the values of d in order[l U .. l U + U) (U = D / 8:
+ * the values of d that its lane l takes, in its order), added as key_sums adds them, ((s0 + s1) + (s2 +
+ * s3)) + ((s4 + s5) + (s6 + s7)). So a query's scores are the same, bit for bit, whether its call
+ * takes this path or the per-query one, which a call's query count decides (TILE_MIN_QUERIES). Eight
+ * (sixteen) slots by R queries a step, no sums across lanes; C chains at a time, about 8 independent
+ * sums with the R queries (a chain of U fused multiply-adds waits on its own latency: one chain at a
+ * time ran the 25-query tiles at ~1.3x the time of the tiles before, which summed over d in one
+ * chain). */
+#define SCORE_CHAINS(R, C, VEC, ZERO, FMA, ADD, SET1, LOAD, WIDTH)                                   \
+    for (Py_ssize_t j = 0; j < slots; j += WIDTH) {                                                 \
+        VEC a[R], b[R], p[C][R];                                                                    \
+        _Pragma("GCC unroll 4") for (int g = 0; g < 8 / C; g++) { /* chains g C .. g C + C - 1 */   \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                     \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) p[c][r] = ZERO();               \
+            for (int u = 0; u < U; u++) {                                                           \
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                               \
+                    const int d = order[(g * C + c) * U + u];                                       \
+                    const VEC key = LOAD(kt + d * kt_stride + j);                                   \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                             \
+                        p[c][r] = FMA(SET1(q[r * q_stride + d]), key, p[c][r]);                     \
                 }                                                                                   \
             }                                                                                       \
+            /* ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), as far as these chains reach */    \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                   \
-                _mm256_storeu_ps(scores + r * s_stride + j, _mm256_mul_ps(lo[r], scale8));          \
-                _mm256_storeu_ps(scores + r * s_stride + j + 8, _mm256_mul_ps(hi[r], scale8));      \
+                if (C == 8) {                                                                       \
+                    a[r] = ADD(ADD(ADD(p[0][r], p[1 % C][r]), ADD(p[2 % C][r], p[3 % C][r])),       \
+                               ADD(ADD(p[4 % C][r], p[5 % C][r]), ADD(p[6 % C][r], p[7 % C][r])));  \
+                } else if (C == 4) {                                                                \
+                    const VEC half = ADD(ADD(p[0][r], p[1 % C][r]), ADD(p[2 % C][r], p[3 % C][r]));  \
+                    a[r] = g == 0 ? half : ADD(a[r], half);                                         \
+                } else {                                                                            \
+                    const VEC pair = ADD(p[0][r], p[1 % C][r]);                                     \
+                    if (g == 0) a[r] = pair;                                                        \
+                    else if (g == 1) a[r] = ADD(a[r], pair);                                        \
+                    else if (g == 2) b[r] = pair;                                                   \
+                    else a[r] = ADD(a[r], ADD(b[r], pair));                                         \
+                }                                                                                   \
             }                                                                                       \
         }                                                                                           \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) STORE(scores + r * s_stride + j, a[r]); \
     }
+#define DEFINE_SCORE_TILE(R)                                                                        \
+    __attribute__((target("avx2,fma"))) static void score_tile_##R(                                 \
+        const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D, const int *order, \
+        Py_ssize_t slots, float scale, float *scores, Py_ssize_t s_stride) {                        \
+        const int U = D / 8;                                                                        \
+        const __m256 scale8 = _mm256_set1_ps(scale);                                                \
+        SCORE_CHAINS(R, (R == 1 ? 8 : R == 2 ? 4 : 2), __m256, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_set1_ps,  \
+                     _mm256_loadu_ps, 8)                                                            \
+    }
+#define STORE(at, sums) _mm256_storeu_ps((at), _mm256_mul_ps((sums), scale8))
 DEFINE_SCORE_TILE(1)
 DEFINE_SCORE_TILE(2)
 DEFINE_SCORE_TILE(3)
 DEFINE_SCORE_TILE(4)
+#undef STORE
 
-/* score_tile_R on AVX-512: 32 slots a step (16 for a last odd 16), the same sums (each over d in
- * order, one fused multiply-add per term, then times scale), half the instructions. */
+/* score_tile_R on AVX-512: sixteen slots a step, the same sums (slots a multiple of 16). */
 #define DEFINE_SCORE_TILE512(R)                                                                     \
     __attribute__((target("avx512f"))) static void score_tile512_##R(                               \
-        const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D,          \
+        const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D, const int *order, \
         Py_ssize_t slots, float scale, float *scores, Py_ssize_t s_stride) {                        \
+        const int U = D / 8;                                                                        \
         const __m512 scale16 = _mm512_set1_ps(scale);                                               \
-        Py_ssize_t j = 0;                                                                           \
-        for (; j + 32 <= slots; j += 32) {                                                          \
-            __m512 lo[R], hi[R];                                                                    \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps(); \
-            for (int d = 0; d < D; d++) {                                                           \
-                const __m512 k_lo = _mm512_loadu_ps(kt + d * kt_stride + j);                        \
-                const __m512 k_hi = _mm512_loadu_ps(kt + d * kt_stride + j + 16);                   \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                               \
-                    const __m512 b = _mm512_set1_ps(q[r * q_stride + d]);                           \
-                    lo[r] = _mm512_fmadd_ps(b, k_lo, lo[r]);                                        \
-                    hi[r] = _mm512_fmadd_ps(b, k_hi, hi[r]);                                        \
-                }                                                                                   \
-            }                                                                                       \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                   \
-                _mm512_storeu_ps(scores + r * s_stride + j, _mm512_mul_ps(lo[r], scale16));         \
-                _mm512_storeu_ps(scores + r * s_stride + j + 16, _mm512_mul_ps(hi[r], scale16));    \
-            }                                                                                       \
-        }                                                                                           \
-        if (j < slots) {                                                                            \
-            __m512 lo[R];                                                                           \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) lo[r] = _mm512_setzero_ps();        \
-            for (int d = 0; d < D; d++) {                                                           \
-                const __m512 k_lo = _mm512_loadu_ps(kt + d * kt_stride + j);                        \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                 \
-                    lo[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * q_stride + d]), k_lo, lo[r]);      \
-            }                                                                                       \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                     \
-                _mm512_storeu_ps(scores + r * s_stride + j, _mm512_mul_ps(lo[r], scale16));         \
-        }                                                                                           \
+        SCORE_CHAINS(R, (R == 1 ? 8 : R == 2 ? 4 : 2), __m512, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_set1_ps,  \
+                     _mm512_loadu_ps, 16)                                                           \
     }
+#define STORE(at, sums) _mm512_storeu_ps((at), _mm512_mul_ps((sums), scale16))
 DEFINE_SCORE_TILE512(1)
 DEFINE_SCORE_TILE512(2)
 DEFINE_SCORE_TILE512(3)
 DEFINE_SCORE_TILE512(4)
+#undef STORE
+
+/* The order in which the per-query path's key dots (dot8x8_*, dot8_*) add the D values of d, as eight
+ * chains of D / 8: order[l * D / 8 + u] is the u-th value of d that lane l takes. float32 keys: d = l,
+ * l + 8, ... bfloat16 keys, read sixteen at a time in the order 0-3, 8-11 (lo) and 4-7, 12-15 (hi),
+ * and a last eight in order: lane l takes PERM16[l], then PERM16[l + 8], of each sixteen. */
+static void key_dot_order(int D, int kv_bf16, int *order) {
+    const int U = D / 8;
+    for (int l = 0; l < 8; l++) {
+        int u = 0, d = 0;
+        if (kv_bf16)
+            for (; d + 16 <= D; d += 16) {
+                order[l * U + u++] = d + PERM16[l];
+                order[l * U + u++] = d + PERM16[l + 8];
+            }
+        for (; d < D; d += 8) order[l * U + u++] = d + l;
+    }
+}
 
 /* kt[d * slots + j] = k[j * D + d] (widened to float32) for slots j < end, 0 for end <= j < slots (D a
  * multiple of 8): eight slots by eight columns at a time, each 8 x 8 block as two 4 x 4 transposes per
@@ -1036,18 +1098,20 @@ DEFINE_TRANSPOSE_KEYS(f32, float, LOAD4_F32, LOAD1_F32)
 DEFINE_TRANSPOSE_KEYS(bf16, uint16_t, LOAD4_BF16, LOAD1_BF16)
 
 /* The weighted sums of the R queries of a tile at once, on AVX-512 (D a multiple of 32): out_r[0 : D] =
- * sum_{j < limit} weights_r[j] v_j * inverse_r, each value row v_j read and widened once for the R
- * queries (weighted_sum_* reads it once per query). Each sum as weighted_sum_* adds it: over even and
- * over odd slots apart, in order, then the two added and multiplied by inverse_r; a row's weights past
- * its own limit must be 0 (they add 0 * v = 0 exactly). Why: the per-query sums were a third of a
- * 25-query pass's attention, two loads and two interleaves per slot and query for 16 columns. */
+ * sum_{j < limit} weights_r[j] v_j * inverse_r over slots every query of the tile attends (the first
+ * `limit` of each one's list), each value row v_j read and widened once for the R queries
+ * (weighted_sum_* reads it once per query); with `partials`, each query's two sets' sums there
+ * instead, to be continued over its own list (weighted_continue_*). Each sum as weighted_sum_* adds it:
+ * over even and over odd slots apart, in order, then the two added and multiplied by inverse_r. Why:
+ * the per-query sums were a third of a 25-query pass's attention, two loads and two interleaves per
+ * slot and query for 16 columns. */
 #define LOAD16_F32(p) _mm512_loadu_ps(p)
 #define LOAD16_BF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define DEFINE_WEIGHTED_TILE(S, T, LOAD16)                                                          \
     __attribute__((target("avx512f"))) static void weighted_tile_##S(                               \
         const float *weights, Py_ssize_t w_stride, int R, const T *v, int D, Py_ssize_t limit,      \
-        const float *inverse, float *out, Py_ssize_t out_stride) {                                  \
+        const float *inverse, float *out, Py_ssize_t out_stride, float *partials) {                 \
         for (int c = 0; c < D; c += 32) {                                                           \
             __m512 even[QUERY_TILE][2], odd[QUERY_TILE][2];                                         \
             _Pragma("GCC unroll 4") for (int r = 0; r < QUERY_TILE; r++)                            \
@@ -1079,6 +1143,18 @@ DEFINE_TRANSPOSE_KEYS(bf16, uint16_t, LOAD4_BF16, LOAD1_BF16)
                     }                                                                               \
                 }                                                                                   \
             }                                                                                       \
+            if (partials) { /* query r's two sets' sums at partials + 2 D r, to be continued */      \
+                _Pragma("GCC unroll 4") for (int r = 0; r < QUERY_TILE; r++) {                      \
+                    if (r < R) {                                                                    \
+                        float *part = partials + 2 * D * r + c;                                     \
+                        _mm512_storeu_ps(part, even[r][0]);                                         \
+                        _mm512_storeu_ps(part + 16, even[r][1]);                                    \
+                        _mm512_storeu_ps(part + D, odd[r][0]);                                      \
+                        _mm512_storeu_ps(part + D + 16, odd[r][1]);                                 \
+                    }                                                                               \
+                }                                                                                   \
+                continue;                                                                           \
+            }                                                                                       \
             _Pragma("GCC unroll 4") for (int r = 0; r < QUERY_TILE; r++) {                          \
                 if (r < R) {                                                                        \
                     const __m512 factor = _mm512_set1_ps(inverse[r]);                               \
@@ -1092,14 +1168,23 @@ DEFINE_TRANSPOSE_KEYS(bf16, uint16_t, LOAD4_BF16, LOAD1_BF16)
 DEFINE_WEIGHTED_TILE(f32, float, LOAD16_F32)
 DEFINE_WEIGHTED_TILE(bf16, uint16_t, LOAD16_BF16)
 
+/* Scratch of attend() beyond the scores: the compacted lists' slots (compact_allowed) and the weighted
+ * sums' two sets (weighted_continue_*), QUERY_TILE queries' worth (per_query_* uses the first). */
+typedef struct {
+    int32_t *rows;     /* QUERY_TILE lists of up to `slots` slots */
+    float *partials;   /* QUERY_TILE x 2 D */
+} attend_lists;
+
 /* The scores of n queries (n >= TILE_MIN_QUERIES) of heads first_head .. first_head + group - 1 from
  * one kv head's keys transposed into kt (transpose_keys_*), up to QUERY_TILE queries at a time
  * (score_tile_R), then each query's softmax and weighted sum of the values vg (float32, or bfloat16
- * where v_bf16), into `tile` (QUERY_TILE rows of `slots` scores). */
+ * where v_bf16) over its compacted list of attended slots (compact_allowed), into `tile` (QUERY_TILE
+ * rows of `slots` scores). On AVX-512 the slots every query of a tile attends from slot 0 on are
+ * summed for the tile at once (weighted_tile_*) and each query's list continued alone. */
 __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t slots, const void *vg, int v_bf16, float *out,
     Py_ssize_t out_stride, const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start,
-    Py_ssize_t end, float scale, float *tile) {
+    Py_ssize_t end, float scale, float *tile, const int *order, attend_lists lists) {
     for (int h = first_head; h < first_head + group; h++) {
         for (Py_ssize_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
             const int rows = n - i0 < QUERY_TILE ? (int)(n - i0) : QUERY_TILE;
@@ -1109,43 +1194,69 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
             const float *qh = q + i0 * q_stride + (Py_ssize_t)h * D;
             if (use_avx512()) {
                 switch (rows) {
-                case 4: score_tile512_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                case 3: score_tile512_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                case 2: score_tile512_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                default: score_tile512_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
+                case 4: score_tile512_4(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots); break;
+                case 3: score_tile512_3(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots); break;
+                case 2: score_tile512_2(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots); break;
+                default: score_tile512_1(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots);
                 }
             } else {
                 switch (rows) {
-                case 4: score_tile_4(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                case 3: score_tile_3(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                case 2: score_tile_2(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots); break;
-                default: score_tile_1(qh, q_stride, kt, slots, D, tile_slots, scale, tile, slots);
+                case 4: score_tile_4(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots); break;
+                case 3: score_tile_3(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots); break;
+                case 2: score_tile_2(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots); break;
+                default: score_tile_1(qh, q_stride, kt, slots, D, order, tile_slots, scale, tile, slots);
                 }
             }
-            if (D % 32 == 0 && use_avx512()) { /* the tile's weighted sums at once (weighted_tile_*) */
-                float inverse[QUERY_TILE];
-                for (int r = 0; r < rows; r++) {
-                    const Py_ssize_t i = i0 + r, limit = mask ? end : start + i + 1;
-                    float *weights = tile + r * slots;
-                    inverse[r] = softmax_scores(weights, limit, mask ? mask + i * end : NULL);
-                    for (Py_ssize_t j = limit; j < last; j++) weights[j] = 0.0f; /* (the chain's later slots) */
-                }
-                float *o = out + i0 * out_stride + (Py_ssize_t)h * D;
-                if (v_bf16)
-                    weighted_tile_bf16(tile, slots, rows, (const uint16_t *)vg, D, last, inverse, o, out_stride);
+            /* each query's list: m[r] slots, the first prefix[r] of them slots 0 .. prefix[r] - 1 */
+            Py_ssize_t m[QUERY_TILE], prefix[QUERY_TILE], shared = last;
+            float inverse[QUERY_TILE];
+            for (int r = 0; r < rows; r++) {
+                const Py_ssize_t i = i0 + r, limit = mask ? end : start + i + 1;
+                float *weights = tile + r * slots;
+                if (mask)
+                    m[r] = compact_allowed(weights, limit, mask + i * end, lists.rows + r * slots, &prefix[r]);
                 else
-                    weighted_tile_f32(tile, slots, rows, (const float *)vg, D, last, inverse, o, out_stride);
-                continue;
+                    m[r] = prefix[r] = limit;
+                inverse[r] = softmax_scores(weights, m[r], NULL);
+                shared = prefix[r] < shared ? prefix[r] : shared;
+            }
+            float *o = out + i0 * out_stride + (Py_ssize_t)h * D;
+            int whole = 1; /* every list ends within the shared slots */
+            for (int r = 0; r < rows; r++) whole = whole && m[r] == shared;
+            if (D % 32 == 0 && use_avx512()) { /* the shared slots' sums for the tile at once */
+                if (v_bf16)
+                    weighted_tile_bf16(tile, slots, rows, (const uint16_t *)vg, D, shared, inverse, o, out_stride,
+                                       whole ? NULL : lists.partials);
+                else
+                    weighted_tile_f32(tile, slots, rows, (const float *)vg, D, shared, inverse, o, out_stride,
+                                      whole ? NULL : lists.partials);
+                if (whole) continue;
             }
             for (int r = 0; r < rows; r++) {
-                const Py_ssize_t i = i0 + r;
-                const Py_ssize_t limit = mask ? end : start + i + 1;
-                float *weights = tile + r * slots, *o = out + i * out_stride + (Py_ssize_t)h * D;
-                const float inverse = softmax_scores(weights, limit, mask ? mask + i * end : NULL);
-                if (v_bf16)
-                    weighted_sum_bf16(weights, (const uint16_t *)vg, D, limit, inverse, o);
-                else
-                    weighted_sum_f32(weights, (const float *)vg, D, limit, inverse, o);
+                float *weights = tile + r * slots, *part = lists.partials + 2 * D * r, *o_r = o + r * out_stride;
+                const int32_t *listed = lists.rows + r * slots;
+                if (!(D % 32 == 0 && use_avx512())) { /* the shared slots' sums, this query alone */
+                    if (m[r] == shared) {
+                        if (v_bf16)
+                            weighted_sum_bf16(weights, (const uint16_t *)vg, D, m[r], inverse[r], o_r, NULL);
+                        else
+                            weighted_sum_f32(weights, (const float *)vg, D, m[r], inverse[r], o_r, NULL);
+                        continue;
+                    }
+                    if (v_bf16)
+                        weighted_sum_bf16(weights, (const uint16_t *)vg, D, shared, 0.0f, NULL, part);
+                    else
+                        weighted_sum_f32(weights, (const float *)vg, D, shared, 0.0f, NULL, part);
+                }
+                /* then its own slots: up to its prefix in place, then its listed ones */
+                if (v_bf16) {
+                    weighted_continue_bf16(weights, (const uint16_t *)vg, D, shared, prefix[r], NULL, part);
+                    weighted_continue_bf16(weights, (const uint16_t *)vg, D, prefix[r], m[r], listed, part);
+                } else {
+                    weighted_continue_f32(weights, (const float *)vg, D, shared, prefix[r], NULL, part);
+                    weighted_continue_f32(weights, (const float *)vg, D, prefix[r], m[r], listed, part);
+                }
+                weighted_finish(part, D, inverse[r], o_r);
             }
         }
     }
@@ -1165,7 +1276,7 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     __attribute__((target("avx2,fma"), noinline)) static void per_query_##S(                        \
         const float *q, Py_ssize_t q_stride, const T *kg, const T *vg, float *out, Py_ssize_t out_stride, \
         const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, \
-        Py_ssize_t end, float scale, float *scratch) {                                              \
+        Py_ssize_t end, float scale, float *scratch, attend_lists lists) {                          \
         const __m256 scale8 = _mm256_set1_ps(scale);                                                \
         float *qp = scratch + (end + 15) / 16 * 16;                                                 \
         (void)qp;                                                                                   \
@@ -1177,8 +1288,17 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
                 for (; j + 8 <= limit; j += 8)                                                      \
                     _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_##S(qh, kg + j * D, D), scale8)); \
                 for (; j < limit; j++) scratch[j] = dot8_##S(qh, kg + j * D, D) * scale;            \
-                const float inverse = softmax_scores(scratch, limit, mask ? mask + i * end : NULL); \
-                weighted_sum_##S(scratch, vg, D, limit, inverse, out + i * out_stride + (Py_ssize_t)h * D); \
+                float *o = out + i * out_stride + (Py_ssize_t)h * D;                                \
+                Py_ssize_t prefix = limit, m = limit; /* the attended slots' list (compact_allowed) */ \
+                if (mask) m = compact_allowed(scratch, limit, mask + i * end, lists.rows, &prefix); \
+                const float inverse = softmax_scores(scratch, m, NULL);                             \
+                if (m == prefix) {                                                                  \
+                    weighted_sum_##S(scratch, vg, D, m, inverse, o, NULL);                          \
+                } else {                                                                            \
+                    weighted_sum_##S(scratch, vg, D, prefix, 0.0f, NULL, lists.partials);           \
+                    weighted_continue_##S(scratch, vg, D, prefix, m, lists.rows, lists.partials);   \
+                    weighted_finish(lists.partials, D, inverse, o);                                 \
+                }                                                                                   \
             }                                                                                       \
         }                                                                                           \
     }
@@ -1194,8 +1314,14 @@ DEFINE_PER_QUERY(bf16, uint16_t, QUERY_PERMUTED)
  * (kv_heads, capacity, D), float32 (kv_bf16 = 0) or bfloat16. out: (n, heads * D). Query i attends
  * slot j < end where mask[i * end + j] is non-zero, or, with no mask, where j <= start + i (a causal
  * chain after `start` cached slots; one query attends every slot). Head h reads kv head
- * h / (heads / kv_heads). Softmax in float32 with the maximum subtracted; a slot not attended gets
- * weight exactly 0. `scratch` is room for attend_scratch_floats(end, D) floats.
+ * h / (heads / kv_heads). Softmax in float32 with the maximum subtracted. `scratch` is room for
+ * attend_scratch_floats(end, D) floats.
+ *
+ * One order for every call: a query's scores are summed over d in the per-query path's order
+ * (key_dot_order; the tiles follow it), and its softmax and weighted sums run over the list of the
+ * slots it attends, in order of slot (compact_allowed), so its output is the same bits whichever path
+ * its call takes (by query count), and wherever in the cache its attended slots sit: a tree node's
+ * attention equals that of the same token in a chain, and a batch row's that of its lone run.
  *
  * Fewer than TILE_MIN_QUERIES queries: each one's scores eight keys at a time from the cache rows
  * (dot8x8). More: each kv head's keys are transposed once into the scratch, and the scores of up to
@@ -1215,16 +1341,21 @@ __attribute__((target("avx2,fma"))) static void attend(
     const int group = heads / kv_heads;
     const Py_ssize_t out_stride = (Py_ssize_t)heads * D, head_values = capacity * D;
     const Py_ssize_t slots = (end + 15) / 16 * 16;
+    int order[D]; /* the key dots' order of d (key_dot_order), which the score tiles follow */
+    key_dot_order(D, kv_bf16, order);
+    attend_lists lists;
+    lists.rows = (int32_t *)(scratch + slots * (D + QUERY_TILE));
+    lists.partials = scratch + slots * (D + 2 * QUERY_TILE);
     for (int g = 0; g < kv_heads; g++) {
         const float *kf = (const float *)keys + g * head_values, *vf = (const float *)values + g * head_values;
         const uint16_t *kb = (const uint16_t *)keys + g * head_values, *vb = (const uint16_t *)values + g * head_values;
         if (n < TILE_MIN_QUERIES) {
             if (kv_bf16)
                 per_query_bf16(q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale,
-                               scratch);
+                               scratch, lists);
             else
                 per_query_f32(q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale,
-                              scratch);
+                              scratch, lists);
             continue;
         }
         if (kv_bf16)
@@ -1232,7 +1363,8 @@ __attribute__((target("avx2,fma"))) static void attend(
         else
             transpose_keys_f32(kf, end, D, scratch, slots);
         attend_tiles(q, q_stride, scratch, slots, kv_bf16 ? (const void *)vb : (const void *)vf, kv_bf16, out,
-                     out_stride, mask, n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots);
+                     out_stride, mask, n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots,
+                     order, lists);
     }
 }
 
@@ -1583,6 +1715,30 @@ static PyObject *draw_rows(PyObject *self, PyObject *args) {
     }
     PyBuffer_Release(&probs);
     PyBuffer_Release(&u);
+    PyBuffer_Release(&out);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *rms(PyObject *self, PyObject *args) {
+    Py_buffer x, out;
+    Py_ssize_t rows, H;
+    double eps;
+    if (!PyArg_ParseTuple(args, "y*w*nnd", &x, &out, &rows, &H, &eps)) return NULL;
+    const char *error = NULL;
+    if (rows < 0 || H < 1)
+        error = "need rows >= 0 and H >= 1";
+    else if (x.len != rows * H * (Py_ssize_t)sizeof(float) || out.len != x.len)
+        error = "x and out must hold rows * H float32 values";
+    if (error == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        rms_rows((const float *)x.buf, (float *)out.buf, rows, H, eps);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&x);
     PyBuffer_Release(&out);
     if (error != NULL) {
         PyErr_SetString(PyExc_ValueError, error);
@@ -2184,6 +2340,8 @@ static PyMethodDef METHODS[] = {
      "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale, bf16): one "
      "decoder layer of the host forward for n rows of one sequence, in place on hidden (bf16: the weights' "
      "kind, as matmul's)."},
+    {"rms", rms, METH_VARARGS,
+     "rms(x, out, rows, H, eps): out = x / sqrt(eps + mean(x^2)) per row of H float32 values (the layers' norm)."},
     {"draw_rows", draw_rows, METH_VARARGS,
      "draw_rows(probs, u, out, rows, V, below_one): out[r] = the first token whose float64 cumulative "
      "mass exceeds u[r] * (total_r * below_one), else V - 1 (gbv.verify.common.draw_rows' rule)."},

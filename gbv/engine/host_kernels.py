@@ -73,8 +73,8 @@ def avx512_tiles() -> bool:
 
 
 def set_avx512_tiles(on: bool) -> None:
-    """Products of 2 rows or more, and the attention of 6 queries or more, by the AVX-512 tiles (True; a
-    ValueError where the CPU lacks AVX-512F) or the AVX2 ones (False), process-wide. ``GBV_HOST_AVX512=0``
+    """Products, and the attention of 6 queries or more, by the AVX-512 tiles (True; a ValueError where
+    the CPU lacks AVX-512F) or the AVX2 ones (False), process-wide (the same sums either way). ``GBV_HOST_AVX512=0``
     in the environment sets False at import."""
     _require_kernels()
     _host_kernels.set_avx512(bool(on))
@@ -331,6 +331,15 @@ def draw_rows_host_at(probs: Tensor, u: Tensor) -> Tensor | None:
     _host_kernels.draw_rows(rows, np.ascontiguousarray(u.numpy(), dtype=np.float64), tokens, tokens.size, vocab,
                             BELOW_ONE)
     return torch.from_numpy(tokens)
+
+
+def rms_into(x: np.ndarray, out: np.ndarray, eps: float) -> np.ndarray:
+    """``out = x / sqrt(eps + mean(x^2))`` per row of (rows, H) float32 ``x`` (contiguous), as the
+    compiled layers norm (the mean in float64, each value rounded once): a row's norm is the same bits
+    in a batch as in one sequence's one-call forward."""
+    rows, width = x.shape
+    _host_kernels.rms(x, out, rows, width, float(eps))
+    return out
 
 
 def softmax_into(logits: np.ndarray, temperature: float, probs: np.ndarray | None = None,

@@ -46,7 +46,7 @@ from torch import Tensor
 from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
 from gbv.engine.host_kernels import (PANELS_AMX, PanelWeight, attention_into, forward_into, host_kernels_unavailable,
-                                     kv_bf16, layer_into, prefetch_temporal, set_prefetch_temporal)
+                                     kv_bf16, layer_into, prefetch_temporal, rms_into, set_prefetch_temporal)
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -331,6 +331,7 @@ class HostForward:
         # Why the compiled kernels are not used (None when they are, on one torch thread; see
         # host_kernels.py): the products' (``panels_off``) and the attention's (``attention_off``).
         unavailable = host_kernels_unavailable()
+        self.compiled_norm = unavailable is None  # (_rms_into)
         self.attention_off = unavailable
         if self.attention_off is None and self.head_dim % 8:
             self.attention_off = "head_dim not a multiple of 8"
@@ -432,11 +433,16 @@ class HostForward:
                                                    self.head_dim, self.intermediate)
         return buffers
 
-    @staticmethod
-    def _rms_into(rows: _Rows, eps: float) -> None:
+    def _rms_into(self, rows: _Rows, eps: float) -> None:
         """``normed = hidden / sqrt(eps + mean(hidden^2))`` per row (the norm's weight is folded into the
-        next matrix). One row: its scale in float64, rounded once; several: in float32, as torch's."""
+        next matrix). With the compiled kernels, theirs (:func:`host_kernels.rms_into`: the one-call
+        forward's, so a batch row's final norm is its lone run's, bit for bit; numpy's float32 norm of
+        several rows was 1 ulp off, which a bfloat16-rounded product can widen to 1e-3 of a logit).
+        Without: one row's scale in float64, rounded once; several in float32, as torch's."""
         x = rows.hidden
+        if self.compiled_norm:
+            rms_into(x, rows.normed, eps)
+            return
         if x.shape[0] == 1:
             row = x[0]
             np.multiply(x, 1.0 / math.sqrt(eps + float(np.dot(row, row)) / row.shape[0]), out=rows.normed)

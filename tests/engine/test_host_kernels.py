@@ -78,34 +78,38 @@ def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
 
 @needs_kernels
 @pytest.mark.parametrize("bf16", [False, True])
-def test_two_panel_tiles_give_the_one_panel_tiles_sums_bit_for_bit(bf16):
-    """From 8 rows on, the AVX-512 tiles of two panels sum each output over k in one accumulator, in
-    order, as the one-panel tiles of 8 rows or more do: equal bits, so switching them changes no law.
-    The comparison can fail: the AVX2 tiles (sets of sums for a few rows) differ in the last bits."""
+def test_a_rows_products_do_not_depend_on_the_row_count_nor_the_tiles(bf16):
+    """Every tile sums each output over k in one accumulator, in order, whatever its height and panel
+    count, so a row's products are the same bits in a product of 1 row, of 5 (a block's pass) or of
+    102 (a batch), with the AVX-512 tiles of one or two panels and with the AVX2 tiles: a token's
+    logits do not depend on what else the pass holds. The comparison can fail: before, the tiles of
+    1-3, 4-7 and 8+ rows split k into 4, 2 and 1 sets of sums, and rows differed in the last bits
+    between those groups (scripts/product_row_invariance.py)."""
     import gbv.engine.host_kernels as host_kernels
-    if not host_kernels.avx512_tiles():
-        pytest.skip("this CPU has no AVX-512F")
     rng = np.random.default_rng(7)
-    weight = rng.standard_normal((768, 300)).astype(np.float32)
+    weight = rng.standard_normal((768, 300)).astype(np.float32)  # (300: panels that are not a multiple of 4)
     if bf16:
         weight = _bf16_values(weight)
     panel = PanelWeight(weight, bf16=bf16, amx=False)
-    xs = {rows: rng.standard_normal((rows, 768)).astype(np.float32) for rows in (2, 5, 8, 13, 14, 15, 25, 29, 64, 102)}
+    x = rng.standard_normal((102, 768)).astype(np.float32)
+    had_avx512 = host_kernels.avx512_tiles()
+    kinds = ("two", "one", "avx2") if had_avx512 else ("avx2",)
     products = {}
     try:
-        for kind in ("two", "one", "avx2"):
+        for kind in kinds:
             host_kernels.set_two_panel_tiles(kind == "two")
             host_kernels.set_avx512_tiles(kind != "avx2")
-            for rows, x in xs.items():
-                products[kind, rows] = (panel.matmul_into(x, np.empty((rows, 300), dtype=np.float32)),
-                                        panel.matmul_into(x, np.ones((rows, 300), dtype=np.float32), accumulate=True))
+            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 14, 15, 25, 29, 64, 102):
+                products[kind, rows] = (panel.matmul_into(x[:rows], np.empty((rows, 300), dtype=np.float32)),
+                                        panel.matmul_into(x[:rows], np.ones((rows, 300), dtype=np.float32),
+                                                          accumulate=True))
     finally:
         host_kernels.set_two_panel_tiles(True)
-        host_kernels.set_avx512_tiles(True)
-    for rows in xs:
-        for written, other in zip(products["two", rows], products["one", rows]):
-            np.testing.assert_array_equal(written, other)
-    assert any(not np.array_equal(products["two", rows][0], products["avx2", rows][0]) for rows in (25, 64, 102))
+        host_kernels.set_avx512_tiles(had_avx512)
+    reference = products[kinds[0], 102]
+    for (kind, rows), (written, added) in products.items():
+        np.testing.assert_array_equal(written, reference[0][:rows], err_msg=f"{kind} tiles, {rows} rows")
+        np.testing.assert_array_equal(added, reference[1][:rows], err_msg=f"{kind} tiles, {rows} rows")
 
 
 def test_bf16_panels_hold_the_values_in_the_kernels_column_order():
@@ -154,6 +158,21 @@ def test_amx_products_equal_numpy_of_rounded_inputs(in_features, out_features):
         unrounded = x.astype(np.float64) @ weight.astype(np.float64)
         missed.append(rows > 0 and np.abs(out - unrounded).max() > tolerance)
     assert any(missed) or in_features < 16
+
+
+@needs_amx
+def test_an_amx_rows_products_do_not_depend_on_the_row_count():
+    """One row goes through the tiles too (a tile of one row), so a row's AMX products are the same bits
+    in a product of 1 row as of 2, 5, 16, 17 or 40. The comparison can fail: AVX512-BF16 dot products,
+    which one row took before, round otherwise than the tiles."""
+    rng = np.random.default_rng(11)
+    weight = _bf16_values(rng.standard_normal((256, 200)).astype(np.float32))
+    panel = PanelWeight(weight, bf16=True, amx=True)
+    x = rng.standard_normal((40, 256)).astype(np.float32)
+    whole = panel.matmul_into(x, np.empty((40, 200), dtype=np.float32))
+    for rows in (1, 2, 5, 16, 17, 33):
+        np.testing.assert_array_equal(panel.matmul_into(x[:rows], np.empty((rows, 200), dtype=np.float32)),
+                                      whole[:rows], err_msg=f"{rows} rows")
 
 
 def test_amx_panels_hold_pairs_of_k_per_column():
@@ -245,6 +264,57 @@ def test_attention_equals_a_float64_reference(n, heads, kv_heads, head_dim, star
     attention_into(qkv, *cached, out, np.ascontiguousarray(allowed) if masked else None, heads, start, end, 0.3)
     exact = _reference_attention(qkv, keys, values, allowed, heads, 0.3)
     np.testing.assert_allclose(out, exact, rtol=0, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 32), (4, 2, 64), (2, 1, 72), (2, 2, 48), (4, 2, 24)])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_a_querys_attention_does_not_depend_on_the_call_nor_the_layout(heads, kv_heads, head_dim, cache):
+    """A query's attention is the same bits whether it runs alone or among 3, 7 or 25 queries (the
+    per-query path or the tiles), on the AVX-512 or the AVX2 tiles, and whether the slots it attends
+    sit after gaps of slots it does not attend (a tree's nodes, a batch row's nodes past other rows'
+    longer prefixes) or as one chain with no gap: every sum runs over the list of attended slots in
+    order. The comparison can fail: before, the softmax's and the weighted sums' sets of sums went
+    by slot index, and the two paths added a key's products over d in different orders."""
+    rng = np.random.default_rng(head_dim * 10 + heads)
+    prefix, tree, gap = 37, 25, 11  # a committed prefix, a gap of other rows' slots, then a tree's nodes
+    end = prefix + gap + tree
+    keys, values = (rng.standard_normal((kv_heads, end, head_dim)).astype(np.float32) for _ in range(2))
+    qkv = rng.standard_normal((tree, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, tree)]  # node i's parent, a random tree
+    allowed = np.zeros((tree, end), dtype=bool)
+    allowed[:, :prefix] = True
+    for i in range(tree):
+        node = i
+        while node >= 0:
+            allowed[i, prefix + gap + node] = True
+            node = parents[node]
+    if cache == "bfloat16":
+        keys, values = (torch.from_numpy(a).to(torch.bfloat16).view(torch.uint16).numpy() for a in (keys, values))
+    width = heads * head_dim
+    had_avx512 = host_kernels.avx512_tiles()
+    outs = {}
+    try:
+        for avx512 in ((True, False) if had_avx512 else (False,)):
+            host_kernels.set_avx512_tiles(avx512)
+            for n in (25, 7, 3, 1):  # the first n nodes in one call: tiles from 6 queries on
+                out = np.empty((n, width), dtype=np.float32)
+                attention_into(qkv[:n], keys, values, out, np.ascontiguousarray(allowed[:n]), heads, prefix + gap,
+                               end, 0.2)
+                for i in range(n):
+                    outs.setdefault(i, []).append(out[i].copy())
+            for i in (0, 1, 5, 24):  # node i as the last of a chain of its attended slots, no mask, no gap
+                attended = np.flatnonzero(allowed[i])
+                chain_keys, chain_values = (np.ascontiguousarray(a[:, attended]) for a in (keys, values))
+                one = qkv[i:i + 1]
+                out = np.empty((1, width), dtype=np.float32)
+                attention_into(one, chain_keys, chain_values, out, None, heads, len(attended) - 1, len(attended), 0.2)
+                outs[i].append(out[0].copy())
+    finally:
+        host_kernels.set_avx512_tiles(had_avx512)
+    for i, found in outs.items():
+        for other in found[1:]:
+            np.testing.assert_array_equal(other, found[0], err_msg=f"node {i}")
 
 
 @needs_kernels
@@ -608,3 +678,25 @@ def test_a_batch_layer_call_equals_the_calls_per_product(bf16, monkeypatch):
                                        atol=1e-2 if bf16 else 1e-6, rtol=1e-2 if bf16 else 1e-6)
     swapped, _ = run(True, mask[[1, 2, 0]])
     assert (swapped - split).abs().max() > 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("method,num_paths,block_len", [("traversal", 3, 4), ("gbv", 3, 8), ("block", 1, 6),
+                                                       ("specinfer", 4, 5)])
+def test_greedy_speculation_commits_greedy_ar_tokens_in_bfloat16(method, num_paths, block_len):
+    """A tree pass computes each node's logits as a one-token step computes that token's (the products'
+    and the attention's sums in one order whatever the pass holds), so greedy speculative decoding
+    commits exactly greedy ``ar``'s tokens in bfloat16 too, where near-ties are common. The
+    comparison can fail: before, traversal K = 3, L = 4 went another way at token 5 of this prompt
+    (scripts/fuzz_engine.py --mode single --dtype bfloat16, seed 0, trial 137)."""
+    import gbv
+    from gbv.engine.generate import generate
+
+    torch.set_num_threads(1)
+    pair = gbv.load_pair("bundled", dtype="bfloat16")
+    settings = dict(temperature=0.0, max_new_tokens=64, eos_token_id=[], top_k=100)
+    for prompt_ids in ([14, 221], pair.tokenizer.encode("Question: Peter plans to go to the movies this week.")):
+        ar = generate(pair, prompt_ids=prompt_ids, method="ar", **settings).token_ids
+        speculative = generate(pair, prompt_ids=prompt_ids, method=method, num_paths=num_paths, block_len=block_len,
+                               **settings).token_ids
+        assert speculative == ar
