@@ -67,7 +67,8 @@ def ranking_key(p: Tensor, q: Tensor) -> Tensor:
     """
     if isinstance(p, np.ndarray):  # numpy rows (the host forms' per-node code): the same IEEE divisions
         dtype = np.float64 if np.float64 in (p.dtype, q.dtype) else np.float32
-        with np.errstate(divide="ignore", invalid="ignore"):
+        # (over: p / q past float32's range for a tiny q is +inf, as torch gives it: a fixed ranking)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             key = p.astype(dtype, copy=False) / q.astype(dtype, copy=False)
         np.putmask(key, np.isnan(key), ZERO_ZERO_KEY)  # (np.nan_to_num takes 2.5x as long)
         return key
