@@ -844,7 +844,8 @@ __attribute__((target("avx2,fma"))) static void weighted_sum_bf16(const float *w
         if (t < m && (t & 1)) { /* an odd first entry */                                            \
             const T *row = v + (rows ? (Py_ssize_t)rows[t - t0] : t) * D;                           \
             const __m256 w = _mm256_broadcast_ss(weights + t);                                      \
-            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) odd[k] = _mm256_fmadd_ps(w, KV8(row + 8 * k), odd[k]); \
+            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++)                                    \
+                odd[k] = _mm256_fmadd_ps(w, KV8(row + 8 * k), odd[k]);                              \
             t++;                                                                                    \
         }                                                                                           \
         for (; t + 2 <= m; t += 2) {                                                                \
@@ -860,7 +861,8 @@ __attribute__((target("avx2,fma"))) static void weighted_sum_bf16(const float *w
         if (t < m) { /* an even last entry */                                                       \
             const T *row = v + (rows ? (Py_ssize_t)rows[t - t0] : t) * D;                           \
             const __m256 w = _mm256_broadcast_ss(weights + t);                                      \
-            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) even[k] = _mm256_fmadd_ps(w, KV8(row + 8 * k), even[k]); \
+            _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++)                                    \
+                even[k] = _mm256_fmadd_ps(w, KV8(row + 8 * k), even[k]);                            \
         }                                                                                           \
         _Pragma("GCC unroll 4") for (int k = 0; k < CH; k++) {                                      \
             _mm256_storeu_ps(partials + 8 * k, even[k]);                                            \
@@ -1006,33 +1008,28 @@ __attribute__((target("avx2,fma"))) static float softmax_scores(float *scores, P
         }                                                                                           \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) STORE(scores + r * s_stride + j, a[r]); \
     }
-#define DEFINE_SCORE_TILE(R)                                                                        \
-    __attribute__((target("avx2,fma"))) static void score_tile_##R(                                 \
+#define DEFINE_SCORE_TILE(R, NAME, TARGET, VEC, WIDTH, ZERO, FMA, ADD, SET1, LOAD)                     \
+    __attribute__((target(TARGET))) static void NAME##_##R(                                         \
         const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D, const int *order, \
         Py_ssize_t slots, float scale, float *scores, Py_ssize_t s_stride) {                        \
         const int U = D / 8;                                                                        \
-        const __m256 scale8 = _mm256_set1_ps(scale);                                                \
-        SCORE_CHAINS(R, (R == 1 ? 8 : R == 2 ? 4 : 2), __m256, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_set1_ps,  \
-                     _mm256_loadu_ps, 8)                                                            \
+        const VEC scale_v = SET1(scale);                                                            \
+        SCORE_CHAINS(R, (R == 1 ? 8 : R == 2 ? 4 : 2), VEC, ZERO, FMA, ADD, SET1, LOAD, WIDTH)      \
     }
-#define STORE(at, sums) _mm256_storeu_ps((at), _mm256_mul_ps((sums), scale8))
-DEFINE_SCORE_TILE(1)
-DEFINE_SCORE_TILE(2)
-DEFINE_SCORE_TILE(3)
-DEFINE_SCORE_TILE(4)
+/* AVX2: eight slots a step; AVX-512 (score_tile512_R): sixteen, the same sums. */
+#define STORE(at, sums) _mm256_storeu_ps((at), _mm256_mul_ps((sums), scale_v))
+#define DEFINE_SCORE_TILE_AVX2(R)                                                                   \
+    DEFINE_SCORE_TILE(R, score_tile, "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_add_ps, \
+                      _mm256_set1_ps, _mm256_loadu_ps)
+DEFINE_SCORE_TILE_AVX2(1)
+DEFINE_SCORE_TILE_AVX2(2)
+DEFINE_SCORE_TILE_AVX2(3)
+DEFINE_SCORE_TILE_AVX2(4)
 #undef STORE
-
-/* score_tile_R on AVX-512: sixteen slots a step, the same sums (slots a multiple of 16). */
+#define STORE(at, sums) _mm512_storeu_ps((at), _mm512_mul_ps((sums), scale_v))
 #define DEFINE_SCORE_TILE512(R)                                                                     \
-    __attribute__((target("avx512f"))) static void score_tile512_##R(                               \
-        const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D, const int *order, \
-        Py_ssize_t slots, float scale, float *scores, Py_ssize_t s_stride) {                        \
-        const int U = D / 8;                                                                        \
-        const __m512 scale16 = _mm512_set1_ps(scale);                                               \
-        SCORE_CHAINS(R, (R == 1 ? 8 : R == 2 ? 4 : 2), __m512, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_set1_ps,  \
-                     _mm512_loadu_ps, 16)                                                           \
-    }
-#define STORE(at, sums) _mm512_storeu_ps((at), _mm512_mul_ps((sums), scale16))
+    DEFINE_SCORE_TILE(R, score_tile512, "avx512f", __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, \
+                      _mm512_add_ps, _mm512_set1_ps, _mm512_loadu_ps)
 DEFINE_SCORE_TILE512(1)
 DEFINE_SCORE_TILE512(2)
 DEFINE_SCORE_TILE512(3)
