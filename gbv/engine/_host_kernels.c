@@ -976,7 +976,7 @@ __attribute__((target("avx2,fma"))) static float softmax_scores(float *scores, P
  * time ran the 25-query tiles at ~1.3x the time of the tiles before, which summed over d in one
  * chain). */
 #define SCORE_CHAINS(R, C, VEC, ZERO, FMA, ADD, SET1, LOAD, WIDTH)                                   \
-    for (Py_ssize_t j = 0; j < slots; j += WIDTH) {                                                 \
+    for (Py_ssize_t j = first_slot; j < slots; j += WIDTH) {                                        \
         VEC a[R], b[R], p[C][R];                                                                    \
         _Pragma("GCC unroll 4") for (int g = 0; g < 8 / C; g++) { /* chains g C .. g C + C - 1 */   \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                     \
@@ -1008,16 +1008,54 @@ __attribute__((target("avx2,fma"))) static float softmax_scores(float *scores, P
         }                                                                                           \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) STORE(scores + r * s_stride + j, a[r]); \
     }
+/* SCORE_CHAINS over two vectors of slots a step (2 WIDTH), two chains at a time, with the first half
+ * of each score's tree, (s0 + s1) + (s2 + s3), kept in the scores row until the second half is added:
+ * each broadcast of a q value then serves twice the slots, and the accumulators (2 x R x 2, and the
+ * second half's pair sums) fit the 32 AVX-512 registers for 3-4 queries. The same sums. Advances
+ * first_slot past the slots it scores. */
+#define SCORE_CHAINS_WIDE(R, VEC, ZERO, FMA, ADD, SET1, LOAD, STOREU, WIDTH)                        \
+    for (; first_slot + 2 * WIDTH <= slots; first_slot += 2 * WIDTH) {                              \
+        const Py_ssize_t j = first_slot;                                                            \
+        VEC b[R][2], p[2][R][2];                                                                    \
+        _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) { /* chains 2 g and 2 g + 1 */          \
+            _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++)                                     \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) p[c][r][0] = p[c][r][1] = ZERO(); \
+            for (int u = 0; u < U; u++) {                                                           \
+                _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++) {                               \
+                    const int d = order[(2 * g + c) * U + u];                                       \
+                    const VEC key0 = LOAD(kt + d * kt_stride + j);                                  \
+                    const VEC key1 = LOAD(kt + d * kt_stride + j + WIDTH);                          \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                           \
+                        const VEC qd = SET1(q[r * q_stride + d]);                                   \
+                        p[c][r][0] = FMA(qd, key0, p[c][r][0]);                                     \
+                        p[c][r][1] = FMA(qd, key1, p[c][r][1]);                                     \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                     \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                               \
+                    float *at = scores + r * s_stride + j + h * WIDTH;                              \
+                    const VEC pair = ADD(p[0][r][h], p[1][r][h]);                                   \
+                    if (g == 0) STOREU(at, pair);                                                   \
+                    else if (g == 1) STOREU(at, ADD(LOAD(at), pair));                               \
+                    else if (g == 2) b[r][h] = pair;                                                \
+                    else STORE(at, ADD(LOAD(at), ADD(b[r][h], pair)));                              \
+                }                                                                                   \
+        }                                                                                           \
+    }
 #define DEFINE_SCORE_TILE(R, NAME, TARGET, VEC, WIDTH, ZERO, FMA, ADD, SET1, LOAD)                     \
     __attribute__((target(TARGET))) static void NAME##_##R(                                         \
         const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t kt_stride, int D, const int *order, \
         Py_ssize_t slots, float scale, float *scores, Py_ssize_t s_stride) {                        \
         const int U = D / 8;                                                                        \
         const VEC scale_v = SET1(scale);                                                            \
+        Py_ssize_t first_slot = 0;                                                                  \
+        WIDE(R)                                                                                     \
         SCORE_CHAINS(R, (R == 1 ? 8 : R == 2 ? 4 : 2), VEC, ZERO, FMA, ADD, SET1, LOAD, WIDTH)      \
     }
 /* AVX2: eight slots a step; AVX-512 (score_tile512_R): sixteen, the same sums. */
 #define STORE(at, sums) _mm256_storeu_ps((at), _mm256_mul_ps((sums), scale_v))
+#define WIDE(R) /* (none: with 16 registers the wide step's accumulators would spill) */
 #define DEFINE_SCORE_TILE_AVX2(R)                                                                   \
     DEFINE_SCORE_TILE(R, score_tile, "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_add_ps, \
                       _mm256_set1_ps, _mm256_loadu_ps)
@@ -1025,8 +1063,13 @@ DEFINE_SCORE_TILE_AVX2(1)
 DEFINE_SCORE_TILE_AVX2(2)
 DEFINE_SCORE_TILE_AVX2(3)
 DEFINE_SCORE_TILE_AVX2(4)
+#undef WIDE
 #undef STORE
 #define STORE(at, sums) _mm512_storeu_ps((at), _mm512_mul_ps((sums), scale_v))
+#define WIDE(R)                                                                                     \
+    if (R >= 3)                                                                                     \
+        SCORE_CHAINS_WIDE(R, __m512, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_set1_ps, \
+                          _mm512_loadu_ps, _mm512_storeu_ps, 16)
 #define DEFINE_SCORE_TILE512(R)                                                                     \
     DEFINE_SCORE_TILE(R, score_tile512, "avx512f", __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, \
                       _mm512_add_ps, _mm512_set1_ps, _mm512_loadu_ps)
@@ -1034,6 +1077,7 @@ DEFINE_SCORE_TILE512(1)
 DEFINE_SCORE_TILE512(2)
 DEFINE_SCORE_TILE512(3)
 DEFINE_SCORE_TILE512(4)
+#undef WIDE
 #undef STORE
 
 /* The order in which the per-query path's key dots (dot8x8_*, dot8_*) add the D values of d, as eight
@@ -1189,8 +1233,14 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     Py_ssize_t out_stride, const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start,
     Py_ssize_t end, float scale, float *tile, const int *order, attend_lists lists) {
     for (int h = first_head; h < first_head + group; h++) {
-        for (Py_ssize_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
-            const int rows = n - i0 < QUERY_TILE ? (int)(n - i0) : QUERY_TILE;
+        /* tiles of queries as even as they come (6 = 3 + 3, 25 = 4 + 4 + 4 + 4 + 3 + 3 + 3): from
+         * TILE_MIN_QUERIES on, every tile has 3 or 4 queries, which score 32 slots a step on AVX-512
+         * (a tile of 2, as 6 = 4 + 2 gave, took ~1.3x the time of two of 3) */
+        const Py_ssize_t num_tiles = (n + QUERY_TILE - 1) / QUERY_TILE;
+        Py_ssize_t i0 = 0;
+        int rows = 0;
+        for (Py_ssize_t t = 0; t < num_tiles; t++, i0 += rows) {
+            rows = (int)((n - i0) / (num_tiles - t) + ((n - i0) % (num_tiles - t) != 0));
             /* the slots any query of the tile attends: up to the last one's limit */
             const Py_ssize_t last = mask ? end : start + i0 + rows;
             const Py_ssize_t tile_slots = (last + 15) / 16 * 16;
