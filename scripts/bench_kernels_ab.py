@@ -10,6 +10,11 @@ a commit against the installed ones, in one process, interleaved (1 thread, bund
    slots, 8 heads of 32 (the bundled models' shape).
 3. The same under a tree mask: a root and K = 3 disjoint paths of L nodes (n = 3 L + 1, what GBV's
    target pass attends), after the prefix; also as forwards of the target (first table's rows "tree").
+4. A prompt's prefill: the target's forward of 100, 500 and 1,000 tokens from slot 0 (causal).
+
+``--hint temporal|non-temporal`` sets the panel kernel's prefetch hint on both builds (default: the
+one this process chose at load; AMD Zen machines chose the non-temporal one, this project's Xeon the
+temporal one).
 
 Each measurement alternates the two builds 40 (forwards) or 60 (attention) times and prints the
 medians and their ratio; the machine is shared, so only the ratios mean anything. The old file is
@@ -34,6 +39,7 @@ from kernels_at import kernels_at
 
 
 avx512 = True  # whether the installed kernels run the AVX-512 tiles (main), which the other build then takes too
+hint = None  # the prefetch hint both builds take (--hint: True = temporal), else the one chosen at load
 
 
 def alternate(builds: dict, run, repeats: int, inner: int) -> dict[str, float]:
@@ -44,7 +50,9 @@ def alternate(builds: dict, run, repeats: int, inner: int) -> dict[str, float]:
             host_kernels._host_kernels = module
             # (the prefetch hint chosen at load lives in each module: a module swapped in keeps its
             # default, non-temporal, which on the Xeon made a float32 step 3x slower)
-            if host_kernels.prefetch_temporal() is not None:
+            if hint is not None:
+                module.set_prefetch_temporal(hint)
+            elif host_kernels.prefetch_temporal() is not None:
                 module.set_prefetch_temporal(host_kernels.prefetch_temporal())
             module.set_avx512(avx512)  # (GBV_HOST_AVX512=0 switched the installed module's only)
             start = time.perf_counter()
@@ -71,13 +79,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--before", required=True, help="the commit whose _host_kernels.c is 'before'")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prefix", type=int, default=150)
+    parser.add_argument("--hint", choices=["temporal", "non-temporal"], default=None,
+                        help="the prefetch hint of both builds (default: the one chosen at load)")
     args = parser.parse_args(argv)
     if host_kernels_unavailable():
         raise SystemExit(f"the compiled kernels do not run here: {host_kernels_unavailable()}")
     torch.set_num_threads(1)
     installed = host_kernels._host_kernels
-    global avx512
+    global avx512, hint
     avx512 = installed.avx512()
+    hint = None if args.hint is None else args.hint == "temporal"
     builds = {"before": kernels_at(args.before), "after": installed}
     pair = load_pair("bundled", dtype=args.dtype)
     prefix = args.prefix
@@ -139,6 +150,18 @@ def main(argv: list[str] | None = None) -> None:
                            60, 20)
             print(f"| {block_len} | {n} | {us['before'] * 1e6:.1f} | {us['after'] * 1e6:.1f} | "
                   f"{us['after'] / us['before']:.3f} |")
+
+        print(f"\n4. The target's prefill of a prompt from slot 0 (causal), {args.dtype}, ms\n")
+        print(f"| tokens | {args.before} | now | now / before |\n|---:|---:|---:|---:|")
+        lean = lean_model(pair.target)
+        with torch.inference_mode():
+            cache = lean.new_cache(1, 1030)
+            for n in (100, 500, 1000):
+                tokens, positions = torch.arange(n)[None] % 1000, torch.arange(n)[None]
+                ms = alternate(builds, lambda: lean.forward(tokens, positions, 0, cache, None, causal=True,
+                                                            last_only=True), 8, 1)
+                print(f"| {n} | {ms['before'] * 1e3:.1f} | {ms['after'] * 1e3:.1f} | "
+                      f"{ms['after'] / ms['before']:.3f} |")
     finally:
         host_kernels._host_kernels = installed
 

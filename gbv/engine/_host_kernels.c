@@ -77,12 +77,14 @@ static Py_ssize_t panels_bytes(int kind, Py_ssize_t K, Py_ssize_t N) {
  * with AVX-512 and a large L3 the non-temporal hint kept the weights out of the L3, and the bundled
  * target's float32 step took 3.74 ms against 1.21 ms with _MM_HINT_T0 (scripts/bench_prefetch_hint.py;
  * gbv.engine.lean_host.choose_cpu_forward measures which one this machine wants). A well-predicted
- * branch per prefetch. A tile of P panels prefetches each panel's stream PREFETCH_BYTES / P ahead, so
- * that as many lines are in flight as for one panel: with PREFETCH_BYTES in each of 4 streams, the
- * one-row tiles of 4 panels took a float32 target step in 5.0 ms against 4.2 for the one-panel tile
- * before them, non-temporally on the Xeon (1.15x; 1.35x on the AVX2 tiles), and with the distance
- * shared, 2.1 ms (0.51x; 0.69x on AVX2); prefetching into every level, 1.29 ms either way
- * (docs/ENGINE.md, "One sum order for every pass"). */
+ * branch per prefetch. A tile of P panels and fewer than 8 rows prefetches each panel's stream
+ * PREFETCH_BYTES / P ahead, so that as many lines are in flight as for one panel: with PREFETCH_BYTES
+ * in each of 4 streams, the one-row tiles of 4 panels took a float32 target step in 5.0 ms against 4.2
+ * for the one-panel tile before them, non-temporally on the Xeon (1.15x; 1.35x on the AVX2 tiles),
+ * and with the distance shared, 2.1 ms (0.51x; 0.69x on AVX2); a 3-row pass 1.39x with the full
+ * distance, 0.76x shared. Tiles of 8 rows or more (two panels, compute-bound) keep the full distance
+ * per stream, as before: shared, a 1,000-token prefill took 1.32x. Prefetching into every level, the
+ * distance changed nothing measurable (docs/ENGINE.md, "One sum order for every pass"). */
 static int prefetch_temporal = 0;
 #define PREFETCH(p, k) PREFETCH_AHEAD(p, k, PREFETCH_BYTES)
 #define PREFETCH_AHEAD(p, k, ahead)                                                                 \
@@ -144,7 +146,7 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
             _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) {                                   \
                 const WTYPE *this_panel = panel + p * K * PANEL;                                    \
                 if (sizeof(WTYPE) == 4 || k % 2 == 0) /* once per 64-byte line */                   \
-                    PREFETCH_AHEAD(this_panel, k, PREFETCH_BYTES / P);                              \
+                    PREFETCH_AHEAD(this_panel, k, R < 8 ? PREFETCH_BYTES / P : PREFETCH_BYTES);    \
                 __m256 w_lo, w_hi;                                                                  \
                 LOAD(this_panel, k, w_lo, w_hi);                                                    \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
@@ -220,7 +222,7 @@ static const int TILESP_PANELS[4] = {0, 4, 2, 2};
             __m512 w[P];                                                                            \
             _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) {                                   \
                 if (sizeof(WTYPE) == 4 || k % 2 == 0) /* once per 64-byte line */                   \
-                    PREFETCH_AHEAD(panel + p * K * PANEL, k, PREFETCH_BYTES / P);                   \
+                    PREFETCH_AHEAD(panel + p * K * PANEL, k, R < 8 ? PREFETCH_BYTES / P : PREFETCH_BYTES); \
                 w[p] = LOAD(panel + p * K * PANEL, k);                                              \
             }                                                                                       \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
