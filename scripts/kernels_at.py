@@ -12,7 +12,9 @@ import tempfile
 
 def kernels_at(revision: str):
     """The compiled kernels of ``gbv/engine/_host_kernels.c`` at ``revision``, built with gcc (Python's
-    CFLAGS and -O3, as setup.py builds the extension) as the module ``_host_kernels_before``."""
+    CFLAGS and -O3, as setup.py builds the extension) as the module ``_host_kernels_before``. Functions
+    the older file lacks are taken from the installed build (``rms``, which the engine calls since the
+    thirty-fifth session), so that the engine's calls still resolve when it is swapped in."""
     source = subprocess.run(["git", "show", f"{revision}:gbv/engine/_host_kernels.c"], check=True,
                             capture_output=True, text=True).stdout
     folder = tempfile.mkdtemp(prefix="gbv-kernels-")
@@ -26,4 +28,9 @@ def kernels_at(revision: str):
     spec = importlib.util.spec_from_file_location("_host_kernels_before", library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    from gbv.engine import host_kernels  # (the installed build, imported here: the caller's path is set up)
+
+    for name in dir(host_kernels._host_kernels):
+        if not name.startswith("_") and not hasattr(module, name):
+            setattr(module, name, getattr(host_kernels._host_kernels, name))
     return module

@@ -896,6 +896,25 @@ __attribute__((target("avx2,fma"))) static void weighted_finish(const float *par
                                                               _mm256_loadu_ps(partials + D + c)), factor));
 }
 
+/* out[0 : D] = the weighted sum over a query's whole list of m attended slots (compact_allowed: the
+ * first `prefix` are slots 0 .. prefix - 1, entry t >= prefix is slot rows[t - prefix]) times inverse:
+ * weighted_sum_* where the list has no gap, else its sums over the prefix continued over the rest
+ * (`partials`: room for 2 D floats). */
+#define DEFINE_WEIGHTED_LIST(S, T)                                                                  \
+    __attribute__((target("avx2,fma"))) static void weighted_list_##S(                              \
+        const float *weights, const T *v, int D, Py_ssize_t prefix, Py_ssize_t m, const int32_t *rows, \
+        float inverse, float *out, float *partials) {                                               \
+        if (m == prefix) {                                                                          \
+            weighted_sum_##S(weights, v, D, m, inverse, out, NULL);                                 \
+            return;                                                                                 \
+        }                                                                                           \
+        weighted_sum_##S(weights, v, D, prefix, 0.0f, NULL, partials);                              \
+        weighted_continue_##S(weights, v, D, prefix, m, rows, partials);                            \
+        weighted_finish(partials, D, inverse, out);                                                 \
+    }
+DEFINE_WEIGHTED_LIST(f32, float)
+DEFINE_WEIGHTED_LIST(bf16, uint16_t)
+
 /* The slots a query attends, as one list in order of slot: scores[0 : limit) compacted in place to
  * the allowed ones (allowed[j] non-zero), their count returned. *prefix: the slots before the first
  * one not allowed (the list's first *prefix entries are slots 0 .. *prefix - 1); rows[t - *prefix]:
@@ -991,7 +1010,8 @@ __attribute__((target("avx2,fma"))) static float softmax_scores(float *scores, P
                         p[c][r] = FMA(SET1(q[r * q_stride + d]), key, p[c][r]);                     \
                 }                                                                                   \
             }                                                                                       \
-            /* ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), as far as these chains reach */    \
+            /* ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), as far as these chains reach (the  \
+             * indices mod C only keep the branches for other C within p's bounds) */             \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                   \
                 if (C == 8) {                                                                       \
                     a[r] = ADD(ADD(ADD(p[0][r], p[1 % C][r]), ADD(p[2 % C][r], p[3 % C][r])),       \
@@ -1276,34 +1296,32 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
                 shared = prefix[r] < shared ? prefix[r] : shared;
             }
             float *o = out + i0 * out_stride + (Py_ssize_t)h * D;
+            if (!(D % 32 == 0 && use_avx512())) { /* each query's list alone */
+                for (int r = 0; r < rows; r++) {
+                    float *weights = tile + r * slots, *part = lists.partials + 2 * D * r, *o_r = o + r * out_stride;
+                    if (v_bf16)
+                        weighted_list_bf16(weights, (const uint16_t *)vg, D, prefix[r], m[r], lists.rows + r * slots,
+                                           inverse[r], o_r, part);
+                    else
+                        weighted_list_f32(weights, (const float *)vg, D, prefix[r], m[r], lists.rows + r * slots,
+                                          inverse[r], o_r, part);
+                }
+                continue;
+            }
+            /* the shared slots' sums for the tile at once, then each query's own slots: up to its prefix in
+             * place, then its listed ones */
             int whole = 1; /* every list ends within the shared slots */
             for (int r = 0; r < rows; r++) whole = whole && m[r] == shared;
-            if (D % 32 == 0 && use_avx512()) { /* the shared slots' sums for the tile at once */
-                if (v_bf16)
-                    weighted_tile_bf16(tile, slots, rows, (const uint16_t *)vg, D, shared, inverse, o, out_stride,
-                                       whole ? NULL : lists.partials);
-                else
-                    weighted_tile_f32(tile, slots, rows, (const float *)vg, D, shared, inverse, o, out_stride,
-                                      whole ? NULL : lists.partials);
-                if (whole) continue;
-            }
+            if (v_bf16)
+                weighted_tile_bf16(tile, slots, rows, (const uint16_t *)vg, D, shared, inverse, o, out_stride,
+                                   whole ? NULL : lists.partials);
+            else
+                weighted_tile_f32(tile, slots, rows, (const float *)vg, D, shared, inverse, o, out_stride,
+                                  whole ? NULL : lists.partials);
+            if (whole) continue;
             for (int r = 0; r < rows; r++) {
-                float *weights = tile + r * slots, *part = lists.partials + 2 * D * r, *o_r = o + r * out_stride;
+                float *weights = tile + r * slots, *part = lists.partials + 2 * D * r;
                 const int32_t *listed = lists.rows + r * slots;
-                if (!(D % 32 == 0 && use_avx512())) { /* the shared slots' sums, this query alone */
-                    if (m[r] == shared) {
-                        if (v_bf16)
-                            weighted_sum_bf16(weights, (const uint16_t *)vg, D, m[r], inverse[r], o_r, NULL);
-                        else
-                            weighted_sum_f32(weights, (const float *)vg, D, m[r], inverse[r], o_r, NULL);
-                        continue;
-                    }
-                    if (v_bf16)
-                        weighted_sum_bf16(weights, (const uint16_t *)vg, D, shared, 0.0f, NULL, part);
-                    else
-                        weighted_sum_f32(weights, (const float *)vg, D, shared, 0.0f, NULL, part);
-                }
-                /* then its own slots: up to its prefix in place, then its listed ones */
                 if (v_bf16) {
                     weighted_continue_bf16(weights, (const uint16_t *)vg, D, shared, prefix[r], NULL, part);
                     weighted_continue_bf16(weights, (const uint16_t *)vg, D, prefix[r], m[r], listed, part);
@@ -1311,7 +1329,7 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
                     weighted_continue_f32(weights, (const float *)vg, D, shared, prefix[r], NULL, part);
                     weighted_continue_f32(weights, (const float *)vg, D, prefix[r], m[r], listed, part);
                 }
-                weighted_finish(part, D, inverse[r], o_r);
+                weighted_finish(part, D, inverse[r], o + r * out_stride);
             }
         }
     }
@@ -1347,13 +1365,7 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
                 Py_ssize_t prefix = limit, m = limit; /* the attended slots' list (compact_allowed) */ \
                 if (mask) m = compact_allowed(scratch, limit, mask + i * end, lists.rows, &prefix); \
                 const float inverse = softmax_scores(scratch, m, NULL);                             \
-                if (m == prefix) {                                                                  \
-                    weighted_sum_##S(scratch, vg, D, m, inverse, o, NULL);                          \
-                } else {                                                                            \
-                    weighted_sum_##S(scratch, vg, D, prefix, 0.0f, NULL, lists.partials);           \
-                    weighted_continue_##S(scratch, vg, D, prefix, m, lists.rows, lists.partials);   \
-                    weighted_finish(lists.partials, D, inverse, o);                                 \
-                }                                                                                   \
+                weighted_list_##S(scratch, vg, D, prefix, m, lists.rows, inverse, o, lists.partials); \
             }                                                                                       \
         }                                                                                           \
     }

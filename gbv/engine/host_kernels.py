@@ -338,13 +338,7 @@ def rms_into(x: np.ndarray, out: np.ndarray, eps: float) -> np.ndarray:
     compiled layers norm (the mean in float64, each value rounded once): a row's norm is the same bits
     in a batch as in one sequence's one-call forward."""
     rows, width = x.shape
-    compiled = getattr(_host_kernels, "rms", None)
-    if compiled is None:  # (an older build swapped in by an A/B script: scripts/bench_kernels_ab.py)
-        wide = x.astype(np.float64)
-        np.multiply(wide, 1.0 / np.sqrt(eps + np.einsum("ij,ij->i", wide, wide) / width)[:, None], out=out,
-                    casting="same_kind")
-        return out
-    compiled(x, out, rows, width, float(eps))
+    _host_kernels.rms(x, out, rows, width, float(eps))
     return out
 
 
