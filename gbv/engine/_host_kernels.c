@@ -1119,6 +1119,20 @@ static void key_dot_order(int D, int kv_bf16, int *order) {
     }
 }
 
+/* Where a step's keys and values do not stay in the caches between steps (many batch rows over long
+ * contexts: layer_into's prefetch_values, which gbv.engine.lean_host sets where the step's keys and
+ * values pass host_kernels.KV_PREFETCH_MIN_BYTES), they come from memory, and each head's weighted sum
+ * waits for its values after the scores. So the first query of each head prefetches, as it scores eight
+ * keys, the values of those eight slots into every cache level (in tiles of queries, as it transposes
+ * them). On the Xeon, bundled pair, 16 rows over 700-830 slots: a batched generation (prefills
+ * included) in 0.80-0.95x the time in bfloat16 and 0.94-0.98x in float32 (scripts/bench_kv_prefetch.py).
+ * Prefetching the keys ahead too, or the values into the L2 only, gained less in a probe of the
+ * attention alone; where the keys and values stay in the caches, the prefetches cost up to 4%. The
+ * per-query path with them is a function apart: as a branch in its loop they cost it 2-4% where they
+ * do not run. No sum changes. */
+static inline void prefetch_lines(const void *at, Py_ssize_t bytes) {
+    for (Py_ssize_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)at + b, _MM_HINT_T0);
+}
 /* kt[d * slots + j] = k[j * D + d] (widened to float32) for slots j < end, 0 for end <= j < slots (D a
  * multiple of 8): eight slots by eight columns at a time, each 8 x 8 block as two 4 x 4 transposes per
  * 128-bit lane (halves of rows j and j + 4 loaded into the two lanes: no cross-lane permutes, 8
@@ -1126,10 +1140,13 @@ static void key_dot_order(int D, int kv_bf16, int *order) {
 #define TWO_LANES(low, high) _mm256_insertf128_ps(_mm256_castps128_ps256(low), (high), 1)
 #define DEFINE_TRANSPOSE_KEYS(S, T, LOAD4, LOAD1)                                                   \
     __attribute__((target("avx2,fma"))) static void transpose_keys_##S(const T *k, Py_ssize_t end, int D, \
-                                                                       float *kt, Py_ssize_t slots) { \
+                                                                       float *kt, Py_ssize_t slots, \
+                                                                       const T *prefetch_v) {       \
         Py_ssize_t j = 0;                                                                           \
         for (; j + 8 <= end; j += 8) {                                                              \
             const T *r = k + j * D;                                                                 \
+            if (prefetch_v) /* (the values of these slots: see prefetch_lines) */                   \
+                prefetch_lines(prefetch_v + j * D, 8 * D * (Py_ssize_t)sizeof(T));                  \
             for (int d = 0; d < D; d += 8) {                                                        \
                 for (int half = 0; half < 8; half += 4) { /* columns d + half .. d + half + 3 */    \
                     const T *c = r + d + half;                                                      \
@@ -1345,8 +1362,8 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
  * 11-15% slower, 1-5 queries over 150 slots, against the C file before the bf16 cache.) */
 #define QUERY_AS_IS(qh, D, qp) (qh)
 #define QUERY_PERMUTED(qh, D, qp) (permute_query((qh), (D), (qp)), (const float *)(qp))
-#define DEFINE_PER_QUERY(S, T, QUERY)                                                               \
-    __attribute__((target("avx2,fma"), noinline)) static void per_query_##S(                        \
+#define DEFINE_PER_QUERY(NAME, S, T, QUERY, PREFETCH)                                                \
+    __attribute__((target("avx2,fma"), noinline)) static void NAME(                                 \
         const float *q, Py_ssize_t q_stride, const T *kg, const T *vg, float *out, Py_ssize_t out_stride, \
         const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, \
         Py_ssize_t end, float scale, float *scratch, attend_lists lists) {                          \
@@ -1358,6 +1375,11 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
                 const Py_ssize_t limit = mask ? end : start + i + 1; /* slots j < limit may be attended */ \
                 const float *qh = QUERY(q + i * q_stride + (Py_ssize_t)h * D, D, qp);               \
                 Py_ssize_t j = 0;                                                                   \
+                if (PREFETCH && i == 0) /* (see prefetch_lines) */                                  \
+                    for (; j + 8 <= limit; j += 8) {                                                \
+                        prefetch_lines(vg + j * D, 8 * D * (Py_ssize_t)sizeof(T));                  \
+                        _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_##S(qh, kg + j * D, D), scale8)); \
+                    }                                                                               \
                 for (; j + 8 <= limit; j += 8)                                                      \
                     _mm256_storeu_ps(scratch + j, _mm256_mul_ps(dot8x8_##S(qh, kg + j * D, D), scale8)); \
                 for (; j < limit; j++) scratch[j] = dot8_##S(qh, kg + j * D, D) * scale;            \
@@ -1369,8 +1391,11 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
             }                                                                                       \
         }                                                                                           \
     }
-DEFINE_PER_QUERY(f32, float, QUERY_AS_IS)
-DEFINE_PER_QUERY(bf16, uint16_t, QUERY_PERMUTED)
+DEFINE_PER_QUERY(per_query_f32, f32, float, QUERY_AS_IS, 0)
+DEFINE_PER_QUERY(per_query_bf16, bf16, uint16_t, QUERY_PERMUTED, 0)
+/* (with the values' prefetches: see prefetch_lines) */
+DEFINE_PER_QUERY(per_query_prefetching_f32, f32, float, QUERY_AS_IS, 1)
+DEFINE_PER_QUERY(per_query_prefetching_bf16, bf16, uint16_t, QUERY_PERMUTED, 1)
 
 /* Attention of n queries of one sequence over its cached keys and values (head_dim D a multiple of 8).
  *
@@ -1404,7 +1429,7 @@ DEFINE_PER_QUERY(bf16, uint16_t, QUERY_PERMUTED)
 __attribute__((target("avx2,fma"))) static void attend(
     const float *q, Py_ssize_t q_stride, const void *keys, const void *values, int kv_bf16, Py_ssize_t capacity,
     float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
-    Py_ssize_t end, float scale, float *scratch) {
+    Py_ssize_t end, float scale, float *scratch, int prefetch_values) {
     const int group = heads / kv_heads;
     const Py_ssize_t out_stride = (Py_ssize_t)heads * D, head_values = capacity * D;
     const Py_ssize_t slots = (end + 15) / 16 * 16;
@@ -1418,17 +1443,17 @@ __attribute__((target("avx2,fma"))) static void attend(
         const uint16_t *kb = (const uint16_t *)keys + g * head_values, *vb = (const uint16_t *)values + g * head_values;
         if (n < TILE_MIN_QUERIES) {
             if (kv_bf16)
-                per_query_bf16(q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale,
-                               scratch, lists);
+                (prefetch_values ? per_query_prefetching_bf16 : per_query_bf16)(
+                    q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists);
             else
-                per_query_f32(q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale,
-                              scratch, lists);
+                (prefetch_values ? per_query_prefetching_f32 : per_query_f32)(
+                    q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists);
             continue;
         }
         if (kv_bf16)
-            transpose_keys_bf16(kb, end, D, scratch, slots);
+            transpose_keys_bf16(kb, end, D, scratch, slots, prefetch_values ? vb : NULL);
         else
-            transpose_keys_f32(kf, end, D, scratch, slots);
+            transpose_keys_f32(kf, end, D, scratch, slots, prefetch_values ? vf : NULL);
         attend_tiles(q, q_stride, scratch, slots, kv_bf16 ? (const void *)vb : (const void *)vf, kv_bf16, out,
                      out_stride, mask, n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots,
                      order, lists);
@@ -1507,7 +1532,7 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     const float *b_qkv, const void *w_o, const void *w_gate_up, const void *w_down, int bf16, Py_ssize_t n, int H,
     int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, void *keys,
     void *values, int kv_bf16, Py_ssize_t capacity, const unsigned char *mask, Py_ssize_t start, float scale,
-    float *scores, Py_ssize_t batch) {
+    float *scores, Py_ssize_t batch, int prefetch_values) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t rows = batch * n, sequence = (Py_ssize_t)kv_heads * capacity * D; /* (values a cache row) */
     rms_rows(hidden, normed, rows, H, eps_in);
@@ -1544,7 +1569,7 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     for (Py_ssize_t b = 0; b < batch; b++) /* each sequence over its own cache row, under its own mask */
         attend(qkv + b * n * width, width, (const char *)keys + b * sequence * kv_size,
                (const char *)values + b * sequence * kv_size, kv_bf16, capacity, attn + b * n * heads * D,
-               mask ? mask + b * n * end : NULL, n, heads, kv_heads, D, start, end, scale, scores);
+               mask ? mask + b * n * end : NULL, n, heads, kv_heads, D, start, end, scale, scores, prefetch_values);
     if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
     rms_rows(hidden, normed, rows, H, eps_post);
     if (panel_product(normed, w_gate_up, bf16, gate_up, rows, H, 2 * (Py_ssize_t)I, 0)) return -1;
@@ -1718,7 +1743,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         attend((const float *)q.buf, q_stride, keys.buf, values.buf, kv_bf16, capacity,
                (float *)out.buf, have_mask ? (const unsigned char *)mask.buf : NULL, n, heads, kv_heads, D,
-               start, end, (float)scale, scores);
+               start, end, (float)scale, scores, 0);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -1837,12 +1862,12 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 static PyObject *layer(PyObject *self, PyObject *args) {
     PyObject *objects[15];
     Py_ssize_t n, start, batch = 1;
-    int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, out_of_memory = 0;
+    int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0;
     double eps_in, eps_post, scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pn", &objects[0], &objects[1], &objects[2], &objects[3],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnp", &objects[0], &objects[1], &objects[2], &objects[3],
                           &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9], &objects[10],
                           &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads, &kv_heads, &D, &I,
-                          &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch))
+                          &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch, &prefetch_values))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host layer needs an x86-64 CPU with AVX2 and FMA");
@@ -1908,7 +1933,8 @@ static PyObject *layer(PyObject *self, PyObject *args) {
             (float *)views[4].buf, (float *)views[5].buf, views[6].buf, given[7] ? (const float *)views[7].buf : NULL,
             views[8].buf, views[9].buf, views[10].buf, bf16, n, H, heads, kv_heads, D, I, eps_in, eps_post,
             (const float *)views[11].buf, views[12].buf, views[13].buf, kv_bf16, capacity,
-            given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores, batch);
+            given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores, batch,
+            prefetch_values);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -2246,7 +2272,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                 v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[3 * l], constants[3 * l + 1],
                 rotation, (char *)v[5].buf + first_row * sequence * kv, (char *)v[6].buf + first_row * sequence * kv,
                 kv_bf16, capacity, fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start,
-                (float)constants[3 * l + 2], scores, 1);
+                (float)constants[3 * l + 2], scores, 1, 0);
         }
         const float *last = hidden + (n - rows_out) * H;
         rms_rows(last, normed, rows_out, H, final_eps);
@@ -2404,9 +2430,10 @@ static PyMethodDef METHODS[] = {
      "head_dim) cache; mask: n * end bytes (non-zero = attend) or None for the causal chain after start."},
     {"layer", layer, METH_VARARGS,
      "layer(hidden, normed, qkv, attn, gate_up, act, w_qkv, b_qkv, w_o, w_gate_up, w_down, rotation, keys, "
-     "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale, bf16): one "
-     "decoder layer of the host forward for n rows of one sequence, in place on hidden (bf16: the weights' "
-     "kind, as matmul's)."},
+     "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale, bf16[, kv_bf16, "
+     "batch, prefetch_values]): one decoder layer of the host forward for n rows of one sequence (or of batch "
+     "sequences), in place on hidden (bf16: the weights' kind, as matmul's; prefetch_values: see "
+     "prefetch_lines)."},
     {"rms", rms, METH_VARARGS,
      "rms(x, out, rows, H, eps): out = x / sqrt(eps + mean(x^2)) per row of H float32 values (the layers' norm)."},
     {"draw_rows", draw_rows, METH_VARARGS,

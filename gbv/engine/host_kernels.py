@@ -224,6 +224,16 @@ class PanelWeight:
         return out
 
 
+# A batch step whose keys and values (every layer's, every row's, up to its last slot) come to more
+# than this many bytes prefetches each head's values while it scores its keys (layer_into's
+# ``prefetch_values``; _host_kernels.c, prefetch_lines). Why this size: on the Xeon, bundled pair, whole
+# batched generations (prefills included) with every step prefetching took 0.80-1.00x the time of none
+# where a step read 38-207 MiB, and 0.93-1.04x, mostly above 1, where it read 5-36 MiB, which the caches
+# partly hold between steps (`python scripts/bench_kv_prefetch.py`; docs/ENGINE.md, "Values prefetched
+# in long batch steps").
+KV_PREFETCH_MIN_BYTES = 32 << 20
+
+
 def kv_bf16(keys: np.ndarray) -> bool:
     """Whether cache arrays hold bfloat16 (their ``uint16`` bits, the view ``KVCache.arrays`` gives of
     bfloat16 tensors) rather than float32."""
@@ -274,13 +284,15 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
 def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWeight, w_gate_up: PanelWeight,
                w_down: PanelWeight, rotation: np.ndarray, keys: np.ndarray, values: np.ndarray,
                mask: np.ndarray | None, start: int, eps_in: float, eps_post: float, scale: float,
-               batch: int = 1) -> None:
+               batch: int = 1, prefetch_values: bool = False) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
     ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
     with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
     ``keys``/``values`` (batch, kv_heads, capacity, D), one cache row each, ``mask`` (batch, n,
     start+n) or None): the products over all their rows at once, each sequence's attention over its
-    own cache row.
+    own cache row. ``prefetch_values`` (batch > 1): each head's first query prefetches the values of the
+    slots it scores, for steps whose keys and values do not stay in the caches (see
+    :data:`KV_PREFETCH_MIN_BYTES`).
 
     The layer as :class:`gbv.engine.lean_host.HostForward` computes it (norm weights folded, q/k/v and
     gate/up fused, rotary pairs interleaved): rms norm, q/k/v product (+ bias), the rotation
@@ -299,7 +311,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
-                        eps_post, scale, kind, *(_kv_flag(keys) if batch == 1 else (kv_bf16(keys), batch)))
+                        eps_post, scale, kind,
+                        *(_kv_flag(keys) if batch == 1 else (kv_bf16(keys), batch, *((True,) if prefetch_values else ()))))
 
 
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:

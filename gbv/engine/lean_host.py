@@ -45,6 +45,7 @@ from torch import Tensor
 
 from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
+from gbv.engine import host_kernels
 from gbv.engine.host_kernels import (PANELS_AMX, PanelWeight, attention_into, forward_into, host_kernels_unavailable,
                                      kv_bf16, layer_into, prefetch_temporal, rms_into, set_prefetch_temporal)
 
@@ -552,10 +553,15 @@ class HostForward:
             # their rows and each one's attention over its own cache row. Why: the numpy and Python
             # between the kernels below were about a quarter of a 16-row bfloat16 step of the bundled
             # target (128 attention calls a step, the norms, the SiLU, the stores).
+            # (the step's keys and values, every layer's up to its last slot: past KV_PREFETCH_MIN_BYTES they
+            # come from memory, and the values are prefetched as the keys are scored)
+            first_keys = all_keys[0]
+            kv_bytes = 2 * len(self.layers) * batch * first_keys.shape[1] * end * first_keys.shape[3] * first_keys.itemsize
+            prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
                            all_keys[index][sequences], all_values[index][sequences], kernel_masks, start, eps_in,
-                           eps_post, scaling, batch)
+                           eps_post, scaling, batch, prefetch_values)
             layers = ()
         else:
             layers = self.layers

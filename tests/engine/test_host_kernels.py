@@ -657,7 +657,7 @@ def test_a_batch_layer_call_equals_the_calls_per_product(bf16, monkeypatch):
 
     calls = []
     real = lean_host.layer_into
-    monkeypatch.setattr(lean_host, "layer_into", lambda *args, **kw: calls.append(args[-1]) or real(*args, **kw))
+    monkeypatch.setattr(lean_host, "layer_into", lambda *args, **kw: calls.append(args[14]) or real(*args, **kw))
 
     def run(batch_layers: bool, rows_mask: torch.Tensor):
         monkeypatch.setattr(lean_host, "BATCH_LAYERS", batch_layers)
@@ -700,3 +700,50 @@ def test_greedy_speculation_commits_greedy_ar_tokens_in_bfloat16(method, num_pat
         speculative = generate(pair, prompt_ids=prompt_ids, method=method, num_paths=num_paths, block_len=block_len,
                                **settings).token_ids
         assert speculative == ar
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_batch_step_prefetching_its_values_computes_the_same_bits(bf16, monkeypatch):
+    """A batch step whose keys and values pass ``host_kernels.KV_PREFETCH_MIN_BYTES`` prefetches each
+    head's values as it scores its keys (layer_into's ``prefetch_values``), one under it does not, and
+    the logits and caches are the same bits either way: prefetches move no sum. Checked with the
+    threshold at 0 (every batch step prefetches) and at its default (this small model's steps do not)."""
+    import gbv.engine.lean_host as lean_host
+
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    if bf16:
+        target = target.to(torch.bfloat16)
+    batch, start = 5, 40
+    gen = torch.Generator().manual_seed(4)
+    prefixes = torch.randint(0, 48, (batch, start), generator=gen).numpy()
+    flags = []
+    real = lean_host.layer_into
+    monkeypatch.setattr(lean_host, "layer_into", lambda *args, **kw: flags.append(args[15]) or real(*args, **kw))
+
+    def run(threshold: int):
+        monkeypatch.setattr(host_kernels, "KV_PREFETCH_MIN_BYTES", threshold)
+        forward = LeanCausalLM(target).host_forward
+        cache = forward.lean.new_cache(batch, 128)
+        with torch.inference_mode():
+            for row in range(batch):
+                forward(prefixes[row:row + 1], np.arange(start)[None], 0, cache, None, causal=True, first_row=row)
+            steps, at = [], start
+            for step, n in enumerate((1, 1, 3, 7)):  # the per-query path (1-5 queries), then a tile of 7
+                tokens = torch.randint(0, 48, (batch, n), generator=torch.Generator().manual_seed(step)).numpy()
+                positions = np.tile(np.arange(at, at + n), (batch, 1))
+                steps.append(forward(tokens, positions, at, cache, None, causal=True))
+                at += n
+        return steps, cache
+
+    default = host_kernels.KV_PREFETCH_MIN_BYTES
+    flags.clear()
+    (eager, eager_cache) = run(0)
+    assert flags and all(flags)
+    flags.clear()
+    (plain, plain_cache) = run(default)
+    assert flags and not any(flags)
+    for a, b in zip(eager, plain):
+        assert torch.equal(a, b)
+    for store in ("keys", "values"):
+        for x, y in zip(getattr(eager_cache, store), getattr(plain_cache, store)):
+            assert torch.equal(x, y)
