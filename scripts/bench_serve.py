@@ -85,7 +85,8 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
-def one_request(url: str, body: dict, timeout_s: float, clients: queue.Queue | None = None) -> tuple[float, int, dict]:
+def one_request(url: str, body: dict, timeout_s: float,
+                clients: queue.Queue | None = None) -> tuple[float, int, dict]:
     """One completion request through a client of ``clients`` (made before the level's clock starts, one
     per concurrent request, each keeping its connection, as the openai client does), or a new one.
     Why: ``httpx.post`` makes a client a request, about 20 ms of CPU here (its SSL context), which the
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", "--concurrency",
                    ",".join(map(str, args.concurrency)), "--requests", str(args.requests), "--max-tokens",
                    str(args.max_tokens), "--temperature", str(args.temperature), "--method", args.method,
-                   "--num-paths", str(args.num_paths), "--block-len", str(args.block_len), "--threads", str(args.threads)]
+                   "--num-paths", str(args.num_paths), "--block-len", str(args.block_len),
+                   "--threads", str(args.threads)]
         done = subprocess.run(command, env=gbv_env, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"the offline run failed: {done.stderr.strip()[-1500:]}")

@@ -311,8 +311,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
-                        eps_post, scale, kind,
-                        *(_kv_flag(keys) if batch == 1 else (kv_bf16(keys), batch, *((True,) if prefetch_values else ()))))
+                        eps_post, scale, kind, *(_kv_flag(keys) if batch == 1 else
+                                                 (kv_bf16(keys), batch, *((True,) if prefetch_values else ()))))
 
 
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gbv.engine import host_kernels
 from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
-from gbv.engine import host_kernels
 from gbv.engine.host_kernels import (PANELS_AMX, PanelWeight, attention_into, forward_into, host_kernels_unavailable,
                                      kv_bf16, layer_into, prefetch_temporal, rms_into, set_prefetch_temporal)
 
@@ -555,8 +555,8 @@ class HostForward:
             # target (128 attention calls a step, the norms, the SiLU, the stores).
             # (the step's keys and values, every layer's up to its last slot: past KV_PREFETCH_MIN_BYTES they
             # come from memory, and the values are prefetched as the keys are scored)
-            first_keys = all_keys[0]
-            kv_bytes = 2 * len(self.layers) * batch * first_keys.shape[1] * end * first_keys.shape[3] * first_keys.itemsize
+            _, kv_heads, _, head_dim = all_keys[0].shape
+            kv_bytes = 2 * len(self.layers) * batch * kv_heads * end * head_dim * all_keys[0].itemsize
             prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
