@@ -56,9 +56,12 @@ def main() -> None:
     prompts = long_prompts(pair, args.batch, args.prompt_tokens)
     config = pair.target.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    item = 2 if args.dtype == "bfloat16" else 4
+    item = 2 if args.dtype == "bfloat16" else 4  # (the cache holds the model's dtype)
+
     def step_bytes(slots: int) -> int:  # as lean_host reckons a batch step's keys and values
-        return 2 * config.num_hidden_layers * args.batch * config.num_key_value_heads * slots * head_dim * item
+        return host_kernels.kv_step_bytes(config.num_hidden_layers, args.batch, config.num_key_value_heads, slots,
+                                          head_dim, item)
+
     default = host_kernels.KV_PREFETCH_MIN_BYTES
     first, last = step_bytes(args.prompt_tokens + 1), step_bytes(args.prompt_tokens + args.max_new_tokens)
     print(f"bundled pair, {args.dtype}, {args.batch} rows, prompts of {args.prompt_tokens} tokens, "

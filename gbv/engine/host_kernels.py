@@ -234,6 +234,12 @@ class PanelWeight:
 KV_PREFETCH_MIN_BYTES = 32 << 20
 
 
+def kv_step_bytes(layers: int, batch: int, kv_heads: int, slots: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of keys and values a step of ``batch`` sequences reads over ``slots`` slots of every layer's
+    cache (what :data:`KV_PREFETCH_MIN_BYTES` is compared with)."""
+    return 2 * layers * batch * kv_heads * slots * head_dim * itemsize
+
+
 def kv_bf16(keys: np.ndarray) -> bool:
     """Whether cache arrays hold bfloat16 (their ``uint16`` bits, the view ``KVCache.arrays`` gives of
     bfloat16 tensors) rather than float32."""

@@ -556,7 +556,8 @@ class HostForward:
             # (the step's keys and values, every layer's up to its last slot: past KV_PREFETCH_MIN_BYTES they
             # come from memory, and the values are prefetched as the keys are scored)
             _, kv_heads, _, head_dim = all_keys[0].shape
-            kv_bytes = 2 * len(self.layers) * batch * kv_heads * end * head_dim * all_keys[0].itemsize
+            kv_bytes = host_kernels.kv_step_bytes(len(self.layers), batch, kv_heads, end, head_dim,
+                                                  all_keys[0].itemsize)
             prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
