@@ -21,8 +21,17 @@ from gbv.errors import GbvError
 
 
 def new_cache(model) -> Cache:
-    """An empty dynamic cache laid out for ``model``; refuse caches that cannot be rolled back."""
-    cache = DynamicCache(config=model.config)
+    """An empty dynamic cache laid out for ``model``; refuse caches that cannot be rolled back.
+
+    A model with sliding-window attention gets full layers all the same: a sliding layer drops the
+    positions before its window, so it cannot be cropped once past it (transformers raises), and
+    speculation crops every iteration. The attention mask still applies the window (the model builds
+    it from its config and each position), so the outputs are the same; the cache keeps every position."""
+    text_config = model.config.get_text_config()
+    if getattr(text_config, "sliding_window", None):
+        cache = DynamicCache()  # (its layers made as plain DynamicLayer on first use)
+    else:
+        cache = DynamicCache(config=model.config)
     if not cache.is_croppable:
         raise GbvError(f"model {type(model).__name__} uses a KV cache that cannot be cropped; "
                        "speculative decoding needs to roll back rejected tokens")

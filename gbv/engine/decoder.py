@@ -253,6 +253,8 @@ def make_decoder(target, draft, method: str, num_paths: int, block_len: int, voc
 
         arms = auto.default_arms(draft_sampling.greedy, draft is not None)
         key = (target_sampling, draft_sampling, vocab)
+        if engine_for(target, draft) == "hf":  # (its own costs: GBV_ENGINE=hf may switch a pair's engine in a
+            key += ("hf",)                     # process; the tree engine's key is the batch's, BatchRows.add)
         policy = auto.policy_for(target, draft, key, arms)
         speculative = [arm for arm in arms if arm.method != AR]
         if not speculative:

@@ -1,4 +1,5 @@
-"""A lean forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) over a preallocated KV cache.
+"""A lean forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, and the Llama-shaped Gemma, Granite
+and Phi-3) over a preallocated KV cache.
 
 Why: an eager transformers decode step of a small model is mostly framework work (about 1,750 aten
 ops for the bundled 8-layer target, of which matrix multiplies are 65% of the time; a 1-layer draft
@@ -43,7 +44,40 @@ logger = logging.getLogger("gbv")
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
 FUSE_MAX_PARAMETERS = 1_000_000_000
 
-LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "GemmaForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM")
+# What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
+# architectures on the lean path"):
+# - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
+#   is multiplied by sqrt(hidden) in the weights' dtype (``embed_tokens.embed_scale``), GELU (tanh);
+# - Granite: the embedding times ``embedding_multiplier``, each block's output times ``residual_multiplier``
+#   before the residual add, attention scaled by ``attention_multiplier`` (the module's ``scaling``), the
+#   logits divided by ``logits_scaling``;
+# - Phi-3: q/k/v and gate/up each one matrix (``qkv_proj``, ``gate_up_proj``), and a rotation of the
+#   first ``partial_rotary_factor`` of each head only (Phi-4-mini: 0.75).
+
+
+def _binding_window(config) -> int | None:
+    """The configured sliding window where it can bind: a window at least the context never does, since
+    generation keeps every position below the context (gbv.engine.generate, "Context length")."""
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if not window or not getattr(config, "use_sliding_window", True) or (context and window >= context):
+        return None
+    return int(window)
+
+
+def sliding_window(config) -> int | None:
+    """The window every layer of this model attends within, where it can bind; else None.
+
+    A query at position ``i`` sees the keys at positions ``> i - window`` (Hugging Face's
+    ``sliding_window_overlay``). Qwen2 names each layer's kind (``layer_types``: full unless
+    ``use_sliding_window``); Mistral and Phi-3 name none, and then every layer slides. Where only some
+    layers slide, None too (:func:`lean_unsupported_reason` declines those)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(kind != "sliding_attention" for kind in layer_types):
+        return None
+    return _binding_window(config)
 
 
 def lean_unsupported_reason(model) -> str | None:
@@ -52,10 +86,9 @@ def lean_unsupported_reason(model) -> str | None:
     if name not in LEAN_ARCHITECTURES:
         return f"architecture {name} (lean path: {', '.join(LEAN_ARCHITECTURES)})"
     config = model.config
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        layer_types = getattr(config, "layer_types", None) or []
-        if name == "MistralForCausalLM" or "sliding_attention" in layer_types:
-            return "sliding-window attention"
+    if _binding_window(config) is not None and sliding_window(config) is None \
+            and "sliding_attention" in getattr(config, "layer_types", ()):
+        return "sliding windows on some layers only"
     if getattr(config, "mlp_bias", False):
         return "MLP biases"
     if getattr(config, "pretraining_tp", 1) not in (1, None):
@@ -170,12 +203,18 @@ def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     for the same rows, equal to it within a few float32 ulps (``eps`` is a 0-dim tensor on ``x``'s
     device, cached per value). On CUDA, where a replayed step (CUDA graphs) costs about its number of
     kernels, ``torch.rms_norm`` is one kernel (it computes in float32 for half-precision inputs too)."""
+    # A float32 weight of a half-precision x scales before the cast (Gemma's order: _norm_scale_and_eps).
+    scale_first = weight is not None and weight.dtype != x.dtype
     if FUSED_NORM_ON_CUDA and x.is_cuda:
+        if scale_first:
+            return (torch.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(x.dtype)
         xf = torch.rms_norm(x, (x.shape[-1],), None, eps)
         return xf if weight is None else weight * xf
     xf = x if x.dtype == torch.float32 else x.float()
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
     xf = xf * torch.rsqrt(torch.addcmul(_eps_tensor(eps, x.device), norm, norm, value=1.0 / x.shape[-1]))
+    if scale_first:
+        return (xf * weight).to(x.dtype)
     if xf.dtype != x.dtype:
         xf = xf.to(x.dtype)
     return xf if weight is None else weight * xf
@@ -189,6 +228,18 @@ def _eps_tensor(eps: float, device: torch.device) -> Tensor:
     if key not in _EPS_TENSORS:
         _EPS_TENSORS[key] = torch.tensor(eps, dtype=torch.float32, device=device)
     return _EPS_TENSORS[key]
+
+
+def _norm_scale_and_eps(norm) -> tuple[Tensor, float]:
+    """An RMSNorm module's scale and epsilon. Gemma's norms multiply the normalised float32 values by
+    ``1 + weight`` before casting back (GemmaRMSNorm): their scale is that float32 ``1 + weight``, which
+    :func:`_rms_norm` applies before its cast because its dtype is not the input's (in a float32 model the
+    two orders are the same computation)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    eps = norm.eps if eps is None else eps
+    if type(norm).__name__ == "GemmaRMSNorm":
+        return 1.0 + norm.weight.detach().float(), eps
+    return norm.weight, eps
 
 
 def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor) -> bool:
@@ -209,14 +260,22 @@ def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor) -> 
     return True
 
 
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def _functional(act):
-    """The activation module of an MLP as a plain function where it is one (SiLU: what every model of
-    the lean architectures uses), else the module itself. Why: a module call costs several
+    """The activation module of an MLP as a plain function where it is one (SiLU: what the Llama family
+    uses; GELU's tanh form: Gemma's), else the module itself. Why: a module call costs several
     microseconds of Python per layer and forward, about 5% of a decode step of a small model."""
     from transformers import activations
 
     if type(act) in (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU)):
         return F.silu
+    gelu_tanh = getattr(activations, "GELUTanh", None)
+    if gelu_tanh is not None and type(act) is gelu_tanh and getattr(act, "act", None) is not None \
+            and getattr(act.act, "keywords", None) == {"approximate": "tanh"}:  # (not its Python form)
+        return _gelu_tanh
     return act
 
 
@@ -245,6 +304,17 @@ def _few_query_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Hugging Face's rotation of q or k (..., head_dim) by tables of the rotary width (..., rotary_dim):
+    a partial rotation (Phi-3's ``partial_rotary_factor``) turns the first ``rotary_dim`` dimensions and
+    passes the rest through."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned = x[..., :width]
+    return torch.cat([turned * cos + _rotate_half(turned) * sin, x[..., width:]], dim=-1)
 
 
 def transposed_weights_pay(dtype: torch.dtype, device: torch.device) -> bool:
@@ -360,10 +430,14 @@ class _Projections:
     Hugging Face tensor is used as it is (transposed copies only with ``transpose``)."""
 
     def __init__(self, linears, fuse: bool, transpose: bool = False, reorder_rows=None,
-                 upcast: bool = False) -> None:
-        self.sizes = [lin.weight.shape[0] for lin in linears]
-        if fuse:
-            weight = torch.cat([lin.weight for lin in linears])
+                 upcast: bool = False, sizes: Sequence[int] | None = None) -> None:
+        # ``sizes``: one given ``nn.Linear`` that already holds the parts (Phi-3's qkv_proj, gate_up_proj),
+        # split after the product as the separate ones are.
+        self.sizes = list(sizes) if sizes is not None else [lin.weight.shape[0] for lin in linears]
+        if sizes is not None and not fuse:  # (in place: one product, as the model runs it)
+            self.parts = [_Linear(linears[0].weight, linears[0].bias, transpose, upcast)]
+        elif fuse:
+            weight = torch.cat([lin.weight for lin in linears])  # (a copy, also of a single matrix)
             bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
             if reorder_rows is not None:
                 weight, bias = reorder_rows(weight, bias)
@@ -377,12 +451,15 @@ class _Projections:
         return [part(x) for part in self.parts]
 
 
-def _interleave_rotary_rows(weight: Tensor, head_dim: int) -> Tensor:
+def _interleave_rotary_rows(weight: Tensor, head_dim: int, rotary_dim: int | None = None) -> Tensor:
     """Reorder the output rows of a q or k projection, head by head, from Hugging Face's rotary layout
-    (dimension ``i`` pairs with ``i + head_dim/2``) to interleaved pairs ``(2i, 2i+1)``, so that the
-    rotation is one complex multiply. q and k get the same order, so ``q . k`` is unchanged."""
-    half = head_dim // 2
-    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    (dimension ``i`` pairs with ``i + rotary_dim/2``) to interleaved pairs ``(2i, 2i+1)``, so that the
+    rotation is one complex multiply. q and k get the same order, so ``q . k`` is unchanged. With a
+    partial rotation (``rotary_dim`` < ``head_dim``) the dimensions past it keep their order, after the
+    turned pairs (the rotation multiplies them by 1: :meth:`LeanCausalLM.ensure_rotary`)."""
+    half = (rotary_dim or head_dim) // 2
+    order = torch.cat([torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1),
+                       torch.arange(2 * half, head_dim)])
     rows = weight.reshape(-1, head_dim, *weight.shape[1:])
     return rows[:, order.to(weight.device)].reshape(weight.shape)
 
@@ -392,32 +469,43 @@ class _Layer:
     and (``interleave``) q/k rows in interleaved rotary order for the complex-multiply rotation."""
 
     def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0,
-                 transpose: bool = False, upcast: bool = False) -> None:
+                 transpose: bool = False, upcast: bool = False, heads: tuple[int, int] = (0, 0),
+                 rotary_dim: int | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = layer.input_layernorm.weight
-        self.input_eps = layer.input_layernorm.variance_epsilon
-        self.post_norm = layer.post_attention_layernorm.weight
-        self.post_eps = layer.post_attention_layernorm.variance_epsilon
-        qk = attn.q_proj.weight.shape[0] + attn.k_proj.weight.shape[0]
+        self.input_norm, self.input_eps = _norm_scale_and_eps(layer.input_layernorm)
+        self.post_norm, self.post_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
+        if hasattr(attn, "qkv_proj"):  # Phi-3: one matrix, q then k then v rows
+            q_size, kv_size = heads[0] * head_dim, heads[1] * head_dim
+            qkv_linears, qkv_sizes = [attn.qkv_proj], (q_size, kv_size, kv_size)
+        else:
+            qkv_linears, qkv_sizes = [attn.q_proj, attn.k_proj, attn.v_proj], None
+        qk = sum(qkv_sizes[:2]) if qkv_sizes else attn.q_proj.weight.shape[0] + attn.k_proj.weight.shape[0]
 
         def interleave_qk(weight: Tensor, bias: Tensor | None):
             # the fused copy is ours to reorder: q and k rows (and biases), not v
-            weight = torch.cat([_interleave_rotary_rows(weight[:qk], head_dim), weight[qk:]])
+            weight = torch.cat([_interleave_rotary_rows(weight[:qk], head_dim, rotary_dim), weight[qk:]])
             if bias is not None:
-                bias = torch.cat([_interleave_rotary_rows(bias[:qk], head_dim), bias[qk:]])
+                bias = torch.cat([_interleave_rotary_rows(bias[:qk], head_dim, rotary_dim), bias[qk:]])
             return weight, bias
 
-        self.qkv = _Projections([attn.q_proj, attn.k_proj, attn.v_proj], fuse, transpose,
-                                interleave_qk if interleave else None, upcast)
+        self.qkv = _Projections(qkv_linears, fuse, transpose, interleave_qk if interleave else None, upcast,
+                                qkv_sizes)
         self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, transpose, upcast)
         self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over the head dimension
         self.k_norm = getattr(attn, "k_norm", None)
         self.interleaved = interleave
         if interleave and self.q_norm is not None:  # RMS is order-free; its weight follows the rows
-            self.q_norm_weight = _interleave_rotary_rows(self.q_norm.weight, head_dim)
-            self.k_norm_weight = _interleave_rotary_rows(self.k_norm.weight, head_dim)
+            self.q_norm_weight = _interleave_rotary_rows(self.q_norm.weight, head_dim, rotary_dim)
+            self.k_norm_weight = _interleave_rotary_rows(self.k_norm.weight, head_dim, rotary_dim)
         self.scaling = attn.scaling
-        self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse, transpose, upcast=upcast)
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: one matrix, gate then up rows
+            half = mlp.gate_up_proj.weight.shape[0] // 2
+            self.gate_up = _Projections([mlp.gate_up_proj], fuse, transpose, upcast=upcast, sizes=(half, half))
+        else:
+            self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse, transpose, upcast=upcast)
+        # Granite: each block's output times this before the residual add (None: 1)
+        multiplier = getattr(layer, "residual_multiplier", None)
+        self.residual_multiplier = None if multiplier in (None, 1, 1.0) else float(multiplier)
         # The norms' weights go into the matrices after them where those are our copies (float32);
         # the forward then passes weight None.
         if _fold_norm_weight(self.qkv, self.input_norm):
@@ -425,7 +513,7 @@ class _Layer:
         if _fold_norm_weight(self.gate_up, self.post_norm):
             self.post_norm = None
         self.down = _Linear(mlp.down_proj.weight, None, transpose, upcast)
-        self.act = _functional(mlp.act_fn)
+        self.act = _functional(mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of the layer, in the order the forward runs them."""
@@ -463,17 +551,35 @@ class LeanCausalLM:
         dtype, device = inner.embed_tokens.weight.dtype, inner.embed_tokens.weight.device
         # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.
         self.interleaved = fuse and dtype in (torch.float32, torch.float64)
+        # How many dimensions of each head the rotation turns (all but Phi-3's partial rotations): the
+        # width of the model's own tables.
+        probe_cos, _ = inner.rotary_emb(torch.empty((), dtype=dtype, device=device),
+                                        torch.zeros(1, 1, dtype=torch.long, device=device))
+        self.rotary_dim = probe_cos.shape[-1]
+        num_heads = config.num_attention_heads
+        heads = (num_heads, getattr(config, "num_key_value_heads", None) or num_heads)
         # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
         # most of them): only where they pay, and under the same size limit.
         self.transposed = fuse and transposed_weights_pay(dtype, device)
         # bfloat16 products of several rows in float32 where this CPU has no fast kernel for them.
         self.upcast = bf16_products_upcast(dtype, device)
-        self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast)
-                       for layer in inner.layers]
-        self.norm_eps = inner.norm.variance_epsilon
+        self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
+                              self.rotary_dim) for layer in inner.layers]
+        final_norm, self.norm_eps = _norm_scale_and_eps(inner.norm)
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
                                self.upcast)
-        self.norm = None if _fold_norm_weight(self.lm_head, inner.norm.weight) else inner.norm.weight
+        self.norm = None if _fold_norm_weight(self.lm_head, final_norm) else final_norm
+        # The embedding's scale: Gemma's sqrt(hidden) as a tensor in the weights' dtype (as its embedding
+        # module multiplies), Granite's ``embedding_multiplier`` as a number; None where it is 1.
+        self.embed_scale = None
+        embed_scale = getattr(inner.embed_tokens, "embed_scale", None)
+        if isinstance(embed_scale, Tensor):
+            self.embed_scale = embed_scale.to(self.weight_dtype).to(device=device, dtype=dtype)
+        elif getattr(inner, "embedding_multiplier", 1.0) not in (None, 1, 1.0):
+            self.embed_scale = float(inner.embedding_multiplier)
+        # Granite divides its logits by ``logits_scaling`` (None: no division).
+        divisor = getattr(config, "logits_scaling", None) if type(self.model).__name__ == "GraniteForCausalLM" else None
+        self.logits_divisor = None if divisor in (None, 1, 1.0) else float(divisor)
         if self.bf16_in_float32:  # folded weights back to bfloat16 values (one rounding, at load)
             with torch.no_grad():
                 for matrix in self.matrices():
@@ -489,6 +595,10 @@ class LeanCausalLM:
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
         self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
         self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host forward)
+        # Every layer attending within this many positions (Mistral v0.1, Phi-3 4k; None: no window that
+        # binds): :meth:`forward` then masks the slots before it. Only the torch forward does: the host
+        # forward and the static steps (CUDA graphs) make their own masks, so neither runs such a model.
+        self.window = sliding_window(config)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
         # The KV cache's dtype: a bfloat16 model run in float32 by the compiled kernels keeps bfloat16
@@ -503,7 +613,7 @@ class LeanCausalLM:
             self.cache_dtype = torch.bfloat16
         # Forwards of up to MAX_QUERIES queries as CUDA graphs, replayed (gbv.engine.static_steps); None
         # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
-        mode = steps_mode(self.device)
+        mode = None if self.window is not None else steps_mode(self.device)
         self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
         # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward); TORCH
         # where there is no host forward. forward_times: the median ms of a one-token step of each form,
@@ -572,8 +682,12 @@ class LeanCausalLM:
             cos, sin = self.rotary(probe, ids)
             self._cos, self._sin = cos[0], sin[0]
             if self.interleaved:  # e^{i theta} per frequency (HF repeats each frequency twice)
-                half = self.head_dim // 2
+                half = self.rotary_dim // 2
                 self._rot = torch.complex(self._cos[:, :half], self._sin[:, :half])
+                if self.rotary_dim < self.head_dim:  # (a partial rotation: the other pairs times 1, exactly)
+                    ones = torch.ones(self._rot.shape[0], (self.head_dim - self.rotary_dim) // 2,
+                                      dtype=self._rot.dtype, device=self._rot.device)
+                    self._rot = torch.cat([self._rot, ones], dim=1)
                 if self._rot.device.type == "cpu":
                     self.rotary_numpy = self._rot.numpy()  # (positions, head_dim / 2) complex64
 
@@ -745,10 +859,29 @@ class LeanCausalLM:
         cos, sin = self._rotary(positions, end)  # invariant: every position < end (positions <= slots)
         # The hidden states are 2D, (B * N, hidden), between the attention blocks: every product is one
         # mm / addmm call on them (a 3D input costs matmul's dispatch and two views, ~7 us a product).
-        hidden = torch.embedding(self.embed, tokens.reshape(-1))  # (F.embedding's checks cost per call)
+        hidden = self.embed_rows(tokens.reshape(-1))
         mask, use_causal = attention_mask(mask, causal, start, n, tokens.device)
+        if self.window is not None and end > self.window:
+            mask, use_causal = self._within_window(mask, use_causal, positions, start, n), False
         hidden = self._layers(hidden, batch, n, cos, sin, cache, first_row, start, None, mask, use_causal)
         return self._head(hidden, batch, n, last_only)
+
+    def _within_window(self, mask: Tensor | None, causal: bool, positions: Tensor, start: int, n: int) -> Tensor:
+        """``mask`` (what :func:`attention_mask` gave: None for one query or a causal chain from slot 0)
+        as a (B or 1, 1, N, start + N) bool mask that also drops every slot at or before each query's
+        position minus the window. Why slots stand for positions here: every committed token sits in the
+        slot of its position (the decoders keep them so), and the nodes a pass writes after them are
+        within the block's depth of their queries, inside any window longer than a block."""
+        slots = torch.arange(start + n, device=positions.device)
+        if mask is None:
+            mask = (slots[None, :] <= slots[start:, None] if causal
+                    else torch.ones(n, start + n, dtype=torch.bool, device=positions.device))[None, None]
+        return mask & (slots > positions[:, None, :, None] - self.window)
+
+    def embed_rows(self, tokens: Tensor) -> Tensor:
+        """The input rows (N, hidden) of (N,) long ``tokens``, scaled where the model scales them."""
+        hidden = torch.embedding(self.embed, tokens)  # (F.embedding's checks cost per call)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def _layers(self, hidden: Tensor, batch: int, n: int, cos: Tensor, sin: Tensor | None, cache: KVCache,
                 first_row: int, start: int, slots: Tensor | None, mask: Tensor | None, use_causal: bool,
@@ -778,8 +911,7 @@ class LeanCausalLM:
                 if layer.q_norm is not None:
                     q, k = layer.q_norm(q), layer.k_norm(k)
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.keys[index], cache.values[index]
             if first_row or batch != keys.shape[0]:  # (a slice is a call: only when it selects)
                 keys = keys[first_row:first_row + batch]
@@ -799,10 +931,17 @@ class LeanCausalLM:
                 attn = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=mask, is_causal=use_causal,
                     scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
-            hidden = layer.o.add_to(residual, attn.transpose(1, 2).reshape(batch * n, -1))
+            attn = attn.transpose(1, 2).reshape(batch * n, -1)
+            if layer.residual_multiplier is None:
+                hidden = layer.o.add_to(residual, attn)
+            else:  # (Granite: the product, times the multiplier, then the add, as its modules do)
+                hidden = residual + layer.o(attn) * layer.residual_multiplier
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(x)
-            hidden = layer.down.add_to(hidden, layer.act(gate) * up)
+            if layer.residual_multiplier is None:
+                hidden = layer.down.add_to(hidden, layer.act(gate) * up)
+            else:
+                hidden = hidden + layer.down(layer.act(gate) * up) * layer.residual_multiplier
         return hidden
 
     def attention_bias(self, mask: Tensor, batch: int) -> Tensor:
@@ -821,4 +960,5 @@ class LeanCausalLM:
         if last_only:
             hidden = hidden.view(batch, n, -1)[:, -1] if n > 1 else hidden
         hidden = _rms_norm(hidden, self.norm, self.norm_eps)
-        return self.lm_head(hidden).view(batch, 1 if last_only else n, -1)
+        logits = self.lm_head(hidden).view(batch, 1 if last_only else n, -1)
+        return logits if self.logits_divisor is None else logits / self.logits_divisor

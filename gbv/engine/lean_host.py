@@ -59,6 +59,8 @@ def host_forward_unsupported_reason(lean) -> str | None:
         return "GBV_HOST_FORWARD=0"
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
         return "not float32 on the CPU"
+    if lean.window is not None:
+        return "sliding-window attention"
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
     for layer in lean.layers:
@@ -73,8 +75,12 @@ def host_forward_unsupported_reason(lean) -> str | None:
             return "biases outside q/k/v"
         if layer.act is not torch.nn.functional.silu:
             return "activation other than SiLU"
+        if layer.residual_multiplier is not None:
+            return "residual multipliers (Granite)"
     if lean.norm is not None or lean.lm_head.weight_t is None:
         return "final norm not folded"
+    if lean.embed_scale is not None or lean.logits_divisor is not None:
+        return "a scaled embedding or logits (Gemma, Granite)"
     return None
 
 

@@ -178,7 +178,7 @@ def static_forward(lean, tokens: Tensor, positions: Tensor, slots: Tensor, mask:
     not depend on where it writes. Returns (B, N or 1, V) logits."""
     batch, n = tokens.shape
     cos, sin = lean._rotary(positions, capacity)
-    hidden = torch.embedding(lean.embed, tokens.reshape(-1))
+    hidden = lean.embed_rows(tokens.reshape(-1))
     bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
     hidden = lean._layers(hidden, batch, n, cos, sin, cache, first_row, 0, slots, mask, False, bias)
     return lean._head(hidden, batch, n, last_only)

@@ -7,8 +7,9 @@ import os
 from types import SimpleNamespace
 
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, GraniteConfig,
+                          GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 try:
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -88,6 +89,47 @@ def _qwen3(vocab, hidden, layers):
                                         head_dim=hidden // 2, max_position_embeddings=128, **NO_SPECIAL))
 
 
+def _gemma(vocab, hidden, layers):
+    """Gemma: norms scaling by 1 + weight (random here: the zeros it starts from would hide the offset),
+    a scaled embedding, GELU (tanh)."""
+    model = GemmaForCausalLM(GemmaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=hidden // 2, max_position_embeddings=128, **NO_SPECIAL))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(-0.5, 0.5)
+    return model
+
+
+def _granite(vocab, hidden, layers):
+    """Granite: embedding, residual and attention multipliers and a logits divisor, none of them 1."""
+    return GraniteForCausalLM(GraniteConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                            max_position_embeddings=128, embedding_multiplier=3.0,
+                                            residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=2.5,
+                                            **NO_SPECIAL))
+
+
+def _phi3(vocab, hidden, layers):
+    """Phi-3: fused q/k/v and gate/up matrices, and (as Phi-4-mini) a rotation of part of each head."""
+    return Phi3ForCausalLM(Phi3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=128, partial_rotary_factor=0.5,
+                                      **NO_SPECIAL))
+
+
+# Mistral's toy attends within a window this short, so that generations of the tests pass it.
+TOY_WINDOW = 8
+
+
+def _mistral(vocab, hidden, layers):
+    """Mistral (v0.1): every layer attends within a sliding window (here TOY_WINDOW positions)."""
+    return MistralForCausalLM(MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                            max_position_embeddings=128, sliding_window=TOY_WINDOW, **NO_SPECIAL))
+
+
 def _gpt2(vocab, hidden, layers):
     return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, n_positions=128,
                                       **NO_SPECIAL))
@@ -99,9 +141,14 @@ def _opt(vocab, hidden, layers):
                                     **NO_SPECIAL))
 
 
-ARCHITECTURES = {"gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2}
+ARCHITECTURES = {"gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
+                 "phi3": _phi3, "mistral": _mistral}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
+
+
+# The architectures the lean tree engine runs (the rest take the plain Hugging Face path).
+LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):
@@ -161,3 +208,67 @@ def sharp_llama_pair():
     sharpen(target, scale=25.0)
     sharpen(draft, scale=15.0)
     return ModelPair(target, draft)
+
+
+def as_family(model, family: str, window: int = 128):
+    """A Llama model (float32, tied embeddings, SiLU) rewritten in another family's layout, computing the
+    same function: ``"phi3"`` fuses q/k/v and gate/up; ``"granite"`` sets embedding multiplier 2, residual
+    multiplier 0.5 and logits divisor 0.5 and divides the weights they multiply by them (powers of two:
+    exact); ``"gemma"`` stores norm weights minus 1 and the embedding over sqrt(hidden) (with an untied
+    head) and keeps SiLU. So a trained pair (the bundled one) keeps its acceptance in every family, and
+    the engines can be compared on it (scripts/bench_architectures.py). ``"mistral"`` is the same weights
+    attending within a sliding ``window``: the same function up to that many positions only."""
+    from transformers import GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, MistralConfig, \
+        MistralForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    src = model.config
+    rope_theta = (getattr(src, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    common = dict(vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
+                  num_hidden_layers=src.num_hidden_layers, num_attention_heads=src.num_attention_heads,
+                  num_key_value_heads=src.num_key_value_heads, max_position_embeddings=src.max_position_embeddings,
+                  rms_norm_eps=src.rms_norm_eps, bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id,
+                  pad_token_id=src.pad_token_id)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    head_dim = src.hidden_size // src.num_attention_heads
+    assert getattr(src, "head_dim", head_dim) == head_dim and src.hidden_act == "silu"
+    if family == "phi3":
+        new = Phi3ForCausalLM(Phi3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                                         tie_word_embeddings=src.tie_word_embeddings, hidden_act="silu"))
+        for i in range(src.num_hidden_layers):
+            p = f"model.layers.{i}."
+            state[p + "self_attn.qkv_proj.weight"] = torch.cat([state.pop(p + f"self_attn.{x}_proj.weight")
+                                                                for x in "qkv"])
+            state[p + "mlp.gate_up_proj.weight"] = torch.cat([state.pop(p + f"mlp.{x}_proj.weight")
+                                                              for x in ("gate", "up")])
+    elif family == "granite":
+        new = GraniteForCausalLM(GraniteConfig(**common, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": rope_theta},
+                                               tie_word_embeddings=True, embedding_multiplier=2.0,
+                                               residual_multiplier=0.5, attention_multiplier=head_dim ** -0.5,
+                                               logits_scaling=0.5))
+        assert src.tie_word_embeddings
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] / 2
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        for i in range(src.num_hidden_layers):
+            for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                state[f"model.layers.{i}.{name}"] = state[f"model.layers.{i}.{name}"] * 2
+    elif family == "mistral":
+        new = MistralForCausalLM(MistralConfig(**common, head_dim=head_dim, sliding_window=window,
+                                               tie_word_embeddings=src.tie_word_embeddings,
+                                               rope_parameters={"rope_type": "default", "rope_theta": rope_theta}))
+    elif family == "gemma":
+        new = GemmaForCausalLM(GemmaConfig(**common, head_dim=head_dim, hidden_act="silu",
+                                           hidden_activation="silu", tie_word_embeddings=False,
+                                           rope_parameters={"rope_type": "default", "rope_theta": rope_theta}))
+        scale = torch.tensor(src.hidden_size ** 0.5, dtype=torch.float32)
+        state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] / scale
+        for name in list(state):
+            if "norm" in name:
+                state[name] = state[name] - 1.0
+    else:
+        raise ValueError(f"no conversion to {family!r}")
+    missing, unexpected = new.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in name or "embed_scale" in name for name in missing), (missing, unexpected)
+    new.generation_config = model.generation_config
+    return new.eval()

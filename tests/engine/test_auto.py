@@ -613,3 +613,18 @@ def test_a_batch_row_keeps_the_policy_of_its_batch_size(monkeypatch):
         rows.step()
     assert {bucket for bucket, _ in seen} == {1, 2, 4}
     assert all(same for _, same in seen)
+
+
+def test_each_engine_learns_its_own_policy(monkeypatch):
+    """``auto`` on the plain Hugging Face path (GBV_ENGINE=hf) and on the tree engine, one pair in one
+    process: two policies, since the engines' costs differ (one shared policy would price the tree
+    engine's arms with the other's times)."""
+    target, draft = hf_pair("llama", vocab=32, seed=11)
+    pair = ModelPair(target, draft)
+    settings = dict(method="auto", max_new_tokens=6, eos_token_id=[], seed=0)
+    monkeypatch.setenv("GBV_ENGINE", "hf")
+    generate(pair, prompt_ids=[1, 2, 3], **settings)
+    monkeypatch.delenv("GBV_ENGINE")
+    generate(pair, prompt_ids=[1, 2, 3], **settings)
+    keys = [key for _, key, _ in auto._POLICIES[target]]
+    assert len(keys) == 2 and sorted(key[-1] == "hf" for key in keys) == [False, True]

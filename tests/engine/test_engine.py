@@ -15,7 +15,7 @@ from gbv.engine.tree_decoder import TreeDecoder, lean_model
 from gbv.errors import GbvError
 from gbv.models.loading import ModelPair, check_tokenizers
 
-from engine_toy import ARCHITECTURES, char_tokenizer, hf_pair, sharpen, table_pair
+from engine_toy import ARCHITECTURES, LEAN, char_tokenizer, hf_pair, sharpen, table_pair
 
 METHODS = all_methods()
 PROMPT = [1, 2, 3, 4]
@@ -161,7 +161,7 @@ def test_caches_equal_fresh_prefill(monkeypatch, method):
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
 def test_caches_equal_fresh_prefill_architectures(monkeypatch, arch):
     kind = engine_for(*hf_pair(arch, vocab=32))
-    assert kind == ("tree" if arch in ("qwen2", "qwen3") else "hf")
+    assert kind == ("tree" if arch in LEAN else "hf")
     _check_caches_after_generation(monkeypatch, arch, "gbv", [(13, 1.0, []), (30, 1.0, [3, 5])], kind)
 
 

@@ -19,7 +19,7 @@ from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason
 from gbv.engine.tree import TokenTree, build_tree, prefix_then
 from gbv.verify import METHODS
 
-from engine_toy import ARCHITECTURES, hf_pair, sharp_llama_pair
+from engine_toy import ARCHITECTURES, LEAN, hf_pair, sharp_llama_pair
 from test_exactness import check
 
 RUNS = 800
@@ -96,7 +96,7 @@ def test_cache_moves_through_numpy_views_equal_torch_indexing(dtype, path):
         assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, expected))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", LEAN)
 def test_tree_pass_logits_equal_plain_sequences(arch):
     """Every node of a tree scored over a cached prefix has the logits of prefix + its own path. (On
     the models' device: with GBV_TEST_DEVICE=cuda the trie goes up as one packed copy.)"""
@@ -174,7 +174,7 @@ def test_transposed_weight_copies_give_the_same_logits(arch, monkeypatch):
     torch.testing.assert_close(logits[0], reference, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a in ("llama", "qwen2", "qwen3")])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a in LEAN])
 @pytest.mark.parametrize("transposed", [True, False])
 def test_norm_weights_fold_into_owned_copies_only(arch, transposed, monkeypatch):
     """In float32 each RMSNorm's weight is folded into the copy of the matrix after it (q/k/v and

@@ -1,0 +1,266 @@
+"""The Llama-shaped families beyond the Llama family on the lean tree engine (Gemma, Granite, Phi-3), and
+sliding-window attention (Mistral v0.1, Phi-3): each one's differences from Llama are computed as its
+Hugging Face modules compute them, and each test has a control that drops one difference and is caught. (Greedy equality with Hugging Face and every
+method's sampling run over every architecture in test_engine.py; tree passes in test_tree.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gbv.engine import lean as lean_module
+from gbv.engine import lean_host
+from gbv.engine.decoder import engine_for
+from gbv.engine.generate import generate
+from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason
+from gbv.models.loading import ModelPair
+
+from engine_toy import hf_pair, sharpen
+
+NEW_FAMILIES = ("gemma", "granite", "phi3")
+TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+def _logits(lean: LeanCausalLM, tokens: list[int]) -> torch.Tensor:
+    ids = torch.tensor([tokens], device=lean.device)
+    with torch.inference_mode():
+        return lean.forward(ids, torch.arange(len(tokens), device=lean.device)[None], 0,
+                            lean.new_cache(1, len(tokens)), None, causal=True).float()
+
+
+def _reference(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens], device=model.device)).logits.float()
+
+
+def _break(arch: str, lean: LeanCausalLM) -> None:
+    """Drop one of the family's differences from Llama in a built view (the controls)."""
+    if arch == "gemma":
+        lean.embed_scale = None
+    elif arch == "granite":
+        for layer in lean.layers:
+            layer.residual_multiplier = None
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lean_forward_is_the_hugging_face_forward(arch, dtype, monkeypatch):
+    """Logits of the lean view against the model's own forward, float32 (to float32 rounding) and
+    bfloat16 with the compiled kernels off (the model computes in bfloat16 throughout: Gemma's norms
+    scale before their cast there). In float32 a control without one of the family's differences fails."""
+    if dtype == "bfloat16":
+        monkeypatch.setenv("GBV_HOST_KERNELS", "0")
+    target, draft = hf_pair(arch, vocab=32, seed=4)
+    for model in (target, draft):
+        with torch.no_grad():  # sharper attention, so that the positions (the rotation) weigh in the logits
+            for layer in model.model.layers:
+                for name, parameter in layer.self_attn.named_parameters():
+                    if name.startswith(("q", "k")):
+                        parameter.mul_(4.0)
+        model = model.to(getattr(torch, dtype))
+        assert lean_unsupported_reason(model) is None
+        lean = LeanCausalLM(model)
+        assert lean.dtype == model.dtype
+        expected = _reference(model, TOKENS)
+        tolerance = 2e-5 if dtype == "float32" else 2e-2 * float(expected.abs().max())
+        torch.testing.assert_close(_logits(lean, TOKENS), expected, atol=tolerance, rtol=0)
+        if dtype == "float32":  # (the controls where the tolerance is tight)
+            _break(arch, lean)
+            if arch == "phi3":  # the rotation of the whole head, not of its first rotary_dim dimensions
+                with monkeypatch.context() as patch:
+                    patch.setattr(lean_module, "_interleave_rotary_rows",
+                                  lambda weight, head_dim, rotary_dim=None, real=lean_module._interleave_rotary_rows:
+                                  real(weight, head_dim))
+                    lean = LeanCausalLM(model)
+            assert (_logits(lean, TOKENS) - expected).abs().max() > 10 * tolerance
+
+
+def test_granite_logits_divisor_is_applied():
+    target, _ = hf_pair("granite", vocab=32, seed=4)
+    lean = LeanCausalLM(target)
+    assert lean.logits_divisor == 2.5 and lean.embed_scale == 3.0
+    expected = _reference(target, TOKENS)
+    lean.logits_divisor = None  # control
+    torch.testing.assert_close(_logits(lean, TOKENS), expected * 2.5, atol=5e-5, rtol=0)
+
+
+def test_which_forward_runs_each_family():
+    """float32 on the CPU: Phi-3 (SiLU, no scales; its partial rotation is a table of ones past the
+    turned pairs) runs on the compiled host forward; Gemma (GELU) and Granite (multipliers) on torch."""
+    reasons = {arch: lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair(arch, vocab=32)[0]))
+               for arch in NEW_FAMILIES}
+    assert reasons == {"gemma": "activation other than SiLU", "granite": "residual multipliers (Granite)",
+                       "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
+    gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
+    assert gemma.layers[0].act is lean_module._gelu_tanh
+    phi3 = LeanCausalLM(hf_pair("phi3", vocab=32)[0])
+    assert (phi3.rotary_dim, phi3.head_dim) == (8, 16)
+
+
+def test_gelu_tanh_runs_as_a_function_and_its_python_form_as_the_module():
+    from transformers.activations import GELUTanh
+
+    assert lean_module._functional(GELUTanh()) is lean_module._gelu_tanh
+    python_form = GELUTanh(use_gelu_tanh_python=True)
+    assert lean_module._functional(python_form) is python_form
+    x = torch.randn(5, 7)
+    torch.testing.assert_close(lean_module._gelu_tanh(x), GELUTanh()(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, monkeypatch):
+    """A model past FUSE_MAX_PARAMETERS (every real Gemma, Granite and Phi-3) keeps its own tensors:
+    Phi-3's q/k/v and gate/up matrices each one product, split after it; the rotation in Hugging Face's
+    layout (``_rotate``, partial for Phi-3). A control rotating the whole head is caught."""
+    target, _ = hf_pair(arch, vocab=32, seed=5)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            for name, parameter in layer.self_attn.named_parameters():
+                if name.startswith(("q", "k")):
+                    parameter.mul_(4.0)
+    monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS", 0)
+    lean = LeanCausalLM(target)
+    assert not lean.interleaved and lean.host_forward is None
+    if arch == "phi3":
+        attn = target.model.layers[0].self_attn
+        assert [part.weight for part in lean.layers[0].qkv.parts] == [attn.qkv_proj.weight]
+        assert lean.layers[0].qkv.sizes == [32, 16, 16]
+    expected = _reference(target, TOKENS)
+    torch.testing.assert_close(_logits(lean, TOKENS), expected, atol=2e-5, rtol=0)
+    if arch == "phi3":
+        def whole_head(x, cos, sin):
+            pad = x.shape[-1] - cos.shape[-1]
+            cos = torch.cat([cos, cos.new_ones(cos.shape[:-1] + (pad,))], -1)
+            sin = torch.cat([sin, sin.new_zeros(sin.shape[:-1] + (pad,))], -1)
+            return x * cos + lean_module._rotate_half(x) * sin
+        monkeypatch.setattr(lean_module, "_rotate", whole_head)
+        assert (_logits(lean, TOKENS) - expected).abs().max() > 2e-4
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES + ("mistral",))
+def test_batched_greedy_rows_equal_lone_runs(arch):
+    """Rows of one batch (the batch engine's masks and per-row positions) decode what each decodes alone;
+    for Mistral's toy, past its sliding window (the rows' committed slots are their positions)."""
+    target, draft = sharpen(*hf_pair(arch, vocab=32, seed=7))
+    pair = ModelPair(target, draft)
+    assert engine_for(target, draft) == "tree"
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [12, 13]]
+    for method, paths, block in (("block", 1, 4), ("gbv", 3, 3)):
+        settings = dict(method=method, num_paths=paths, block_len=block, temperature=0.0, max_new_tokens=14,
+                        eos_token_id=[])
+        batched = generate(pair, prompt_ids=prompts, batch_size=4, **settings)
+        assert [row.token_ids for row in batched] == [generate(pair, prompt_ids=ids, **settings).token_ids
+                                                    for ids in prompts]
+
+
+def test_which_sliding_windows_the_lean_path_takes():
+    """Every layer sliding (Mistral and Phi-3 name no layer kinds; Qwen2 with all its layers past
+    ``max_window_layers``): the lean path, masking by the window. A window at least the context never
+    binds: no window. Some layers sliding and others not: declined."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    phi3, _ = hf_pair("phi3", vocab=32)
+    phi3.config.sliding_window = 64  # (context 128)
+    assert lean_unsupported_reason(phi3) is None and LeanCausalLM(phi3).window == 64
+    phi3.config.sliding_window = 128
+    assert LeanCausalLM(phi3).window is None
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=128)
+    mistral = LeanCausalLM(MistralForCausalLM(MistralConfig(sliding_window=64, **small)))
+    assert mistral.window == 64 and mistral.host_forward is None and mistral.steps is None
+    assert LeanCausalLM(MistralForCausalLM(MistralConfig(sliding_window=None, **small))).window is None
+    every = Qwen2ForCausalLM(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=0, **small))
+    assert LeanCausalLM(every).window == 64
+    some = Qwen2ForCausalLM(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=1, **small))
+    assert lean_unsupported_reason(some) == "sliding windows on some layers only"
+    assert engine_for(some, None) == "hf"
+    assert LeanCausalLM(Qwen2ForCausalLM(Qwen2Config(sliding_window=64, **small))).window is None  # (off)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_a_sliding_window_masks_the_slots_before_it(arch):
+    """A prompt chain longer than the window, one-token steps after it and a tree pass: each query's
+    logits are those of the model's own forward over the whole sequence, which applies the window. The
+    control (the window ignored) is caught."""
+    from engine_toy import TOY_WINDOW
+    from gbv.engine.tree import build_tree, prefix_then
+
+    target, _ = hf_pair(arch, vocab=32, seed=8)
+    target.config.sliding_window = TOY_WINDOW
+    with torch.no_grad():
+        for layer in target.model.layers:
+            for name, parameter in layer.self_attn.named_parameters():
+                if name.startswith(("q", "k")):
+                    parameter.mul_(4.0)
+    lean = LeanCausalLM(target)
+    assert lean.window == TOY_WINDOW
+    sequence = [(7 * i + 3) % 32 for i in range(20)]
+    paths = [[9, 2, 6], [9, 2, 7], [8, 8, 8]]
+    expected = _reference(target, sequence)[0]
+
+    def run(window):
+        lean.window = window
+        with torch.inference_mode():
+            cache = lean.new_cache(1, 8)
+            prompt = lean.forward(torch.tensor([sequence[:12]]), torch.arange(12)[None], 0, cache, None, causal=True)[0]
+            steps = [lean.forward(torch.tensor([[sequence[i]]]), torch.tensor([[i]]), i, cache, None, causal=True)[0, 0]
+                     for i in range(12, 20)]
+            tree = build_tree(sequence[-1], paths, lean.device)
+            nodes = lean.forward(tree.tokens[None], (19 + tree.depth)[None], 19, cache, prefix_then(tree.ancestors, 19))[0]
+        return torch.cat([prompt, torch.stack(steps)]).float(), nodes.float(), tree
+
+    logits, nodes, tree = run(TOY_WINDOW)
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=0)
+    for k, path in enumerate(paths):
+        full = _reference(target, sequence + path)[0, len(sequence) - 1:]
+        torch.testing.assert_close(nodes[tree.path_nodes[k]], full, atol=2e-5, rtol=0)
+    unwindowed, _, _ = run(None)  # control
+    assert (unwindowed - expected).abs().max() > 1e-3
+    torch.testing.assert_close(unwindowed[:TOY_WINDOW], expected[:TOY_WINDOW], atol=2e-5, rtol=0)
+
+
+def test_the_hugging_face_path_keeps_every_position_of_a_sliding_model(monkeypatch):
+    """On the plain Hugging Face path (GBV_ENGINE=hf) a sliding-window model gets a cache of full layers,
+    which rejected drafts can be cropped from past the window; its greedy output is the model's. The
+    control (transformers' sliding layers) fails once past the window."""
+    from engine_toy import TOY_WINDOW
+    from test_engine import greedy_reference
+
+    from gbv.engine import cache as kv
+
+    monkeypatch.setenv("GBV_ENGINE", "hf")
+    target, draft = sharpen(*hf_pair("mistral", vocab=32, seed=9))
+    pair = ModelPair(target, draft)
+    prompt, new = [1, 2, 3, 4, 5], 3 * TOY_WINDOW
+    expected = greedy_reference(target, prompt, new)
+    for method in ("ar", "block", "gbv"):
+        out = generate(pair, prompt_ids=prompt, method=method, num_paths=3, block_len=3, temperature=0.0,
+                       max_new_tokens=new, eos_token_id=[])
+        assert out.token_ids == expected, method
+    from transformers import DynamicCache
+
+    monkeypatch.setattr(kv, "new_cache", lambda model: DynamicCache(config=model.config))
+    with pytest.raises(RuntimeError, match="crop"):
+        generate(pair, prompt_ids=prompt, method="block", block_len=3, temperature=0.0, max_new_tokens=new,
+                 eos_token_id=[])
+
+
+def test_gemma_norms_scale_before_their_cast():
+    """In bfloat16 Gemma's norm multiplies the float32 normalised values by 1 + weight and then rounds
+    (GemmaRMSNorm); the lean norm does the same: equal bits here, where Llama's order (round, then scale
+    by the rounded weight) differs in about a third of the entries (the control)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = GemmaRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen))
+    x = (torch.randn(200, 64, generator=gen) * 3).to(torch.bfloat16)
+    scale, eps = lean_module._norm_scale_and_eps(norm)
+    assert scale.dtype == torch.float32 and eps == 1e-6
+    with torch.no_grad():
+        expected = norm(x)
+    ours = lean_module._rms_norm(x, scale, eps)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, expected)
+    llama_order = lean_module._rms_norm(x, None, eps) * scale.to(torch.bfloat16)
+    assert (llama_order != expected).float().mean() > 0.1
