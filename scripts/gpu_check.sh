@@ -13,7 +13,8 @@
 #                 verifier on the host, as it runs off the CPU (test_verify_on_host.py, a batch row),
 #                 the tree pass against plain sequences and the tree engine's law, and the static steps
 #                 (CUDA graphs) against the eager forward (test_static_steps.py), and the recorded
-#                 drafting and sampled steps against the step-by-step path (test_static_sampling.py);
+#                 drafting and sampled steps against the step-by-step path (test_static_sampling.py),
+#                 and the families beyond Llama and sliding windows (test_architectures.py);
 #   greedy.txt    greedy decoding of the bundled pair on CUDA against the CPU, every method;
 #   syncs.txt     host synchronisations per iteration, as torch.cuda.set_sync_debug_mode sees them,
 #                 verifying on the host (the default off the CPU) and on the device;
@@ -85,7 +86,8 @@ part tests 90 env GBV_TEST_DEVICE="$device" python3 -m pytest -q -p no:cacheprov
   tests/engine/test_tree.py::test_one_query_without_a_mask_attends_exactly_its_prefix \
   "tests/engine/test_tree.py::test_tree_engine_law[gbv]" "tests/engine/test_tree.py::test_tree_engine_law[traversal]" \
   tests/engine/test_sampling_cache.py tests/engine/test_static_steps.py tests/engine/test_static_sampling.py \
-  -k "static_steps or static_calls_equal or see_their_cousins or move_off_by_one or wrong_slots or pooled_caches or batch_rows_through or every_graph_of_a_cache_died or failed_recording or replicate_select_crop or api_fallback_layers or prompts_or_catch_ups or plain_runs or reuses_a_uniform or auto_runs_its_ar or cache_keyword or greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or do_not_depend_on_neighbours or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
+  tests/engine/test_architectures.py \
+  -k "lean_forward_is_the_hugging_face or sliding_window_masks or fuse_limit or batched_greedy_rows or static_steps or static_calls_equal or see_their_cousins or move_off_by_one or wrong_slots or pooled_caches or batch_rows_through or every_graph_of_a_cache_died or failed_recording or replicate_select_crop or api_fallback_layers or prompts_or_catch_ups or plain_runs or reuses_a_uniform or auto_runs_its_ar or cache_keyword or greedy or every_architecture_every_method or draft_equal_to_target or hf_llama or padded_vocab or caches_equal_fresh_prefill or plain_hf_path or host_generator or hands_the_verifier or row_law_in_a_batch or do_not_depend_on_neighbours or tree_pass_logits or one_query_without_a_mask or tree_engine_law"
 
 part greedy 40 python3 - "$device" <<'PY'
 import sys, gbv

@@ -198,13 +198,16 @@ def test_a_sliding_window_masks_the_slots_before_it(arch):
     paths = [[9, 2, 6], [9, 2, 7], [8, 8, 8]]
     expected = _reference(target, sequence)[0]
 
+    dev = lean.device
+
     def run(window):
         lean.window = window
         with torch.inference_mode():
             cache = lean.new_cache(1, 8)
-            prompt = lean.forward(torch.tensor([sequence[:12]]), torch.arange(12)[None], 0, cache, None, causal=True)[0]
-            steps = [lean.forward(torch.tensor([[sequence[i]]]), torch.tensor([[i]]), i, cache, None, causal=True)[0, 0]
-                     for i in range(12, 20)]
+            prompt = lean.forward(torch.tensor([sequence[:12]], device=dev), torch.arange(12, device=dev)[None], 0,
+                                  cache, None, causal=True)[0]
+            steps = [lean.forward(torch.tensor([[sequence[i]]], device=dev), torch.tensor([[i]], device=dev), i, cache,
+                                  None, causal=True)[0, 0] for i in range(12, 20)]
             tree = build_tree(sequence[-1], paths, lean.device)
             nodes = lean.forward(tree.tokens[None], (19 + tree.depth)[None], 19, cache, prefix_then(tree.ancestors, 19))[0]
         return torch.cat([prompt, torch.stack(steps)]).float(), nodes.float(), tree
