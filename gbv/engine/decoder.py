@@ -230,7 +230,8 @@ class Decoder(DecoderState):
 
 
 def engine_for(target, draft) -> str:
-    """``"tree"`` when both models run on the lean tree engine (the Llama family), else ``"hf"``.
+    """``"tree"`` when both models run on the lean tree engine (the Llama-shaped families:
+    ``LEAN_ARCHITECTURES``), else ``"hf"``.
     ``GBV_ENGINE=hf`` in the environment forces the plain Hugging Face path (for comparisons)."""
     import os
 

@@ -59,7 +59,7 @@ def create_app(pair, defaults: Defaults | None = None, max_batch: int = 16, max_
     The scheduler's worker starts and stops with the app (its lifespan)."""
     defaults = defaults or Defaults()
     batch_rows = None
-    if engine_for(pair.target, pair.draft) == "tree":  # the Llama family: rows share forwards
+    if engine_for(pair.target, pair.draft) == "tree":  # the lean engine's families: rows share forwards
         from gbv.engine.batch import BatchTreeDecoder
 
         vocab = shared_vocab(pair.target, pair.draft, pair.tokenizer)

@@ -1,7 +1,8 @@
 """The Llama-shaped families beyond the Llama family on the lean tree engine (Gemma, Granite, Phi-3), and
 sliding-window attention (Mistral v0.1, Phi-3): each one's differences from Llama are computed as its
-Hugging Face modules compute them, and each test has a control that drops one difference and is caught. (Greedy equality with Hugging Face and every
-method's sampling run over every architecture in test_engine.py; tree passes in test_tree.py.)"""
+Hugging Face modules compute them, and each test has a control that drops one difference and is
+caught. (Greedy equality with Hugging Face and every method's sampling run over every architecture in
+test_engine.py; tree passes in test_tree.py.)"""
 
 from __future__ import annotations
 
@@ -209,7 +210,8 @@ def test_a_sliding_window_masks_the_slots_before_it(arch):
             steps = [lean.forward(torch.tensor([[sequence[i]]], device=dev), torch.tensor([[i]], device=dev), i, cache,
                                   None, causal=True)[0, 0] for i in range(12, 20)]
             tree = build_tree(sequence[-1], paths, lean.device)
-            nodes = lean.forward(tree.tokens[None], (19 + tree.depth)[None], 19, cache, prefix_then(tree.ancestors, 19))[0]
+            nodes = lean.forward(tree.tokens[None], (19 + tree.depth)[None], 19, cache,
+                                 prefix_then(tree.ancestors, 19))[0]
         return torch.cat([prompt, torch.stack(steps)]).float(), nodes.float(), tree
 
     logits, nodes, tree = run(TOY_WINDOW)
