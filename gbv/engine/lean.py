@@ -45,11 +45,16 @@ logger = logging.getLogger("gbv")
 FUSE_MAX_PARAMETERS = 1_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                      "GemmaForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM")
+                      "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
+                      "Phi3ForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
 #   is multiplied by sqrt(hidden) in the weights' dtype (``embed_tokens.embed_scale``), GELU (tanh);
+#   Gemma 2 and 3 also norm each block's output before its residual add (``post_attention_layernorm``,
+#   ``post_feedforward_layernorm``; the MLP's input norm is ``pre_feedforward_layernorm``) and slide
+#   windows on some layers (``layer_types``); Gemma 2 soft-caps attention scores and logits
+#   (``c * tanh(x / c)``); Gemma 3 norms q and k per head and rotates each layer kind by its own base;
 # - Granite: the embedding times ``embedding_multiplier``, each block's output times ``residual_multiplier``
 #   before the residual add, attention scaled by ``attention_multiplier`` (the module's ``scaling``), the
 #   logits divided by ``logits_scaling``;
@@ -67,17 +72,20 @@ def _binding_window(config) -> int | None:
     return int(window)
 
 
-def sliding_window(config) -> int | None:
-    """The window every layer of this model attends within, where it can bind; else None.
+def layer_windows(config, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window where it can bind (:func:`_binding_window`), else None.
 
     A query at position ``i`` sees the keys at positions ``> i - window`` (Hugging Face's
-    ``sliding_window_overlay``). Qwen2 names each layer's kind (``layer_types``: full unless
-    ``use_sliding_window``); Mistral and Phi-3 name none, and then every layer slides. Where only some
-    layers slide, None too (:func:`lean_unsupported_reason` declines those)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(kind != "sliding_attention" for kind in layer_types):
-        return None
-    return _binding_window(config)
+    ``sliding_window_overlay``). Models that name each layer's kind (``layer_types``: Qwen2, full unless
+    ``use_sliding_window``; Gemma 2 and 3, alternating) slide on their "sliding_attention" layers;
+    Mistral and Phi-3 name none, and then every layer slides."""
+    window = _binding_window(config)
+    kinds = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if not kinds:
+        return [window] * num_layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
 
 
 def lean_unsupported_reason(model) -> str | None:
@@ -86,16 +94,15 @@ def lean_unsupported_reason(model) -> str | None:
     if name not in LEAN_ARCHITECTURES:
         return f"architecture {name} (lean path: {', '.join(LEAN_ARCHITECTURES)})"
     config = model.config
-    if _binding_window(config) is not None and sliding_window(config) is None \
-            and "sliding_attention" in getattr(config, "layer_types", ()):
-        return "sliding windows on some layers only"
     if getattr(config, "mlp_bias", False):
         return "MLP biases"
     if getattr(config, "pretraining_tp", 1) not in (1, None):
         return "tensor-parallel pretraining slices"
     rope = getattr(config, "rope_parameters", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", "default") in ("dynamic", "longrope"):
-        return f"rope type {rope.get('rope_type')} (its frequencies depend on the sequence length)"
+    # (Gemma 3: one set of parameters per layer kind)
+    for parameters in (rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]):
+        if isinstance(parameters, dict) and parameters.get("rope_type", "default") in ("dynamic", "longrope"):
+            return f"rope type {parameters.get('rope_type')} (its frequencies depend on the sequence length)"
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return "unexpected module layout"
@@ -237,7 +244,7 @@ def _norm_scale_and_eps(norm) -> tuple[Tensor, float]:
     two orders are the same computation)."""
     eps = getattr(norm, "variance_epsilon", None)
     eps = norm.eps if eps is None else eps
-    if type(norm).__name__ == "GemmaRMSNorm":
+    if type(norm).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
         return 1.0 + norm.weight.detach().float(), eps
     return norm.weight, eps
 
@@ -299,6 +306,26 @@ def _few_query_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, 
     if probs.dtype != q.dtype:
         probs = probs.to(q.dtype)
     return torch.bmm(probs, values.reshape(batch * kv_heads, -1, dim)).view(batch, heads, n, dim)
+
+
+def _softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                          cap: float, kv_heads: int) -> Tensor:
+    """Gemma 2's eager attention: scores ``q k^T * scale``, soft-capped as ``cap * tanh(s / cap)``, then
+    masked, the softmax in float32 (SDPA has no soft cap).
+
+    Args: q (B, H, N, D); keys, values (B, kv_heads, S, D); mask (B or 1, 1, N, S) bool or None, which
+    with ``causal`` is a chain from slot 0 (S = N) and else one query seeing every slot. Returns
+    (B, H, N, D)."""
+    groups = q.shape[1] // kv_heads
+    if groups > 1:  # (Hugging Face's repeat_kv: query head h reads kv head h // groups)
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None and causal:
+        mask = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -470,10 +497,23 @@ class _Layer:
 
     def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0,
                  transpose: bool = False, upcast: bool = False, heads: tuple[int, int] = (0, 0),
-                 rotary_dim: int | None = None) -> None:
+                 rotary_dim: int | None = None, window: int | None = None, rope_kind: str | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        self.window = window  # the sliding window this layer attends within (None: all of its prefix)
+        self.rope_kind = rope_kind  # the rotation's table (Gemma 3: per layer kind; None: the model's one)
         self.input_norm, self.input_eps = _norm_scale_and_eps(layer.input_layernorm)
-        self.post_norm, self.post_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
+        # Gemma 2 / 3 norm each block's output before its residual add ("sandwich" norms): there
+        # post_attention_layernorm is the attention output's norm and pre_feedforward_layernorm the MLP's
+        # input norm (Llama's post_attention_layernorm); None elsewhere.
+        self.attn_out_norm = self.mlp_out_norm = None
+        if hasattr(layer, "pre_feedforward_layernorm"):
+            self.attn_out_norm, self.attn_out_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
+            self.mlp_out_norm, self.mlp_out_eps = _norm_scale_and_eps(layer.post_feedforward_layernorm)
+            self.post_norm, self.post_eps = _norm_scale_and_eps(layer.pre_feedforward_layernorm)
+        else:
+            self.post_norm, self.post_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
+        # Gemma 2: attention scores soft-capped, c * tanh(s / c), before the mask (None: not capped)
+        self.softcap = getattr(attn, "attn_logit_softcapping", None)
         if hasattr(attn, "qkv_proj"):  # Phi-3: one matrix, q then k then v rows
             q_size, kv_size = heads[0] * head_dim, heads[1] * head_dim
             qkv_linears, qkv_sizes = [attn.qkv_proj], (q_size, kv_size, kv_size)
@@ -491,12 +531,14 @@ class _Layer:
         self.qkv = _Projections(qkv_linears, fuse, transpose, interleave_qk if interleave else None, upcast,
                                 qkv_sizes)
         self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, transpose, upcast)
-        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over the head dimension
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3, Gemma 3: RMSNorm over the head dimension
         self.k_norm = getattr(attn, "k_norm", None)
         self.interleaved = interleave
         if interleave and self.q_norm is not None:  # RMS is order-free; its weight follows the rows
-            self.q_norm_weight = _interleave_rotary_rows(self.q_norm.weight, head_dim, rotary_dim)
-            self.k_norm_weight = _interleave_rotary_rows(self.k_norm.weight, head_dim, rotary_dim)
+            q_scale, self.q_norm_eps = _norm_scale_and_eps(self.q_norm)
+            k_scale, self.k_norm_eps = _norm_scale_and_eps(self.k_norm)
+            self.q_norm_weight = _interleave_rotary_rows(q_scale, head_dim, rotary_dim)
+            self.k_norm_weight = _interleave_rotary_rows(k_scale, head_dim, rotary_dim)
         self.scaling = attn.scaling
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: one matrix, gate then up rows
             half = mlp.gate_up_proj.weight.shape[0] // 2
@@ -553,18 +595,28 @@ class LeanCausalLM:
         self.interleaved = fuse and dtype in (torch.float32, torch.float64)
         # How many dimensions of each head the rotation turns (all but Phi-3's partial rotations): the
         # width of the model's own tables.
-        probe_cos, _ = inner.rotary_emb(torch.empty((), dtype=dtype, device=device),
-                                        torch.zeros(1, 1, dtype=torch.long, device=device))
+        self.rotary = inner.rotary_emb
+        # Gemma 3 rotates each layer kind by its own base: its rotary module takes the kind, and every
+        # kind gets a table (None: one table for every layer).
+        import inspect
+
+        per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rope_kinds = list(config.layer_types) if per_kind else None
+        probe_cos, _ = self._rotary_module(torch.empty((), dtype=dtype, device=device),
+                                           torch.zeros(1, 1, dtype=torch.long, device=device),
+                                           self.rope_kinds[0] if per_kind else None)
         self.rotary_dim = probe_cos.shape[-1]
         num_heads = config.num_attention_heads
         heads = (num_heads, getattr(config, "num_key_value_heads", None) or num_heads)
+        windows = layer_windows(config, len(inner.layers))
         # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
         # most of them): only where they pay, and under the same size limit.
         self.transposed = fuse and transposed_weights_pay(dtype, device)
         # bfloat16 products of several rows in float32 where this CPU has no fast kernel for them.
         self.upcast = bf16_products_upcast(dtype, device)
         self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
-                              self.rotary_dim) for layer in inner.layers]
+                              self.rotary_dim, windows[index], self.rope_kinds[index] if per_kind else None)
+                       for index, layer in enumerate(inner.layers)]
         final_norm, self.norm_eps = _norm_scale_and_eps(inner.norm)
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
                                self.upcast)
@@ -580,12 +632,13 @@ class LeanCausalLM:
         # Granite divides its logits by ``logits_scaling`` (None: no division).
         divisor = getattr(config, "logits_scaling", None) if type(self.model).__name__ == "GraniteForCausalLM" else None
         self.logits_divisor = None if divisor in (None, 1, 1.0) else float(divisor)
+        # Gemma 2 soft-caps its logits, c * tanh(logits / c) (None: not capped).
+        self.logits_softcap = getattr(config, "final_logit_softcapping", None)
         if self.bf16_in_float32:  # folded weights back to bfloat16 values (one rounding, at load)
             with torch.no_grad():
                 for matrix in self.matrices():
                     held = matrix.weight_t if matrix.weight is None else matrix.weight
                     held.copy_(held.to(torch.bfloat16))
-        self.rotary = inner.rotary_emb
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -595,10 +648,11 @@ class LeanCausalLM:
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
         self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
         self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host forward)
-        # Every layer attending within this many positions (Mistral v0.1, Phi-3 4k; None: no window that
-        # binds): :meth:`forward` then masks the slots before it. Only the torch forward does: the host
-        # forward and the static steps (CUDA graphs) make their own masks, so neither runs such a model.
-        self.window = sliding_window(config)
+        # The sliding window of the layers that have one where it binds (Mistral v0.1 and Phi-3 4k: every
+        # layer; Gemma 2 / 3: some; None: none). :meth:`forward` then masks, for those layers, the slots
+        # before it. Only the torch forward does: the host forward and the static steps (CUDA graphs)
+        # make their own masks, so neither runs such a model.
+        self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
         # The KV cache's dtype: a bfloat16 model run in float32 by the compiled kernels keeps bfloat16
@@ -613,7 +667,10 @@ class LeanCausalLM:
             self.cache_dtype = torch.bfloat16
         # Forwards of up to MAX_QUERIES queries as CUDA graphs, replayed (gbv.engine.static_steps); None
         # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
-        mode = None if self.window is not None else steps_mode(self.device)
+        # (Nor do the static steps run soft-capped attention or per-kind rotations: not recorded, not tested
+        # on a GPU.)
+        plain_only = self.window is not None or self.rope_kinds is not None or any(l.softcap for l in self.layers)
+        mode = None if plain_only else steps_mode(self.device)
         self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
         # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward); TORCH
         # where there is no host forward. forward_times: the median ms of a one-token step of each form,
@@ -679,24 +736,36 @@ class LeanCausalLM:
                 size = max(upto, min(size, self.max_positions))
             ids = torch.arange(size, device=self.device)[None]
             probe = torch.empty((), dtype=self.dtype, device=self.device)
-            cos, sin = self.rotary(probe, ids)
-            self._cos, self._sin = cos[0], sin[0]
-            if self.interleaved:  # e^{i theta} per frequency (HF repeats each frequency twice)
-                half = self.rotary_dim // 2
-                self._rot = torch.complex(self._cos[:, :half], self._sin[:, :half])
-                if self.rotary_dim < self.head_dim:  # (a partial rotation: the other pairs times 1, exactly)
-                    ones = torch.ones(self._rot.shape[0], (self.head_dim - self.rotary_dim) // 2,
-                                      dtype=self._rot.dtype, device=self._rot.device)
-                    self._rot = torch.cat([self._rot, ones], dim=1)
-                if self._rot.device.type == "cpu":
-                    self.rotary_numpy = self._rot.numpy()  # (positions, head_dim / 2) complex64
+            kinds = list(dict.fromkeys(self.rope_kinds)) if self.rope_kinds else [None]
+            self._kind_tables = {}
+            for kind in kinds:
+                cos, sin = self._rotary_module(probe, ids, kind)
+                cos, sin, rot = cos[0], sin[0], None
+                if self.interleaved:  # e^{i theta} per frequency (HF repeats each frequency twice)
+                    half = self.rotary_dim // 2
+                    rot = torch.complex(cos[:, :half], sin[:, :half])
+                    if self.rotary_dim < self.head_dim:  # (a partial rotation: the other pairs times 1, exactly)
+                        ones = torch.ones(rot.shape[0], (self.head_dim - self.rotary_dim) // 2, dtype=rot.dtype,
+                                          device=rot.device)
+                        rot = torch.cat([rot, ones], dim=1)
+                self._kind_tables[kind] = (cos, sin, rot)
+            self._cos, self._sin, self._rot = self._kind_tables[kinds[0]]
+            if self._rot is not None and self._rot.device.type == "cpu":
+                self.rotary_numpy = self._rot.numpy()  # (positions, head_dim / 2) complex64
 
-    def _rotary(self, positions: Tensor, upto: int) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape (*positions.shape, head_dim) (interleaved: the complex rotation, None)."""
+    def _rotary_module(self, probe: Tensor, ids: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
+        """The model's own rotary tables (1, positions, rotary_dim) at ``ids``; of layer kind ``kind``
+        where the module takes one (Gemma 3)."""
+        return self.rotary(probe, ids) if kind is None else self.rotary(probe, ids, kind)
+
+    def _rotary(self, positions: Tensor, upto: int, kind: str | None = None) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (*positions.shape, head_dim) (interleaved: the complex rotation, None), of the
+        layers of rotary kind ``kind`` (None: the first kind's, every layer's but in Gemma 3)."""
         self.ensure_rotary(upto)
+        cos, sin, rot = (self._cos, self._sin, self._rot) if kind is None else self._kind_tables[kind]
         if self.interleaved:
-            return self._rot[positions], None
-        return self._cos[positions], self._sin[positions]
+            return rot[positions], None
+        return cos[positions], sin[positions]
 
     def _qkv_interleaved(self, layer: _Layer, x: Tensor, rot: Tensor, batch: int, n: int):
         """q, k, v as (B, heads, N, D) with the rotation applied to q and k together: one complex
@@ -705,8 +774,8 @@ class LeanCausalLM:
         qkv = layer.qkv.parts[0](x).view(batch, n, heads, self.head_dim)  # x: (B * N, hidden)
         qk = qkv[:, :, :self.num_heads + self.kv_heads]
         if layer.q_norm is not None:
-            q_part = _rms_norm(qk[:, :, :self.num_heads], layer.q_norm_weight, layer.q_norm.variance_epsilon)
-            k_part = _rms_norm(qk[:, :, self.num_heads:], layer.k_norm_weight, layer.k_norm.variance_epsilon)
+            q_part = _rms_norm(qk[:, :, :self.num_heads], layer.q_norm_weight, layer.q_norm_eps)
+            k_part = _rms_norm(qk[:, :, self.num_heads:], layer.k_norm_weight, layer.k_norm_eps)
             qk = torch.cat([q_part, k_part], dim=2)
         rotated = torch.view_as_real(torch.view_as_complex(
             qk.reshape(batch, n, -1, self.head_dim // 2, 2)) * rot).flatten(-2)
@@ -857,13 +926,17 @@ class LeanCausalLM:
         if end > cache.capacity:
             cache.grow(end)
         cos, sin = self._rotary(positions, end)  # invariant: every position < end (positions <= slots)
+        by_kind = None if self.rope_kinds is None else {
+            kind: self._rotary(positions, end, kind) for kind in set(self.rope_kinds)}
         # The hidden states are 2D, (B * N, hidden), between the attention blocks: every product is one
         # mm / addmm call on them (a 3D input costs matmul's dispatch and two views, ~7 us a product).
         hidden = self.embed_rows(tokens.reshape(-1))
         mask, use_causal = attention_mask(mask, causal, start, n, tokens.device)
+        window_mask = None  # (the sliding layers' mask, where their window binds)
         if self.window is not None and end > self.window:
-            mask, use_causal = self._within_window(mask, use_causal, positions, start, n), False
-        hidden = self._layers(hidden, batch, n, cos, sin, cache, first_row, start, None, mask, use_causal)
+            window_mask = self._within_window(mask, use_causal, positions, start, n)
+        hidden = self._layers(hidden, batch, n, cos, sin, cache, first_row, start, None, mask, use_causal,
+                              window_mask=window_mask, rotations=by_kind)
         return self._head(hidden, batch, n, last_only)
 
     def _within_window(self, mask: Tensor | None, causal: bool, positions: Tensor, start: int, n: int) -> Tensor:
@@ -885,20 +958,27 @@ class LeanCausalLM:
 
     def _layers(self, hidden: Tensor, batch: int, n: int, cos: Tensor, sin: Tensor | None, cache: KVCache,
                 first_row: int, start: int, slots: Tensor | None, mask: Tensor | None, use_causal: bool,
-                bias: Tensor | None = None) -> Tensor:
+                bias: Tensor | None = None, window_mask: Tensor | None = None,
+                rotations: dict | None = None) -> Tensor:
         """The decoder layers over ``hidden`` (B * N, hidden). ``cos``, ``sin``: the rotary tables at the
         queries' positions (interleaved: the complex rotation and None). Keys and values go to slots
         ``start ..`` and attention reads slots ``.. start + N`` (``slots`` None); or, given ``slots``
         ((N,) long, on the device), to those slots, attention reading every slot of the cache under
         ``mask`` ((B or 1, 1, N, capacity) bool): the form of :mod:`gbv.engine.static_steps`, whose
         shapes do not depend on ``start``. Given ``bias`` (:meth:`attention_bias` of that mask), attention
-        is :func:`_few_query_attention` instead of SDPA."""
+        is :func:`_few_query_attention` instead of SDPA. ``window_mask``: the mask of the layers with a
+        sliding window, where it binds (:meth:`_within_window`). ``rotations``: (cos, sin) by rotary kind
+        (Gemma 3), each layer taking its kind's."""
         end = start + n
-        if self.interleaved:
-            rot = cos[:, :, None]  # (B, N, 1, D/2) complex
-        else:
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, D)
+
+        def laid_out(cos, sin):  # interleaved: the complex rotation (B, N, 1, D/2), None; else (B, 1, N, D) each
+            return (cos[:, :, None], None) if self.interleaved else (cos[:, None], sin[:, None])
+
+        tables = {None: laid_out(cos, sin)} if rotations is None else {
+            kind: laid_out(*pair) for kind, pair in rotations.items()}
         for index, layer in enumerate(self.layers):
+            cos, sin = tables[layer.rope_kind]
+            rot = cos  # (interleaved)
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
             if layer.interleaved:
@@ -925,20 +1005,30 @@ class LeanCausalLM:
                 values.index_copy_(2, slots, v.to(values.dtype))
             if keys.dtype != q.dtype:  # a bfloat16 cache of a model run in float32 (cache_dtype)
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
+            layer_mask, layer_causal = mask, use_causal
+            if window_mask is not None and layer.window is not None:
+                layer_mask, layer_causal = window_mask, False
             if bias is not None:
                 attn = _few_query_attention(q, keys, values, bias, layer.scaling, self.kv_heads)
+            elif layer.softcap is not None:
+                attn = _softcapped_attention(q, keys, values, layer_mask, layer_causal, layer.scaling, layer.softcap,
+                                             self.kv_heads)
             else:
                 attn = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask, is_causal=use_causal,
+                    q, keys, values, attn_mask=layer_mask, is_causal=layer_causal,
                     scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
             attn = attn.transpose(1, 2).reshape(batch * n, -1)
-            if layer.residual_multiplier is None:
+            if layer.attn_out_norm is not None:  # (Gemma 2 / 3: the block's output normed, then added)
+                hidden = residual + _rms_norm(layer.o(attn), layer.attn_out_norm, layer.attn_out_eps)
+            elif layer.residual_multiplier is None:
                 hidden = layer.o.add_to(residual, attn)
             else:  # (Granite: the product, times the multiplier, then the add, as its modules do)
                 hidden = residual + layer.o(attn) * layer.residual_multiplier
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(x)
-            if layer.residual_multiplier is None:
+            if layer.mlp_out_norm is not None:
+                hidden = hidden + _rms_norm(layer.down(layer.act(gate) * up), layer.mlp_out_norm, layer.mlp_out_eps)
+            elif layer.residual_multiplier is None:
                 hidden = layer.down.add_to(hidden, layer.act(gate) * up)
             else:
                 hidden = hidden + layer.down(layer.act(gate) * up) * layer.residual_multiplier
@@ -961,4 +1051,6 @@ class LeanCausalLM:
             hidden = hidden.view(batch, n, -1)[:, -1] if n > 1 else hidden
         hidden = _rms_norm(hidden, self.norm, self.norm_eps)
         logits = self.lm_head(hidden).view(batch, 1 if last_only else n, -1)
+        if self.logits_softcap is not None:  # (Gemma 2)
+            return torch.tanh(logits / self.logits_softcap) * self.logits_softcap
         return logits if self.logits_divisor is None else logits / self.logits_divisor

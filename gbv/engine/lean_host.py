@@ -77,9 +77,13 @@ def host_forward_unsupported_reason(lean) -> str | None:
             return "activation other than SiLU"
         if layer.residual_multiplier is not None:
             return "residual multipliers (Granite)"
+        if layer.attn_out_norm is not None or layer.softcap is not None:
+            return "norms after each block or soft-capped attention (Gemma 2 / 3)"
     if lean.norm is not None or lean.lm_head.weight_t is None:
         return "final norm not folded"
-    if lean.embed_scale is not None or lean.logits_divisor is not None:
+    if lean.rope_kinds is not None:
+        return "a rotation per layer kind (Gemma 3)"
+    if lean.embed_scale is not None or lean.logits_divisor is not None or lean.logits_softcap is not None:
         return "a scaled embedding or logits (Gemma, Granite)"
     return None
 

@@ -89,17 +89,53 @@ def _qwen3(vocab, hidden, layers):
                                         head_dim=hidden // 2, max_position_embeddings=128, **NO_SPECIAL))
 
 
+# The toys with sliding windows (Mistral, Gemma 2 and 3) attend within one this short, so that
+# generations of the tests pass it.
+TOY_WINDOW = 8
+
+
 def _gemma(vocab, hidden, layers):
     """Gemma: norms scaling by 1 + weight (random here: the zeros it starts from would hide the offset),
     a scaled embedding, GELU (tanh)."""
-    model = GemmaForCausalLM(GemmaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                                         head_dim=hidden // 2, max_position_embeddings=128, **NO_SPECIAL))
+    return _random_norms(GemmaForCausalLM(GemmaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=128,
+        **NO_SPECIAL)))
+
+
+def _random_norms(model):
+    """Gemma's norm weights start at zero (a scale of 1): random ones, so that the offset is seen."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.uniform_(-0.5, 0.5)
     return model
+
+
+def _gemma2(vocab, hidden, layers):
+    """Gemma 2: norms after each block, soft-capped attention (cap 4 here, so that it bends the scores)
+    and logits, and sliding windows (TOY_WINDOW) on alternate layers."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _random_norms(Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=max(layers, 2),
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, query_pre_attn_scalar=hidden // 2,
+        attn_logit_softcapping=4.0, final_logit_softcapping=3.0, max_position_embeddings=128,
+        sliding_window=TOY_WINDOW, **NO_SPECIAL)))
+
+
+def _gemma3(vocab, hidden, layers):
+    """Gemma 3 (its text model): q/k norms, norms after each block, sliding windows (TOY_WINDOW) on all
+    layers but every third, and a rotary base per layer kind."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    count = max(layers, 3)
+    return _random_norms(Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=count,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, query_pre_attn_scalar=hidden // 2,
+        max_position_embeddings=128, sliding_window=TOY_WINDOW,
+        layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(count)],
+        **NO_SPECIAL)))
 
 
 def _granite(vocab, hidden, layers):
@@ -117,10 +153,6 @@ def _phi3(vocab, hidden, layers):
                                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                                       max_position_embeddings=128, partial_rotary_factor=0.5,
                                       **NO_SPECIAL))
-
-
-# Mistral's toy attends within a window this short, so that generations of the tests pass it.
-TOY_WINDOW = 8
 
 
 def _mistral(vocab, hidden, layers):
@@ -142,13 +174,13 @@ def _opt(vocab, hidden, layers):
 
 
 ARCHITECTURES = {"gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
-                 "phi3": _phi3, "mistral": _mistral}
+                 "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
 
 # The architectures the lean tree engine runs (the rest take the plain Hugging Face path).
-LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral")
+LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):

@@ -18,7 +18,7 @@ from gbv.models.loading import ModelPair
 
 from engine_toy import hf_pair, sharpen
 
-NEW_FAMILIES = ("gemma", "granite", "phi3")
+NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "granite", "phi3")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -41,6 +41,13 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
     elif arch == "granite":
         for layer in lean.layers:
             layer.residual_multiplier = None
+    elif arch == "gemma2":  # the soft caps (attention scores and logits)
+        lean.logits_softcap = None
+        for layer in lean.layers:
+            layer.softcap = None
+    elif arch == "gemma3":  # one rotary base for every layer (the sliding layers')
+        for layer in lean.layers:
+            layer.rope_kind = "sliding_attention"
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
@@ -91,6 +98,7 @@ def test_which_forward_runs_each_family():
     reasons = {arch: lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair(arch, vocab=32)[0]))
                for arch in NEW_FAMILIES}
     assert reasons == {"gemma": "activation other than SiLU", "granite": "residual multipliers (Granite)",
+                       "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -156,8 +164,9 @@ def test_batched_greedy_rows_equal_lone_runs(arch):
 
 def test_which_sliding_windows_the_lean_path_takes():
     """Every layer sliding (Mistral and Phi-3 name no layer kinds; Qwen2 with all its layers past
-    ``max_window_layers``): the lean path, masking by the window. A window at least the context never
-    binds: no window. Some layers sliding and others not: declined."""
+    ``max_window_layers``) or some (Qwen2's layers past ``max_window_layers``, Gemma 2 / 3's
+    ``layer_types``): the lean path, masking those layers by the window. A window at least the context
+    never binds: no window."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     phi3, _ = hf_pair("phi3", vocab=32)
@@ -171,14 +180,13 @@ def test_which_sliding_windows_the_lean_path_takes():
     assert mistral.window == 64 and mistral.host_forward is None and mistral.steps is None
     assert LeanCausalLM(MistralForCausalLM(MistralConfig(sliding_window=None, **small))).window is None
     every = Qwen2ForCausalLM(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=0, **small))
-    assert LeanCausalLM(every).window == 64
+    assert [layer.window for layer in LeanCausalLM(every).layers] == [64, 64]
     some = Qwen2ForCausalLM(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=1, **small))
-    assert lean_unsupported_reason(some) == "sliding windows on some layers only"
-    assert engine_for(some, None) == "hf"
+    assert engine_for(some, None) == "tree" and [layer.window for layer in LeanCausalLM(some).layers] == [None, 64]
     assert LeanCausalLM(Qwen2ForCausalLM(Qwen2Config(sliding_window=64, **small))).window is None  # (off)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3"])
 def test_a_sliding_window_masks_the_slots_before_it(arch):
     """A prompt chain longer than the window, one-token steps after it and a tree pass: each query's
     logits are those of the model's own forward over the whole sequence, which applies the window. The
