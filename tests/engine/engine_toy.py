@@ -249,7 +249,10 @@ def as_family(model, family: str, window: int = 128):
     exact); ``"gemma"`` stores norm weights minus 1 and the embedding over sqrt(hidden) (with an untied
     head) and keeps SiLU. So a trained pair (the bundled one) keeps its acceptance in every family, and
     the engines can be compared on it (scripts/bench_architectures.py). ``"mistral"`` is the same weights
-    attending within a sliding ``window``: the same function up to that many positions only."""
+    attending within a sliding ``window``: the same function up to that many positions only.
+    ``"gemma2"`` / ``"gemma3"`` are the Gemma layout with windows on alternate layers, and norms of scale 1
+    after each block (and, Gemma 3, on q and k): another function, whose drafts agree as they may;
+    Gemma 2 keeps its soft caps (50 and 30)."""
     from transformers import GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, MistralConfig, \
         MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
@@ -288,6 +291,33 @@ def as_family(model, family: str, window: int = 128):
         new = MistralForCausalLM(MistralConfig(**common, head_dim=head_dim, sliding_window=window,
                                                tie_word_embeddings=src.tie_word_embeddings,
                                                rope_parameters={"rope_type": "default", "rope_theta": rope_theta}))
+    elif family in ("gemma2", "gemma3"):  # (their norms after each block: another function, see above)
+        from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(src.num_hidden_layers)]
+        settings = dict(**common, head_dim=head_dim, hidden_activation="silu", tie_word_embeddings=False,
+                        query_pre_attn_scalar=head_dim, sliding_window=window, layer_types=kinds)
+        if family == "gemma2":
+            new = Gemma2ForCausalLM(Gemma2Config(**settings, rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": rope_theta}))
+        else:
+            rope = {"rope_type": "default", "rope_theta": rope_theta}
+            new = Gemma3ForCausalLM(Gemma3TextConfig(**settings, rope_parameters={
+                "sliding_attention": dict(rope), "full_attention": dict(rope)}))
+        scale = torch.tensor(src.hidden_size ** 0.5, dtype=torch.float32)
+        state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] / scale
+        for name in list(state):
+            if "norm" in name:
+                state[name] = state[name] - 1.0
+        for i in range(src.num_hidden_layers):  # (the Llama MLP norm is Gemma's pre-feedforward one)
+            p = f"model.layers.{i}."
+            state[p + "pre_feedforward_layernorm.weight"] = state.pop(p + "post_attention_layernorm.weight")
+            for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+                state[p + name + ".weight"] = torch.zeros(src.hidden_size)
+            if family == "gemma3":
+                for name in ("q_norm", "k_norm"):
+                    state[p + f"self_attn.{name}.weight"] = torch.zeros(head_dim)
     elif family == "gemma":
         new = GemmaForCausalLM(GemmaConfig(**common, head_dim=head_dim, hidden_act="silu",
                                            hidden_activation="silu", tie_word_embeddings=False,
