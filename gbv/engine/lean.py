@@ -101,6 +101,10 @@ def lean_unsupported_reason(model) -> str | None:
     rope = getattr(config, "rope_parameters", None) or {}
     # (Gemma 3: one set of parameters per layer kind)
     for parameters in (rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]):
+        # (longrope: Phi-3 128k, Phi-3.5, Phi-4-mini. Its module picks the short or long frequencies per call
+        # by the call's largest position, and Phi-3's generate drops the cache to recompute every key long
+        # once the sequence passes the switch: a law the lean passes would match only with a re-prefill
+        # there and no pass across it. docs/ENGINE.md, "More architectures on the lean path".)
         if isinstance(parameters, dict) and parameters.get("rope_type", "default") in ("dynamic", "longrope"):
             return f"rope type {parameters.get('rope_type')} (its frequencies depend on the sequence length)"
     inner = getattr(model, "model", None)

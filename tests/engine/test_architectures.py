@@ -277,3 +277,19 @@ def test_gemma_norms_scale_before_their_cast():
     assert ours.dtype == torch.bfloat16 and torch.equal(ours, expected)
     llama_order = lean_module._rms_norm(x, None, eps) * scale.to(torch.bfloat16)
     assert (llama_order != expected).float().mean() > 0.1
+
+
+def test_longrope_stays_on_the_plain_path():
+    """Phi-3's ``longrope`` (128k models, Phi-3.5, Phi-4-mini) picks its frequencies per call, and its
+    ``generate`` recomputes every key once past the switch: declined, with the reason."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                        original_max_position_embeddings=16,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                         "long_factor": [3.0] * 8, "original_max_position_embeddings": 16},
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = Phi3ForCausalLM(config)
+    assert lean_unsupported_reason(model) == "rope type longrope (its frequencies depend on the sequence length)"
+    assert engine_for(model, None) == "hf"
