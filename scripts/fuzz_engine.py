@@ -4,6 +4,7 @@
     python scripts/fuzz_engine.py --trials 30 --dtype bfloat16 --seed 2
     python scripts/fuzz_engine.py --seed 3 --only 29               # rerun one trial
     python scripts/fuzz_engine.py --mode single --trials 150       # single sequences
+    python scripts/fuzz_engine.py --family gemma2                  # the bundled pair in Gemma 2's layout
 
 ``--mode batch`` (the default): does a row of a batch commit what it commits alone? Each trial draws
 1-6 requests: a method among every verifier, ``ar`` and ``auto``; K 1-4, L 1-8; a temperature of 0,
@@ -31,12 +32,17 @@ pass computes each token's logits as a one-token step does), and a difference fa
 they agree but for rounding, and a near-tie can go the other way; where they differ, the two tokens'
 logits in the float32 Hugging Face forward at that point are printed: a near-tie is rounding, a clear
 gap would be a bug.
+
+``--family``: the bundled pair rewritten in another family's layout (``tests/engine/engine_toy.py``,
+``as_family``: phi3, granite, gemma, gemma2, gemma3, mistral; the windowed ones slide over 128
+positions, so long prompts pass their windows). Only Phi-3 runs on the compiled kernels like the
+bundled pair; the others run on the torch forward, where differences are reported, not failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import copy
 import random
 import sys
 import time
@@ -47,6 +53,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
 import gbv  # noqa: E402
 from gbv.data import load_prompts  # noqa: E402
@@ -111,8 +118,22 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
 
 def exact_rows(args) -> bool:
     """Whether rows must equal their references bit for bit: on the CPU where the compiled kernels run
-    (``main`` sets one thread)."""
-    return args.device == "cpu" and host_kernels_unavailable() is None and torch.get_num_threads() == 1
+    (``main`` sets one thread), for a family they run (the bundled Llama pair, Phi-3)."""
+    return (args.device == "cpu" and host_kernels_unavailable() is None and torch.get_num_threads() == 1
+            and args.family in ("llama", "phi3"))
+
+
+def load(args):
+    """A fresh pair: the bundled one, or it rewritten in ``args.family``'s layout."""
+    if args.family == "llama":
+        return gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
+    from engine_toy import as_family
+    from gbv.models.loading import ModelPair
+
+    bundled = gbv.load_pair("bundled", dtype="float32")
+    target, draft = (as_family(model, args.family).to(device=args.device, dtype=getattr(torch, args.dtype))
+                     for model in (bundled.target, bundled.draft))
+    return ModelPair(target, draft, tokenizer=bundled.tokenizer)
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -147,27 +168,23 @@ def single_trial(pair, rnd: random.Random, text_ids: list[int]) -> tuple[dict, l
     first = first_difference(ref, out.token_ids)
     gap = ""
     if first < min(len(ref), len(out.token_ids)):
-        gap = f"; {near_tie(ids + ref[:first], ref[first], out.token_ids[first])}"
+        gap = f"; {near_tie(pair, ids + ref[:first], ref[first], out.token_ids[first])}"
     return settings, ids, f"greedy {settings['method']} differs from greedy ar from token {first} of {len(ref)}{gap}"
 
 
-@functools.lru_cache(maxsize=1)
-def _float32_target():
-    return gbv.load_pair("bundled", dtype="float32").target
-
-
 @torch.inference_mode()
-def near_tie(context: list[int], token_a: int, token_b: int) -> str:
+def near_tie(pair, context: list[int], token_a: int, token_b: int) -> str:
     """How far apart the two tokens' logits are after ``context`` in the float32 Hugging Face forward of
-    the bundled target: a near-tie (a few thousandths) is rounding; a clear gap would be a bug."""
-    logits = _float32_target()(torch.tensor([context])).logits[0, -1]
+    the pair's target: a near-tie (a few thousandths) is rounding; a clear gap would be a bug."""
+    target = pair.target if pair.target.dtype == torch.float32 else copy.deepcopy(pair.target).float()
+    logits = target(torch.tensor([context], device=target.device)).logits[0, -1].cpu()
     order = torch.argsort(logits, descending=True).tolist()
     return (f"float32 logits {float(logits[token_a]):.4f} and {float(logits[token_b]):.4f} "
             f"(ranks {order.index(token_a) + 1} and {order.index(token_b) + 1})")
 
 
 def main_single(args, trials, text_ids: list[int]) -> int:
-    pair = gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
+    pair = load(args)
     crashes = errors = greedy = differ = 0
     started = time.perf_counter()
     for trial in trials:
@@ -188,7 +205,7 @@ def main_single(args, trials, text_ids: list[int]) -> int:
             differ += bool(outcome)
         if outcome:
             print(f"trial {trial} ({len(ids)}-token prompt, {settings}): {outcome}", flush=True)
-    print(f"\nsingle sequences, {args.device}, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: "
+    print(f"\nsingle sequences, {args.family}, {args.device}, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: "
           f"{len(trials)} trials, {crashes} crashed, {errors} GbvErrors; greedy speculative runs: {greedy}, "
           f"of which {differ} differ from greedy ar")
     return 1 if crashes or (differ and exact_rows(args)) else 0
@@ -203,7 +220,7 @@ def main_batch(args, trials, text_ids: list[int]) -> int:
         totals["trials"] += 1
         # A fresh pair a trial: its lean views start with the tables and caches of a new process (a
         # served request past the draft's first rotary table crashed only there).
-        pair = gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
+        pair = load(args)
         try:
             done, cancelled = run_batch(pair, requests, max_rows, rnd)
         except Exception:  # noqa: BLE001 - reported, and the next trial runs
@@ -227,7 +244,7 @@ def main_batch(args, trials, text_ids: list[int]) -> int:
         note = f"; cancelled row {cancelled}" if cancelled is not None else ""
         print(f"trial {trial}: {len(requests)} requests, {max_rows} rows{note}: "
               + ("; ".join(differ) if differ else "every compared row as alone"), flush=True)
-    print(f"\n{args.device}, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: {totals['trials']} trials, "
+    print(f"\n{args.family}, {args.device}, {args.dtype}, seed {args.seed}, {time.perf_counter() - started:.0f} s: {totals['trials']} trials, "
           f"{totals['crashes']} crashed; rows compared with alone: {totals['rows']} "
           f"(greedy {totals['greedy']}, of which {totals['greedy_differ']} differ; "
           f"sampled {totals['sampled']}, of which {totals['sampled_differ']} differ)")
@@ -243,6 +260,9 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated trial numbers to run (default: all)")
     parser.add_argument("--mode", choices=("batch", "single"), default="batch")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part fuzz)")
+    parser.add_argument("--family", default="llama", choices=("llama", "phi3", "granite", "gemma", "gemma2", "gemma3",
+                                                              "mistral"),
+                        help="the bundled pair as is (llama) or rewritten in this family's layout")
     args = parser.parse_args()
     torch.set_num_threads(1)
     text = "\n\n".join(load_prompts("gsm8k", 200))

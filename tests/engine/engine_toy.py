@@ -242,6 +242,17 @@ def sharp_llama_pair():
     return ModelPair(target, draft)
 
 
+def _gemma_weights(state: dict, model, hidden_size: int) -> None:
+    """Llama weights in Gemma's form, in ``state``: an untied head, the embedding over sqrt(hidden) (Gemma's
+    embedding multiplies it back) and norm weights minus 1 (Gemma's norms scale by 1 + weight)."""
+    scale = torch.tensor(hidden_size ** 0.5, dtype=torch.float32)
+    state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] / scale
+    for name in list(state):
+        if "norm" in name:
+            state[name] = state[name] - 1.0
+
+
 def as_family(model, family: str, window: int = 128):
     """A Llama model (float32, tied embeddings, SiLU) rewritten in another family's layout, computing the
     same function: ``"phi3"`` fuses q/k/v and gate/up; ``"granite"`` sets embedding multiplier 2, residual
@@ -304,12 +315,7 @@ def as_family(model, family: str, window: int = 128):
             rope = {"rope_type": "default", "rope_theta": rope_theta}
             new = Gemma3ForCausalLM(Gemma3TextConfig(**settings, rope_parameters={
                 "sliding_attention": dict(rope), "full_attention": dict(rope)}))
-        scale = torch.tensor(src.hidden_size ** 0.5, dtype=torch.float32)
-        state["lm_head.weight"] = model.lm_head.weight.detach().clone()
-        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] / scale
-        for name in list(state):
-            if "norm" in name:
-                state[name] = state[name] - 1.0
+        _gemma_weights(state, model, src.hidden_size)
         for i in range(src.num_hidden_layers):  # (the Llama MLP norm is Gemma's pre-feedforward one)
             p = f"model.layers.{i}."
             state[p + "pre_feedforward_layernorm.weight"] = state.pop(p + "post_attention_layernorm.weight")
@@ -322,12 +328,7 @@ def as_family(model, family: str, window: int = 128):
         new = GemmaForCausalLM(GemmaConfig(**common, head_dim=head_dim, hidden_act="silu",
                                            hidden_activation="silu", tie_word_embeddings=False,
                                            rope_parameters={"rope_type": "default", "rope_theta": rope_theta}))
-        scale = torch.tensor(src.hidden_size ** 0.5, dtype=torch.float32)
-        state["lm_head.weight"] = model.lm_head.weight.detach().clone()
-        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] / scale
-        for name in list(state):
-            if "norm" in name:
-                state[name] = state[name] - 1.0
+        _gemma_weights(state, model, src.hidden_size)
     else:
         raise ValueError(f"no conversion to {family!r}")
     missing, unexpected = new.load_state_dict(state, strict=False)
