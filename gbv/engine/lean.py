@@ -290,8 +290,8 @@ def _functional(act):
     return act
 
 
-def _few_query_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float, kv_heads: int
-                         ) -> Tensor:
+def _few_query_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float, kv_heads: int,
+                         softcap: float | None = None) -> Tensor:
     """``softmax(q k^T * scale + bias) v`` as Hugging Face's eager attention computes it (scores in the
     model's dtype, the softmax in float32): three kernels, for the few queries of a static step.
 
@@ -301,11 +301,16 @@ def _few_query_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, 
 
     Args: q (B, H, N, D); keys, values (B, kv_heads, S, D); bias (B * kv_heads or 1, groups * N, S),
     from :meth:`LeanCausalLM.attention_bias`. Returns (B, H, N, D). Query head ``h`` reads kv head
-    ``h // groups``, as Hugging Face's ``repeat_kv``."""
+    ``h // groups``, as Hugging Face's ``repeat_kv``. ``softcap`` (Gemma 2): the scores capped as
+    ``c * tanh(s / c)`` before the bias is added, as :func:`_softcapped_attention` does."""
     batch, heads, n, dim = q.shape
     groups = heads // kv_heads
     q = q.reshape(batch * kv_heads, groups * n, dim)
-    scores = torch.baddbmm(bias, q, keys.reshape(batch * kv_heads, -1, dim).transpose(1, 2), alpha=scale)
+    keys_t = keys.reshape(batch * kv_heads, -1, dim).transpose(1, 2)
+    if softcap is None:
+        scores = torch.baddbmm(bias, q, keys_t, alpha=scale)
+    else:
+        scores = torch.tanh(torch.bmm(q, keys_t) * scale / softcap) * softcap + bias
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if probs.dtype != q.dtype:
         probs = probs.to(q.dtype)
@@ -650,12 +655,13 @@ class LeanCausalLM:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
+        self._kind_tables: dict = {}  # (cos, sin, rot) by rotary kind (None: the only one; Gemma 3: per kind)
         self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
         self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host forward)
         # The sliding window of the layers that have one where it binds (Mistral v0.1 and Phi-3 4k: every
-        # layer; Gemma 2 / 3: some; None: none). :meth:`forward` then masks, for those layers, the slots
-        # before it. Only the torch forward does: the host forward and the static steps (CUDA graphs)
-        # make their own masks, so neither runs such a model.
+        # layer; Gemma 2 / 3: some; None: none). :meth:`forward` and the static steps (static_forward)
+        # then mask, for those layers, the slots before it. The host forward, which makes its own masks,
+        # does not run such a model.
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
@@ -671,10 +677,7 @@ class LeanCausalLM:
             self.cache_dtype = torch.bfloat16
         # Forwards of up to MAX_QUERIES queries as CUDA graphs, replayed (gbv.engine.static_steps); None
         # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
-        # (Nor do the static steps run soft-capped attention or per-kind rotations: not recorded, not tested
-        # on a GPU.)
-        plain_only = self.window is not None or self.rope_kinds is not None or any(l.softcap for l in self.layers)
-        mode = None if plain_only else steps_mode(self.device)
+        mode = steps_mode(self.device)
         self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
         # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward); TORCH
         # where there is no host forward. forward_times: the median ms of a one-token step of each form,
@@ -949,10 +952,16 @@ class LeanCausalLM:
         position minus the window. Why slots stand for positions here: every committed token sits in the
         slot of its position (the decoders keep them so), and the nodes a pass writes after them are
         within the block's depth of their queries, inside any window longer than a block."""
-        slots = torch.arange(start + n, device=positions.device)
         if mask is None:
+            slots = torch.arange(start + n, device=positions.device)
             mask = (slots[None, :] <= slots[start:, None] if causal
                     else torch.ones(n, start + n, dtype=torch.bool, device=positions.device))[None, None]
+        return self.windowed(mask, positions)
+
+    def windowed(self, mask: Tensor, positions: Tensor) -> Tensor:
+        """A (B or 1, 1, N, S) bool ``mask`` over slots ``0 .. S-1`` without the slots at or before each
+        query's position ((B, N) ``positions``) minus the window (see :meth:`_within_window`)."""
+        slots = torch.arange(mask.shape[-1], device=positions.device)
         return mask & (slots > positions[:, None, :, None] - self.window)
 
     def embed_rows(self, tokens: Tensor) -> Tensor:
@@ -963,7 +972,7 @@ class LeanCausalLM:
     def _layers(self, hidden: Tensor, batch: int, n: int, cos: Tensor, sin: Tensor | None, cache: KVCache,
                 first_row: int, start: int, slots: Tensor | None, mask: Tensor | None, use_causal: bool,
                 bias: Tensor | None = None, window_mask: Tensor | None = None,
-                rotations: dict | None = None) -> Tensor:
+                rotations: dict | None = None, window_bias: Tensor | None = None) -> Tensor:
         """The decoder layers over ``hidden`` (B * N, hidden). ``cos``, ``sin``: the rotary tables at the
         queries' positions (interleaved: the complex rotation and None). Keys and values go to slots
         ``start ..`` and attention reads slots ``.. start + N`` (``slots`` None); or, given ``slots``
@@ -971,7 +980,8 @@ class LeanCausalLM:
         ``mask`` ((B or 1, 1, N, capacity) bool): the form of :mod:`gbv.engine.static_steps`, whose
         shapes do not depend on ``start``. Given ``bias`` (:meth:`attention_bias` of that mask), attention
         is :func:`_few_query_attention` instead of SDPA. ``window_mask``: the mask of the layers with a
-        sliding window, where it binds (:meth:`_within_window`). ``rotations``: (cos, sin) by rotary kind
+        sliding window, where it binds (:meth:`_within_window`), and ``window_bias`` its bias where
+        ``bias`` is given. ``rotations``: (cos, sin) by rotary kind
         (Gemma 3), each layer taking its kind's."""
         end = start + n
 
@@ -1013,7 +1023,8 @@ class LeanCausalLM:
             if window_mask is not None and layer.window is not None:
                 layer_mask, layer_causal = window_mask, False
             if bias is not None:
-                attn = _few_query_attention(q, keys, values, bias, layer.scaling, self.kv_heads)
+                layer_bias = window_bias if window_bias is not None and layer.window is not None else bias
+                attn = _few_query_attention(q, keys, values, layer_bias, layer.scaling, self.kv_heads, layer.softcap)
             elif layer.softcap is not None:
                 attn = _softcapped_attention(q, keys, values, layer_mask, layer_causal, layer.scaling, layer.softcap,
                                              self.kv_heads)

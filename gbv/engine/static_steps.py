@@ -178,9 +178,18 @@ def static_forward(lean, tokens: Tensor, positions: Tensor, slots: Tensor, mask:
     not depend on where it writes. Returns (B, N or 1, V) logits."""
     batch, n = tokens.shape
     cos, sin = lean._rotary(positions, capacity)
+    rotations = None if lean.rope_kinds is None else {  # (Gemma 3: a table per layer kind)
+        kind: lean._rotary(positions, capacity, kind) for kind in set(lean.rope_kinds)}
     hidden = lean.embed_rows(tokens.reshape(-1))
     bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
-    hidden = lean._layers(hidden, batch, n, cos, sin, cache, first_row, 0, slots, mask, False, bias)
+    # The layers with a sliding window (Mistral v0.1, Phi-3 4k, Gemma 2 / 3) mask the slots before it too,
+    # at every call: a recorded step's positions change from replay to replay.
+    window_mask = window_bias = None
+    if lean.window is not None:
+        window_mask = lean.windowed(mask, positions)
+        window_bias = lean.attention_bias(window_mask, batch) if FEW_QUERY_ATTENTION else None
+    hidden = lean._layers(hidden, batch, n, cos, sin, cache, first_row, 0, slots, mask, False, bias,
+                          window_mask=window_mask, rotations=rotations, window_bias=window_bias)
     return lean._head(hidden, batch, n, last_only)
 
 
@@ -283,7 +292,7 @@ class StaticStep(Recorded):
         capacity = cache.capacity
         lean.ensure_rotary(capacity)
         # The graph reads the rotary tables as they are now: keep them alive should they be regrown.
-        self.tables = (lean._cos, lean._sin, lean._rot)
+        self.tables = (lean._cos, lean._sin, lean._rot, lean._kind_tables)
         device = lean.device
         with torch.inference_mode(False):
             self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)

@@ -113,14 +113,14 @@ def _random_norms(model):
 
 
 def _gemma2(vocab, hidden, layers):
-    """Gemma 2: norms after each block, soft-capped attention (cap 4 here, so that it bends the scores)
-    and logits, and sliding windows (TOY_WINDOW) on alternate layers."""
+    """Gemma 2: norms after each block, soft-capped attention (cap 0.05 here, about the toy's largest
+    scores, so that it bends them) and logits, and sliding windows (TOY_WINDOW) on alternate layers."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     return _random_norms(Gemma2ForCausalLM(Gemma2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=max(layers, 2),
         num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, query_pre_attn_scalar=hidden // 2,
-        attn_logit_softcapping=4.0, final_logit_softcapping=3.0, max_position_embeddings=128,
+        attn_logit_softcapping=0.05, final_logit_softcapping=3.0, max_position_embeddings=128,
         sliding_window=TOY_WINDOW, **NO_SPECIAL)))
 
 

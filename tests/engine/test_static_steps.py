@@ -62,11 +62,15 @@ def _calls(gen: torch.Generator, vocab: int):
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.float32),
-                                        ("llama", torch.bfloat16)])
+                                        ("llama", torch.bfloat16), ("mistral", torch.float32),
+                                        ("gemma2", torch.float32), ("gemma3", torch.bfloat16),
+                                        ("phi3", torch.bfloat16), ("granite", torch.float32)])
 def test_static_steps_equal_the_eager_forward(arch, dtype):
     """Logits and every cache entry written agree with the eager forward, through a cache that grows
     on the way (its steps dropped and made again). llama: grouped-query attention, interleaved
-    rotation in float32; qwen3: q/k norms; bfloat16: the cos/sin rotation."""
+    rotation in float32; qwen3: q/k norms; bfloat16: the cos/sin rotation; mistral, gemma2, gemma3:
+    sliding windows (8 positions) passed (every layer's, some layers'), gemma2's soft caps, gemma3's
+    rotation per layer kind; phi3: a partial rotation; granite: its multipliers."""
     target, _ = hf_pair(arch, vocab=40, seed=3, target_size=(64, 2))
     target = target.to(device=TEST_DEVICE, dtype=dtype)
     eager, static = _eager_and_static(target)
@@ -196,16 +200,18 @@ def test_pooled_caches_are_lent_to_one_owner_at_a_time():
     assert lean.new_cache(1, 10).capacity == 10
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_generation_through_static_steps_equals_eager(monkeypatch, temperature):
+def test_generation_through_static_steps_equals_eager(monkeypatch, temperature, arch):
     """Every method, greedy and sampled with one seed, gives the same tokens through static steps (on a
     GPU: CUDA graphs) as through the eager forward; twice over, the second generation on the pooled
-    caches and steps of the first."""
+    caches and steps of the first. gemma2: soft caps, and windows (8 positions) on alternate layers,
+    passed by the 24 new tokens."""
     monkeypatch.setenv("GBV_HOST_FORWARD", "0")  # (on the CPU: the torch path, where the steps run)
     outputs = {}
     for mode in ("0", MODE):
         monkeypatch.setenv("GBV_CUDA_GRAPHS", mode)
-        target, draft = hf_pair("llama", vocab=40, seed=6)  # new models: new lean views, which read the mode
+        target, draft = hf_pair(arch, vocab=40, seed=6)  # new models: new lean views, which read the mode
         pair = ModelPair(target=target.to(TEST_DEVICE), draft=draft.to(TEST_DEVICE), tokenizer=None)
         for method in all_methods():
             if method == "auto":  # (its choices follow measured times: runs differ; tests/engine/test_auto.py)
