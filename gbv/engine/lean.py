@@ -45,8 +45,8 @@ logger = logging.getLogger("gbv")
 FUSE_MAX_PARAMETERS = 1_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                      "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
-                      "Phi3ForCausalLM")
+                      "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                      "GraniteForCausalLM", "Phi3ForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
@@ -54,7 +54,9 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   Gemma 2 and 3 also norm each block's output before its residual add (``post_attention_layernorm``,
 #   ``post_feedforward_layernorm``; the MLP's input norm is ``pre_feedforward_layernorm``) and slide
 #   windows on some layers (``layer_types``); Gemma 2 soft-caps attention scores and logits
-#   (``c * tanh(x / c)``); Gemma 3 norms q and k per head and rotates each layer kind by its own base;
+#   (``c * tanh(x / c)``); Gemma 3 norms q and k per head and rotates each layer kind by its own base
+#   (its 4B+ models load as the multimodal Gemma3ForConditionalGeneration: its text decoder runs here,
+#   for text prompts);
 # - Granite: the embedding times ``embedding_multiplier``, each block's output times ``residual_multiplier``
 #   before the residual add, attention scaled by ``attention_multiplier`` (the module's ``scaling``), the
 #   logits divided by ``logits_scaling``;
@@ -93,7 +95,7 @@ def lean_unsupported_reason(model) -> str | None:
     name = type(model).__name__
     if name not in LEAN_ARCHITECTURES:
         return f"architecture {name} (lean path: {', '.join(LEAN_ARCHITECTURES)})"
-    config = model.config
+    config = model.config.get_text_config()
     if getattr(config, "mlp_bias", False):
         return "MLP biases"
     if getattr(config, "pretraining_tp", 1) not in (1, None):
@@ -107,10 +109,18 @@ def lean_unsupported_reason(model) -> str | None:
         # there and no pass across it. docs/ENGINE.md, "More architectures on the lean path".)
         if isinstance(parameters, dict) and parameters.get("rope_type", "default") in ("dynamic", "longrope"):
             return f"rope type {parameters.get('rope_type')} (its frequencies depend on the sequence length)"
-    inner = getattr(model, "model", None)
+    inner = text_decoder(model)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return "unexpected module layout"
     return None
+
+
+def text_decoder(model):
+    """The module holding the embedding, the decoder layers, the final norm and the rotary tables:
+    ``model.model``, or its ``language_model`` in a multimodal model (Gemma 3's 4B and larger: the
+    vision tower is not used for text). None where there is neither."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "language_model", inner)
 
 
 class KVCache:
@@ -589,11 +599,11 @@ class LeanCausalLM:
         config = model.config.get_text_config()
         # The dtype the matrices' values are (bfloat16 ones may be run in float32: see
         # bf16_weights_in_float32_reason); ``self.dtype`` is the one the forward computes in.
-        self.weight_dtype = model.model.embed_tokens.weight.dtype
+        self.weight_dtype = text_decoder(model).embed_tokens.weight.dtype
         self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
         if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after
             model = copy.deepcopy(model).to(torch.float32)
-        inner = model.model
+        inner = text_decoder(model)
         self.embed = inner.embed_tokens.weight
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
         # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory).

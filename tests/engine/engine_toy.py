@@ -138,6 +138,24 @@ def _gemma3(vocab, hidden, layers):
         **NO_SPECIAL)))
 
 
+def _gemma3mm(vocab, hidden, layers):
+    """Gemma 3 as its 4B and larger models load: the multimodal Gemma3ForConditionalGeneration (a tiny
+    vision tower, unused by text prompts) around the text decoder of ``_gemma3``."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    count = max(layers, 3)
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=count,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, query_pre_attn_scalar=hidden // 2,
+                max_position_embeddings=128, sliding_window=TOY_WINDOW,
+                layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(count)],
+                **NO_SPECIAL)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return _random_norms(Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
+        boi_token_index=vocab - 3, eoi_token_index=vocab - 2)))
+
+
 def _granite(vocab, hidden, layers):
     """Granite: embedding, residual and attention multipliers and a logits divisor, none of them 1."""
     return GraniteForCausalLM(GraniteConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -174,13 +192,13 @@ def _opt(vocab, hidden, layers):
 
 
 ARCHITECTURES = {"gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
-                 "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3}
+                 "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
 
 # The architectures the lean tree engine runs (the rest take the plain Hugging Face path).
-LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3")
+LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):

@@ -13,12 +13,12 @@ from gbv.engine import lean as lean_module
 from gbv.engine import lean_host
 from gbv.engine.decoder import engine_for
 from gbv.engine.generate import generate
-from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason
+from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason, text_decoder
 from gbv.models.loading import ModelPair
 
 from engine_toy import hf_pair, sharpen
 
-NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "granite", "phi3")
+NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -45,7 +45,7 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
         lean.logits_softcap = None
         for layer in lean.layers:
             layer.softcap = None
-    elif arch == "gemma3":  # one rotary base for every layer (the sliding layers')
+    elif arch in ("gemma3", "gemma3mm"):  # one rotary base for every layer (the sliding layers')
         for layer in lean.layers:
             layer.rope_kind = "sliding_attention"
 
@@ -61,7 +61,7 @@ def test_lean_forward_is_the_hugging_face_forward(arch, dtype, monkeypatch):
     target, draft = hf_pair(arch, vocab=32, seed=4)
     for model in (target, draft):
         with torch.no_grad():  # sharper attention, so that the positions (the rotation) weigh in the logits
-            for layer in model.model.layers:
+            for layer in text_decoder(model).layers:
                 for name, parameter in layer.self_attn.named_parameters():
                     if name.startswith(("q", "k")):
                         parameter.mul_(4.0)
@@ -99,6 +99,7 @@ def test_which_forward_runs_each_family():
                for arch in NEW_FAMILIES}
     assert reasons == {"gemma": "activation other than SiLU", "granite": "residual multipliers (Granite)",
                        "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
+                       "gemma3mm": "sliding-window attention",
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -123,7 +124,7 @@ def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, 
     layout (``_rotate``, partial for Phi-3). A control rotating the whole head is caught."""
     target, _ = hf_pair(arch, vocab=32, seed=5)
     with torch.no_grad():
-        for layer in target.model.layers:
+        for layer in text_decoder(target).layers:
             for name, parameter in layer.self_attn.named_parameters():
                 if name.startswith(("q", "k")):
                     parameter.mul_(4.0)
@@ -131,7 +132,7 @@ def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, 
     lean = LeanCausalLM(target)
     assert not lean.interleaved and lean.host_forward is None
     if arch == "phi3":
-        attn = target.model.layers[0].self_attn
+        attn = text_decoder(target).layers[0].self_attn
         assert [part.weight for part in lean.layers[0].qkv.parts] == [attn.qkv_proj.weight]
         assert lean.layers[0].qkv.sizes == [32, 16, 16]
     expected = _reference(target, TOKENS)
@@ -186,7 +187,7 @@ def test_which_sliding_windows_the_lean_path_takes():
     assert LeanCausalLM(Qwen2ForCausalLM(Qwen2Config(sliding_window=64, **small))).window is None  # (off)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3", "gemma3mm"])
 def test_a_sliding_window_masks_the_slots_before_it(arch):
     """A prompt chain longer than the window, one-token steps after it and a tree pass: each query's
     logits are those of the model's own forward over the whole sequence, which applies the window. The
@@ -197,7 +198,7 @@ def test_a_sliding_window_masks_the_slots_before_it(arch):
     target, _ = hf_pair(arch, vocab=32, seed=8)
     target.config.sliding_window = TOY_WINDOW
     with torch.no_grad():
-        for layer in target.model.layers:
+        for layer in text_decoder(target).layers:
             for name, parameter in layer.self_attn.named_parameters():
                 if name.startswith(("q", "k")):
                     parameter.mul_(4.0)
