@@ -1,5 +1,5 @@
-"""A lean forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, and the Llama-shaped Gemma, Granite
-and Phi-3) over a preallocated KV cache.
+"""A lean forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, and the Llama-shaped Gemma 1-3,
+Granite and Phi-3) over a preallocated KV cache.
 
 Why: an eager transformers decode step of a small model is mostly framework work (about 1,750 aten
 ops for the bundled 8-layer target, of which matrix multiplies are 65% of the time; a 1-layer draft
@@ -21,6 +21,7 @@ configurations this module does not cover (:func:`lean_unsupported_reason` says 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 from typing import Sequence
@@ -617,8 +618,6 @@ class LeanCausalLM:
         self.rotary = inner.rotary_emb
         # Gemma 3 rotates each layer kind by its own base: its rotary module takes the kind, and every
         # kind gets a table (None: one table for every layer).
-        import inspect
-
         per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rope_kinds = list(config.layer_types) if per_kind else None
         probe_cos, _ = self._rotary_module(torch.empty((), dtype=dtype, device=device),
@@ -991,8 +990,8 @@ class LeanCausalLM:
         shapes do not depend on ``start``. Given ``bias`` (:meth:`attention_bias` of that mask), attention
         is :func:`_few_query_attention` instead of SDPA. ``window_mask``: the mask of the layers with a
         sliding window, where it binds (:meth:`_within_window`), and ``window_bias`` its bias where
-        ``bias`` is given. ``rotations``: (cos, sin) by rotary kind
-        (Gemma 3), each layer taking its kind's."""
+        ``bias`` is given. ``rotations``: (cos, sin) by rotary kind (Gemma 3), each layer taking its
+        kind's."""
         end = start + n
 
         def laid_out(cos, sin):  # interleaved: the complex rotation (B, N, 1, D/2), None; else (B, 1, N, D) each
