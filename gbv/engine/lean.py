@@ -47,7 +47,7 @@ FUSE_MAX_PARAMETERS = 1_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                      "GraniteForCausalLM", "Phi3ForCausalLM")
+                      "GraniteForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
@@ -62,7 +62,11 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   before the residual add, attention scaled by ``attention_multiplier`` (the module's ``scaling``), the
 #   logits divided by ``logits_scaling``;
 # - Phi-3: q/k/v and gate/up each one matrix (``qkv_proj``, ``gate_up_proj``), and a rotation of the
-#   first ``partial_rotary_factor`` of each head only (Phi-4-mini: 0.75).
+#   first ``partial_rotary_factor`` of each head only (Phi-4-mini: 0.75);
+# - SmolLM3: no rotation in some layers (``use_rope`` 0, every fourth: "NoPE"), a table of the identity.
+
+# The rotary kind of layers that do not rotate q and k (SmolLM3's NoPE layers): its table is the identity.
+NO_ROTATION = "none"
 
 
 def _binding_window(config) -> int | None:
@@ -619,11 +623,16 @@ class LeanCausalLM:
         # Gemma 3 rotates each layer kind by its own base: its rotary module takes the kind, and every
         # kind gets a table (None: one table for every layer).
         per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
-        self.rope_kinds = list(config.layer_types) if per_kind else None
         probe_cos, _ = self._rotary_module(torch.empty((), dtype=dtype, device=device),
                                            torch.zeros(1, 1, dtype=torch.long, device=device),
-                                           self.rope_kinds[0] if per_kind else None)
+                                           config.layer_types[0] if per_kind else None)
         self.rotary_dim = probe_cos.shape[-1]
+        kinds = list(config.layer_types) if per_kind else [None] * len(inner.layers)
+        # SmolLM3's layers without rotation (``use_rope`` 0) take the identity's table
+        no_rope = [not getattr(layer.self_attn, "use_rope", True) for layer in inner.layers]
+        if any(no_rope):
+            kinds = [NO_ROTATION if skip else kind for kind, skip in zip(kinds, no_rope)]
+        self.rope_kinds = kinds if (per_kind or any(no_rope)) else None
         num_heads = config.num_attention_heads
         heads = (num_heads, getattr(config, "num_key_value_heads", None) or num_heads)
         windows = layer_windows(config, len(inner.layers))
@@ -633,7 +642,7 @@ class LeanCausalLM:
         # bfloat16 products of several rows in float32 where this CPU has no fast kernel for them.
         self.upcast = bf16_products_upcast(dtype, device)
         self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
-                              self.rotary_dim, windows[index], self.rope_kinds[index] if per_kind else None)
+                              self.rotary_dim, windows[index], self.rope_kinds[index] if self.rope_kinds else None)
                        for index, layer in enumerate(inner.layers)]
         final_norm, self.norm_eps = _norm_scale_and_eps(inner.norm)
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
@@ -755,7 +764,11 @@ class LeanCausalLM:
             kinds = list(dict.fromkeys(self.rope_kinds)) if self.rope_kinds else [None]
             self._kind_tables = {}
             for kind in kinds:
-                cos, sin = self._rotary_module(probe, ids, kind)
+                if kind == NO_ROTATION:  # (the identity: cos 1, sin 0, and exact ones as rotations)
+                    cos = torch.ones(1, size, self.rotary_dim, dtype=self.dtype, device=self.device)
+                    sin = torch.zeros(1, size, self.rotary_dim, dtype=self.dtype, device=self.device)
+                else:
+                    cos, sin = self._rotary_module(probe, ids, kind)
                 cos, sin, rot = cos[0], sin[0], None
                 if self.interleaved:  # e^{i theta} per frequency (HF repeats each frequency twice)
                     half = self.rotary_dim // 2

@@ -82,7 +82,7 @@ def host_forward_unsupported_reason(lean) -> str | None:
     if lean.norm is not None or lean.lm_head.weight_t is None:
         return "final norm not folded"
     if lean.rope_kinds is not None:
-        return "a rotation per layer kind (Gemma 3)"
+        return "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)"
     if lean.embed_scale is not None or lean.logits_divisor is not None or lean.logits_softcap is not None:
         return "a scaled embedding or logits (Gemma, Granite)"
     return None

@@ -156,6 +156,15 @@ def _gemma3mm(vocab, hidden, layers):
         boi_token_index=vocab - 3, eoi_token_index=vocab - 2)))
 
 
+def _smollm3(vocab, hidden, layers):
+    """SmolLM3: Llama with no rotation in every fourth layer ("NoPE", ``no_rope_layers``)."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    return SmolLM3ForCausalLM(SmolLM3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=max(layers, 4),
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, **NO_SPECIAL))
+
+
 def _granite(vocab, hidden, layers):
     """Granite: embedding, residual and attention multipliers and a logits divisor, none of them 1."""
     return GraniteForCausalLM(GraniteConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -192,13 +201,14 @@ def _opt(vocab, hidden, layers):
 
 
 ARCHITECTURES = {"gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
-                 "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm}
+                 "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm,
+                 "smollm3": _smollm3}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
 
 # The architectures the lean tree engine runs (the rest take the plain Hugging Face path).
-LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm")
+LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm", "smollm3")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):

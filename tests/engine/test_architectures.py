@@ -18,7 +18,7 @@ from gbv.models.loading import ModelPair
 
 from engine_toy import hf_pair, sharpen
 
-NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3")
+NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3", "smollm3")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -45,6 +45,9 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
         lean.logits_softcap = None
         for layer in lean.layers:
             layer.softcap = None
+    elif arch == "smollm3":  # every layer rotated, its NoPE layer too
+        for layer in lean.layers:
+            layer.rope_kind = None
     elif arch in ("gemma3", "gemma3mm"):  # one rotary base for every layer (the sliding layers')
         for layer in lean.layers:
             layer.rope_kind = "sliding_attention"
@@ -100,6 +103,7 @@ def test_which_forward_runs_each_family():
     assert reasons == {"gemma": "activation other than SiLU", "granite": "residual multipliers (Granite)",
                        "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
                        "gemma3mm": "sliding-window attention",
+                       "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
