@@ -143,13 +143,17 @@ def test_device_forms_read_the_host_once(num_paths, form):
 
 
 @pytest.mark.parametrize("steps", ["eager", "static"])
-@pytest.mark.parametrize("method,num_paths", [("ar", 1), ("token", 1), ("block", 1), ("gbv", 3), ("gbv-adaptive", 3),
-                                             ("specinfer", 3), ("spectr", 3), ("traversal", 3)])
-def test_engine_iteration_host_reads(method, num_paths, steps, monkeypatch):
+@pytest.mark.parametrize("arch,method,num_paths", [
+    *[("llama", method, num_paths) for method, num_paths in (
+        ("ar", 1), ("token", 1), ("block", 1), ("gbv", 3), ("gbv-adaptive", 3), ("specinfer", 3), ("spectr", 3),
+        ("traversal", 3))],
+    ("gemma2", "ar", 1), ("gemma2", "block", 1), ("gemma2", "gbv", 3)])
+def test_engine_iteration_host_reads(arch, method, num_paths, steps, monkeypatch):
     """A whole tree-engine iteration (draft, trie, target pass, verify, commit) stays within L + 3
     (issue 8's budget) and in fact reads twice; the multi-path verifiers with their device forms
     (what runs on a GPU), forced here on CPU tensors. ``static``: through the static calls a GPU
-    records (gbv/engine/static_steps.py, static_sampling.py), run here without recording."""
+    records (gbv/engine/static_steps.py, static_sampling.py), run here without recording. gemma2:
+    sliding windows (passed by the 40 new tokens), soft caps and per-layer masks add no read."""
     monkeypatch.setenv("GBV_CUDA_GRAPHS", "static" if steps == "static" else "0")
     import gbv.engine.tree_decoder as tree_decoder
     import gbv.verify.block as block_module
@@ -168,7 +172,7 @@ def test_engine_iteration_host_reads(method, num_paths, steps, monkeypatch):
     # Likewise the compiled draw (host_kernels.draw_rows_host): CPU tensors only.
     monkeypatch.setenv("GBV_HOST_KERNELS", "0")
 
-    target, draft = hf_pair("llama", vocab=64, seed=2)
+    target, draft = hf_pair(arch, vocab=64, seed=2)
     sharpen(target, draft, scale=3.0)
     block_len = 4
     counts = []
