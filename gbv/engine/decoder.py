@@ -6,8 +6,10 @@ tokens. :func:`gbv.engine.generate.stream_generate` drives it.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +18,8 @@ from gbv.engine import cache as kv
 from gbv.engine.sampling import SamplingConfig, process_logits, sample
 from gbv.engine.stats import GenerationStats
 from gbv.verify import TorchRandom, get_verifier, is_multi_path
+
+logger = logging.getLogger("gbv")
 
 AR = "ar"
 
@@ -240,7 +244,18 @@ def engine_for(target, draft) -> str:
     if os.environ.get("GBV_ENGINE", "").lower() == "hf":
         return "hf"
     models = [m for m in (target, draft) if m is not None]
-    return "tree" if all(lean_unsupported_reason(m) is None for m in models) else "hf"
+    reasons = [(m, lean_unsupported_reason(m)) for m in models]
+    untold = [(m, reason) for m, reason in reasons if reason is not None and m not in _TOLD_PLAIN]
+    if untold:  # (one line, once a model: why this pair decodes slower)
+        _TOLD_PLAIN.update(m for m, _ in untold)
+        why = "; ".join(dict.fromkeys(f"{type(m).__name__}: {reason}" for m, reason in untold))
+        logger.warning("gbv: this pair runs on the plain Hugging Face path (slower: no token tree, a cache row per "
+                       "path; docs/ENGINE.md, \"Two paths\"). %s", why)
+    return "tree" if all(reason is None for _, reason in reasons) else "hf"
+
+
+# The models whose fallback to the plain path engine_for has logged.
+_TOLD_PLAIN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def make_decoder(target, draft, method: str, num_paths: int, block_len: int, vocab: int,

@@ -399,3 +399,30 @@ def test_draft_equal_to_target_accepts_everything(temperature):
                        max_new_tokens=12, eos_token_id=[], seed=0)
         assert out.stats.accepted_lengths == [3, 3, 3], method
         assert out.stats.block_efficiency == 4.0
+
+
+def test_a_pair_off_the_lean_engine_is_told_why_once(monkeypatch, caplog):
+    """A pair the lean engine does not run gets one warning saying so and why (it decodes slower), one
+    line for both models (the same reason once); a lean pair gets none, and neither does a pair sent to
+    the plain path on purpose."""
+    import logging
+
+    from gbv.engine.lean import lean_unsupported_reason
+
+    gpt2_target, gpt2_draft = hf_pair("gpt2", vocab=32)
+    with caplog.at_level(logging.WARNING, logger="gbv"):
+        for _ in range(2):
+            generate(ModelPair(gpt2_target, gpt2_draft), prompt_ids=PROMPT, method="block", max_new_tokens=3,
+                     eos_token_id=[])
+    told = [r.getMessage() for r in caplog.records if "plain Hugging Face path" in r.getMessage()]
+    assert told == ["gbv: this pair runs on the plain Hugging Face path (slower: no token tree, a cache row per "
+                    f"path; docs/ENGINE.md, \"Two paths\"). GPT2LMHeadModel: {lean_unsupported_reason(gpt2_target)}"]
+    caplog.clear()
+    llama_target, llama_draft = hf_pair("llama", vocab=32)
+    with caplog.at_level(logging.WARNING, logger="gbv"):
+        generate(ModelPair(llama_target, llama_draft), prompt_ids=PROMPT, method="block", max_new_tokens=3,
+                 eos_token_id=[])
+        monkeypatch.setenv("GBV_ENGINE", "hf")
+        generate(ModelPair(llama_target, llama_draft), prompt_ids=PROMPT, method="block", max_new_tokens=3,
+                 eos_token_id=[])
+    assert not [r for r in caplog.records if "plain Hugging Face path" in r.getMessage()]
