@@ -249,7 +249,7 @@ def engine_for(target, draft) -> str:
     if untold:  # (one line, once a model: why this pair decodes slower)
         _TOLD_PLAIN.update(m for m, _ in untold)
         why = "; ".join(dict.fromkeys(f"{type(m).__name__}: {reason}" for m, reason in untold))
-        logger.warning("gbv: this pair runs on the plain Hugging Face path (slower: no token tree, a cache row per "
+        logger.warning("this pair runs on the plain Hugging Face path (slower: no token tree, a cache row per "
                        "path; docs/ENGINE.md, \"Two paths\"). %s", why)
     return "tree" if all(reason is None for _, reason in reasons) else "hf"
 

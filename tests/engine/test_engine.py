@@ -415,7 +415,7 @@ def test_a_pair_off_the_lean_engine_is_told_why_once(monkeypatch, caplog):
             generate(ModelPair(gpt2_target, gpt2_draft), prompt_ids=PROMPT, method="block", max_new_tokens=3,
                      eos_token_id=[])
     told = [r.getMessage() for r in caplog.records if "plain Hugging Face path" in r.getMessage()]
-    assert told == ["gbv: this pair runs on the plain Hugging Face path (slower: no token tree, a cache row per "
+    assert told == ["this pair runs on the plain Hugging Face path (slower: no token tree, a cache row per "
                     f"path; docs/ENGINE.md, \"Two paths\"). GPT2LMHeadModel: {lean_unsupported_reason(gpt2_target)}"]
     caplog.clear()
     llama_target, llama_draft = hf_pair("llama", vocab=32)
