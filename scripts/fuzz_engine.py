@@ -34,7 +34,7 @@ logits in the float32 Hugging Face forward at that point are printed: a near-tie
 gap would be a bug.
 
 ``--family``: the bundled pair rewritten in another family's layout (``tests/engine/engine_toy.py``,
-``as_family``: phi3, granite, gemma, gemma2, gemma3, mistral; the windowed ones slide over 128
+``as_family``: phi3, granite, gemma, gemma2, gemma3, mistral, smollm3; the windowed ones slide over 128
 positions, so long prompts pass their windows). Only Phi-3 runs on the compiled kernels like the
 bundled pair; the others run on the torch forward, where differences are reported, not failed.
 """
@@ -261,7 +261,7 @@ def main() -> int:
     parser.add_argument("--mode", choices=("batch", "single"), default="batch")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part fuzz)")
     parser.add_argument("--family", default="llama", choices=("llama", "phi3", "granite", "gemma", "gemma2", "gemma3",
-                                                              "mistral"),
+                                                              "mistral", "smollm3"),
                         help="the bundled pair as is (llama) or rewritten in this family's layout")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -291,7 +291,8 @@ def as_family(model, family: str, window: int = 128):
     attending within a sliding ``window``: the same function up to that many positions only.
     ``"gemma2"`` / ``"gemma3"`` are the Gemma layout with windows on alternate layers, and norms of scale 1
     after each block (and, Gemma 3, on q and k): another function, whose drafts agree as they may;
-    Gemma 2 keeps its soft caps (50 and 30)."""
+    Gemma 2 keeps its soft caps (50 and 30). ``"smollm3"`` is the same weights without rotation in every
+    fourth layer: another function too."""
     from transformers import GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, MistralConfig, \
         MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
@@ -326,6 +327,11 @@ def as_family(model, family: str, window: int = 128):
         for i in range(src.num_hidden_layers):
             for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
                 state[f"model.layers.{i}.{name}"] = state[f"model.layers.{i}.{name}"] * 2
+    elif family == "smollm3":  # (no rotation in every fourth layer: another function)
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+        new = SmolLM3ForCausalLM(SmolLM3Config(**common, tie_word_embeddings=src.tie_word_embeddings,
+                                               rope_parameters={"rope_type": "default", "rope_theta": rope_theta}))
     elif family == "mistral":
         new = MistralForCausalLM(MistralConfig(**common, head_dim=head_dim, sliding_window=window,
                                                tie_word_embeddings=src.tie_word_embeddings,
