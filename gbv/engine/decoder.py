@@ -237,8 +237,6 @@ def engine_for(target, draft) -> str:
     """``"tree"`` when both models run on the lean tree engine (the Llama-shaped families:
     ``LEAN_ARCHITECTURES``), else ``"hf"``.
     ``GBV_ENGINE=hf`` in the environment forces the plain Hugging Face path (for comparisons)."""
-    import os
-
     from gbv.engine.lean import lean_unsupported_reason
 
     if os.environ.get("GBV_ENGINE", "").lower() == "hf":

@@ -617,22 +617,20 @@ class LeanCausalLM:
         dtype, device = inner.embed_tokens.weight.dtype, inner.embed_tokens.weight.device
         # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.
         self.interleaved = fuse and dtype in (torch.float32, torch.float64)
-        # How many dimensions of each head the rotation turns (all but Phi-3's partial rotations): the
-        # width of the model's own tables.
         self.rotary = inner.rotary_emb
         # Gemma 3 rotates each layer kind by its own base: its rotary module takes the kind, and every
-        # kind gets a table (None: one table for every layer).
+        # kind gets a table. SmolLM3's layers without rotation (``use_rope`` 0) take the identity's. None:
+        # one table for every layer.
         per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        kinds = [NO_ROTATION if not getattr(layer.self_attn, "use_rope", True) else kind
+                 for layer, kind in zip(inner.layers, config.layer_types if per_kind else [None] * len(inner.layers))]
+        self.rope_kinds = kinds if any(kind is not None for kind in kinds) else None
+        # How many dimensions of each head the rotation turns (all but Phi-3's partial rotations): the
+        # width of the model's own tables.
         probe_cos, _ = self._rotary_module(torch.empty((), dtype=dtype, device=device),
                                            torch.zeros(1, 1, dtype=torch.long, device=device),
                                            config.layer_types[0] if per_kind else None)
         self.rotary_dim = probe_cos.shape[-1]
-        kinds = list(config.layer_types) if per_kind else [None] * len(inner.layers)
-        # SmolLM3's layers without rotation (``use_rope`` 0) take the identity's table
-        no_rope = [not getattr(layer.self_attn, "use_rope", True) for layer in inner.layers]
-        if any(no_rope):
-            kinds = [NO_ROTATION if skip else kind for kind, skip in zip(kinds, no_rope)]
-        self.rope_kinds = kinds if (per_kind or any(no_rope)) else None
         num_heads = config.num_attention_heads
         heads = (num_heads, getattr(config, "num_key_value_heads", None) or num_heads)
         windows = layer_windows(config, len(inner.layers))
@@ -796,6 +794,15 @@ class LeanCausalLM:
             return rot[positions], None
         return cos[positions], sin[positions]
 
+    def rotations(self, positions: Tensor, upto: int) -> tuple[Tensor | None, Tensor | None, dict | None]:
+        """What :meth:`_layers` takes for queries at ``positions``: (cos, sin, None) where one table serves
+        every layer (:meth:`_rotary`), else (None, None, {kind: (cos, sin)}) for each rotary kind
+        (Gemma 3's bases, SmolLM3's layers without rotation)."""
+        if self.rope_kinds is None:
+            cos, sin = self._rotary(positions, upto)
+            return cos, sin, None
+        return None, None, {kind: self._rotary(positions, upto, kind) for kind in set(self.rope_kinds)}
+
     def _qkv_interleaved(self, layer: _Layer, x: Tensor, rot: Tensor, batch: int, n: int):
         """q, k, v as (B, heads, N, D) with the rotation applied to q and k together: one complex
         multiply instead of six ops each (rows in interleaved rotary order, see _interleave_rotary_rows)."""
@@ -954,9 +961,7 @@ class LeanCausalLM:
         end = start + n
         if end > cache.capacity:
             cache.grow(end)
-        cos, sin = self._rotary(positions, end)  # invariant: every position < end (positions <= slots)
-        by_kind = None if self.rope_kinds is None else {
-            kind: self._rotary(positions, end, kind) for kind in set(self.rope_kinds)}
+        cos, sin, by_kind = self.rotations(positions, end)  # invariant: every position < end (positions <= slots)
         # The hidden states are 2D, (B * N, hidden), between the attention blocks: every product is one
         # mm / addmm call on them (a 3D input costs matmul's dispatch and two views, ~7 us a product).
         hidden = self.embed_rows(tokens.reshape(-1))
@@ -996,8 +1001,9 @@ class LeanCausalLM:
                 bias: Tensor | None = None, window_mask: Tensor | None = None,
                 rotations: dict | None = None, window_bias: Tensor | None = None) -> Tensor:
         """The decoder layers over ``hidden`` (B * N, hidden). ``cos``, ``sin``: the rotary tables at the
-        queries' positions (interleaved: the complex rotation and None). Keys and values go to slots
-        ``start ..`` and attention reads slots ``.. start + N`` (``slots`` None); or, given ``slots``
+        queries' positions (interleaved: the complex rotation and None; both None where ``rotations`` is
+        given: :meth:`rotations`). Keys and values go to slots ``start ..`` and attention reads slots
+        ``.. start + N`` (``slots`` None); or, given ``slots``
         ((N,) long, on the device), to those slots, attention reading every slot of the cache under
         ``mask`` ((B or 1, 1, N, capacity) bool): the form of :mod:`gbv.engine.static_steps`, whose
         shapes do not depend on ``start``. Given ``bias`` (:meth:`attention_bias` of that mask), attention

@@ -177,9 +177,7 @@ def static_forward(lean, tokens: Tensor, positions: Tensor, slots: Tensor, mask:
     the cache's ``capacity`` slots under ``mask`` ((B or 1, 1, N, capacity) bool), so that its shapes do
     not depend on where it writes. Returns (B, N or 1, V) logits."""
     batch, n = tokens.shape
-    cos, sin = lean._rotary(positions, capacity)
-    rotations = None if lean.rope_kinds is None else {  # (Gemma 3: a table per layer kind)
-        kind: lean._rotary(positions, capacity, kind) for kind in set(lean.rope_kinds)}
+    cos, sin, rotations = lean.rotations(positions, capacity)
     hidden = lean.embed_rows(tokens.reshape(-1))
     bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
     # The layers with a sliding window (Mistral v0.1, Phi-3 4k, Gemma 2 / 3) mask the slots before it too,

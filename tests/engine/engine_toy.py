@@ -124,18 +124,22 @@ def _gemma2(vocab, hidden, layers):
         sliding_window=TOY_WINDOW, **NO_SPECIAL)))
 
 
+def _gemma3_text(vocab, hidden, layers) -> dict:
+    """The settings of the Gemma 3 toys' text model: q/k norms, norms after each block, sliding windows
+    (TOY_WINDOW) on all layers but every third, and a rotary base per layer kind."""
+    count = max(layers, 3)
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=count,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, query_pre_attn_scalar=hidden // 2,
+                max_position_embeddings=128, sliding_window=TOY_WINDOW,
+                layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(count)],
+                **NO_SPECIAL)
+
+
 def _gemma3(vocab, hidden, layers):
-    """Gemma 3 (its text model): q/k norms, norms after each block, sliding windows (TOY_WINDOW) on all
-    layers but every third, and a rotary base per layer kind."""
+    """Gemma 3's text model (the 1B checkpoint's class)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    count = max(layers, 3)
-    return _random_norms(Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=count,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, query_pre_attn_scalar=hidden // 2,
-        max_position_embeddings=128, sliding_window=TOY_WINDOW,
-        layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(count)],
-        **NO_SPECIAL)))
+    return _random_norms(Gemma3ForCausalLM(Gemma3TextConfig(**_gemma3_text(vocab, hidden, layers))))
 
 
 def _gemma3mm(vocab, hidden, layers):
@@ -143,17 +147,11 @@ def _gemma3mm(vocab, hidden, layers):
     vision tower, unused by text prompts) around the text decoder of ``_gemma3``."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    count = max(layers, 3)
-    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=count,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, query_pre_attn_scalar=hidden // 2,
-                max_position_embeddings=128, sliding_window=TOY_WINDOW,
-                layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(count)],
-                **NO_SPECIAL)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     return _random_norms(Gemma3ForConditionalGeneration(Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
-        boi_token_index=vocab - 3, eoi_token_index=vocab - 2)))
+        text_config=_gemma3_text(vocab, hidden, layers), vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=vocab - 1, boi_token_index=vocab - 3, eoi_token_index=vocab - 2)))
 
 
 def _smollm3(vocab, hidden, layers):

@@ -34,6 +34,16 @@ def _reference(model, tokens: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([tokens], device=model.device)).logits.float()
 
 
+def _sharpen_attention(model) -> None:
+    """q and k weights times 4: sharper attention, so that the positions (the rotation, the window) weigh
+    in the logits."""
+    with torch.no_grad():
+        for layer in text_decoder(model).layers:
+            for name, parameter in layer.self_attn.named_parameters():
+                if name.startswith(("q", "k")):
+                    parameter.mul_(4.0)
+
+
 def _break(arch: str, lean: LeanCausalLM) -> None:
     """Drop one of the family's differences from Llama in a built view (the controls)."""
     if arch == "gemma":
@@ -63,11 +73,7 @@ def test_lean_forward_is_the_hugging_face_forward(arch, dtype, monkeypatch):
         monkeypatch.setenv("GBV_HOST_KERNELS", "0")
     target, draft = hf_pair(arch, vocab=32, seed=4)
     for model in (target, draft):
-        with torch.no_grad():  # sharper attention, so that the positions (the rotation) weigh in the logits
-            for layer in text_decoder(model).layers:
-                for name, parameter in layer.self_attn.named_parameters():
-                    if name.startswith(("q", "k")):
-                        parameter.mul_(4.0)
+        _sharpen_attention(model)
         model = model.to(getattr(torch, dtype))
         assert lean_unsupported_reason(model) is None
         lean = LeanCausalLM(model)
@@ -127,11 +133,7 @@ def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, 
     Phi-3's q/k/v and gate/up matrices each one product, split after it; the rotation in Hugging Face's
     layout (``_rotate``, partial for Phi-3). A control rotating the whole head is caught."""
     target, _ = hf_pair(arch, vocab=32, seed=5)
-    with torch.no_grad():
-        for layer in text_decoder(target).layers:
-            for name, parameter in layer.self_attn.named_parameters():
-                if name.startswith(("q", "k")):
-                    parameter.mul_(4.0)
+    _sharpen_attention(target)
     monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS", 0)
     lean = LeanCausalLM(target)
     assert not lean.interleaved and lean.host_forward is None
@@ -201,11 +203,7 @@ def test_a_sliding_window_masks_the_slots_before_it(arch):
 
     target, _ = hf_pair(arch, vocab=32, seed=8)
     target.config.sliding_window = TOY_WINDOW
-    with torch.no_grad():
-        for layer in text_decoder(target).layers:
-            for name, parameter in layer.self_attn.named_parameters():
-                if name.startswith(("q", "k")):
-                    parameter.mul_(4.0)
+    _sharpen_attention(target)
     lean = LeanCausalLM(target)
     assert lean.window == TOY_WINDOW
     sequence = [(7 * i + 3) % 32 for i in range(20)]
