@@ -24,6 +24,7 @@ import copy
 import inspect
 import logging
 import os
+import types
 from typing import Sequence
 
 import numpy as np
@@ -47,7 +48,8 @@ FUSE_MAX_PARAMETERS = 1_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                      "GraniteForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+                      "GraniteForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM",
+                      "GPT2LMHeadModel", "OPTForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
@@ -63,7 +65,15 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   logits divided by ``logits_scaling``;
 # - Phi-3: q/k/v and gate/up each one matrix (``qkv_proj``, ``gate_up_proj``), and a rotation of the
 #   first ``partial_rotary_factor`` of each head only (Phi-4-mini: 0.75);
-# - SmolLM3: no rotation in some layers (``use_rope`` 0, every fourth: "NoPE"), a table of the identity.
+# - SmolLM3: no rotation in some layers (``use_rope`` 0, every fourth: "NoPE"), a table of the identity;
+# - GPT-NeoX (Pythia): LayerNorms with biases, q/k/v one matrix whose rows go head by head (q, k, v of
+#   head 0, then of head 1, ...), biases on every matrix, an MLP without a gate (GELU), a rotation of
+#   part of each head (``rotary_pct``), and attention and MLP reading the same input where
+#   ``use_parallel_residual`` (h + attn(ln1(h)) + mlp(ln2(h)));
+# - GPT-2 and OPT: no rotation but learned position embeddings added to the token's (OPT's rows offset by
+#   2), LayerNorms with biases, biases on every matrix, an MLP without a gate (GPT-2's tanh GELU in its
+#   Python form, OPT's ReLU); GPT-2's matrices are ``Conv1D`` (stored (in, out)) with q/k/v one matrix;
+#   OPT scales q after its projection (here the attention's scale: the same product up to rounding).
 
 # The rotary kind of layers that do not rotate q and k (SmolLM3's NoPE layers): its table is the identity.
 NO_ROTATION = "none"
@@ -114,8 +124,19 @@ def lean_unsupported_reason(model) -> str | None:
         # there and no pass across it. docs/ENGINE.md, "More architectures on the lean path".)
         if isinstance(parameters, dict) and parameters.get("rope_type", "default") in ("dynamic", "longrope"):
             return f"rope type {parameters.get('rope_type')} (its frequencies depend on the sequence length)"
+    if getattr(config, "add_cross_attention", False):
+        return "cross-attention layers"
+    if getattr(config, "reorder_and_upcast_attn", False):
+        return "attention upcast and reordered (GPT-2's reorder_and_upcast_attn)"
+    if name == "OPTForCausalLM" and not getattr(config, "do_layer_norm_before", True):
+        return "layer norms after each block (OPT-350m's do_layer_norm_before=False)"
+    if getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
+        return "projections in and out of the embedding (OPT-350m's word_embed_proj_dim)"
+    if getattr(config, "_remove_final_layer_norm", False):
+        return "no final layer norm"
     inner = text_decoder(model)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+    if inner is None or _decoder_layers(inner) is None or not (
+            hasattr(inner, "rotary_emb") or _position_embedding_module(inner) is not None):
         return "unexpected module layout"
     return None
 
@@ -125,7 +146,45 @@ def text_decoder(model):
     ``model.model``, or its ``language_model`` in a multimodal model (Gemma 3's 4B and larger: the
     vision tower is not used for text). None where there is neither."""
     inner = getattr(model, "model", None)
-    return getattr(inner, "language_model", inner)
+    if inner is None:  # (GPT-NeoX, GPT-2)
+        return getattr(model, "gpt_neox", None) or getattr(model, "transformer", None)
+    return getattr(inner, "language_model", None) or getattr(inner, "decoder", None) or inner  # (OPT: decoder)
+
+
+def _decoder_layers(inner):
+    """The decoder layers of a text decoder (``layers``; GPT-2's ``h``); None where it has neither."""
+    layers = getattr(inner, "layers", None)
+    return getattr(inner, "h", None) if layers is None else layers
+
+
+def _position_embedding_module(inner):
+    """The learned position embedding of a text decoder without rotations (GPT-2's ``wpe``, OPT's
+    ``embed_positions``); None elsewhere."""
+    return getattr(inner, "wpe", None) or getattr(inner, "embed_positions", None)
+
+
+def _attention_module(layer):
+    """A decoder layer's attention module (``self_attn``; GPT-NeoX's ``attention``, GPT-2's ``attn``)."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None:
+        attn = getattr(layer, "attention", None)
+    return layer.attn if attn is None else attn
+
+
+def _embedding_module(inner):
+    """The token embedding of a text decoder (``embed_tokens``; GPT-NeoX's ``embed_in``, GPT-2's ``wte``)."""
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None:
+        embed = getattr(inner, "embed_in", None)
+    return inner.wte if embed is None else embed
+
+
+def _final_norm_module(inner):
+    """The norm after the last layer (``norm``; GPT-NeoX's and OPT's ``final_layer_norm``, GPT-2's ``ln_f``)."""
+    norm = getattr(inner, "norm", None)
+    if norm is None:
+        norm = getattr(inner, "final_layer_norm", None)
+    return inner.ln_f if norm is None else norm
 
 
 class KVCache:
@@ -268,10 +327,25 @@ def _norm_scale_and_eps(norm) -> tuple[Tensor, float]:
     return norm.weight, eps
 
 
-def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor) -> bool:
-    """Scale the input columns of a matrix this module owns (a fused or transposed copy) by an RMSNorm
+def _norm_bias(norm) -> Tensor | None:
+    """A LayerNorm's bias (GPT-NeoX); None for RMSNorms and LayerNorms without one."""
+    return getattr(norm, "bias", None) if isinstance(norm, torch.nn.LayerNorm) else None
+
+
+def _norm(x: Tensor, weight: Tensor | None, eps: float, bias: Tensor | None, layer_norm: bool) -> Tensor:
+    """The model's norm over the last dimension: :func:`_rms_norm`, or (``layer_norm``: GPT-NeoX) torch's
+    LayerNorm, as ``nn.LayerNorm`` computes it (``weight`` and ``bias`` None where they were folded into
+    the matrix after it)."""
+    if layer_norm:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return _rms_norm(x, weight, eps)
+
+
+def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Scale the input columns of a matrix this module owns (a fused or transposed copy) by a norm's
     weight, so that ``norm(x) W^T = (x_hat * w) W^T = x_hat (W diag(w))^T``: one multiply fewer per norm
-    (about 4 us here). Only in float32 (in bfloat16 the folded weights would round differently from
+    (about 4 us here); a LayerNorm's ``bias`` b goes into the matrix's bias, ``W b`` added to it (one
+    made where it has none). Only in float32 (in bfloat16 the folded weights would round differently from
     HF's ``weight * x_hat``). Returns whether it folded."""
     parts = projections.parts if isinstance(projections, _Projections) else [projections]
     if not all(part.owned and part.upcast is False for part in parts):
@@ -279,6 +353,10 @@ def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor) -> 
     if any((part.weight_t if part.weight is None else part.weight).dtype != torch.float32 for part in parts):
         return False
     for part in parts:
+        if bias is not None:  # (W b with the unscaled W; in float64, rounded once)
+            held = part.weight_t.t() if part.weight is None else part.weight
+            shift = (held.double() @ bias.double()).to(held.dtype)
+            part.bias = shift if part.bias is None else part.bias + shift  # (a new tensor: not the model's)
         if part.weight is None:
             part.weight_t.mul_(weight[:, None])  # (in, out): scale rows
         else:
@@ -292,12 +370,16 @@ def _gelu_tanh(x: Tensor) -> Tensor:
 
 def _functional(act):
     """The activation module of an MLP as a plain function where it is one (SiLU: what the Llama family
-    uses; GELU's tanh form: Gemma's), else the module itself. Why: a module call costs several
+    uses; GELU's tanh form: Gemma's; GELU: GPT-NeoX's), else the module itself. Why: a module call costs several
     microseconds of Python per layer and forward, about 5% of a decode step of a small model."""
     from transformers import activations
 
     if type(act) in (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU)):
         return F.silu
+    if type(act) is torch.nn.ReLU:
+        return F.relu  # (OPT)
+    if type(act) is getattr(activations, "GELUActivation", None) and getattr(act, "act", None) is F.gelu:
+        return F.gelu  # (GPT-NeoX: the exact GELU; not its Python form)
     gelu_tanh = getattr(activations, "GELUTanh", None)
     if gelu_tanh is not None and type(act) is gelu_tanh and getattr(act, "act", None) is not None \
             and getattr(act.act, "keywords", None) == {"approximate": "tanh"}:  # (not its Python form)
@@ -446,6 +528,8 @@ class _Linear:
         self.out_features, self.in_features = weight.shape
         self.weight = None if transpose else weight
         self.weight_t = weight.t().contiguous() if transpose else None
+        if self.weight_t is not None and self.weight_t.data_ptr() == weight.data_ptr():
+            self.weight_t = self.weight_t.clone()  # (a GPT-2 Conv1D's (in, out) tensor: ours to change, a copy)
         self.upcast = upcast  # (only in-place weights are ever upcast: no dtype is both)
         # x rounded to bfloat16 first: set where the host forward's AMX products (which do so) hold this
         # weight, so that every path of the model computes the same products (HostForward.rounds_inputs)
@@ -481,10 +565,15 @@ class _Projections:
     Hugging Face tensor is used as it is (transposed copies only with ``transpose``)."""
 
     def __init__(self, linears, fuse: bool, transpose: bool = False, reorder_rows=None,
-                 upcast: bool = False, sizes: Sequence[int] | None = None) -> None:
+                 upcast: bool = False, sizes: Sequence[int] | None = None,
+                 head_major: tuple[int, int] | None = None) -> None:
         # ``sizes``: one given ``nn.Linear`` that already holds the parts (Phi-3's qkv_proj, gate_up_proj),
-        # split after the product as the separate ones are.
+        # split after the product as the separate ones are. ``head_major`` (heads, head_dim): its rows go
+        # head by head, each head's parts in turn (GPT-NeoX's query_key_value: q, k, v of head 0, then of
+        # head 1, ...); fused, ``reorder_rows`` is given the rows part by part (see _head_major_rows), and
+        # in place the output is split as the model splits it.
         self.sizes = list(sizes) if sizes is not None else [lin.weight.shape[0] for lin in linears]
+        self.head_major = None if fuse else head_major
         if sizes is not None and not fuse:  # (in place: one product, as the model runs it)
             self.parts = [_Linear(linears[0].weight, linears[0].bias, transpose, upcast)]
         elif fuse:
@@ -497,9 +586,33 @@ class _Projections:
             self.parts = [_Linear(lin.weight, lin.bias, transpose, upcast) for lin in linears]
 
     def __call__(self, x: Tensor) -> list[Tensor] | tuple[Tensor, ...]:
+        if self.head_major is not None:  # (views (..., heads, head_dim) of each part)
+            heads, dim = self.head_major
+            return self.parts[0](x).unflatten(-1, (heads, len(self.sizes), dim)).unbind(-2)
         if len(self.parts) == 1:
             return torch.split_with_sizes(self.parts[0](x), self.sizes, dim=-1)  # (Tensor.split is Python)
         return [part(x) for part in self.parts]
+
+
+def _is_conv1d(module) -> bool:
+    return type(module).__name__ == "Conv1D"
+
+
+def _conv1d_as_linear(conv):
+    """A GPT-2 ``Conv1D`` (``x W + b``, W stored (in, out)) as what :class:`_Linear` and :class:`_Projections`
+    read from an ``nn.Linear``: ``weight`` (out, in), a view of the module's tensor, and ``bias``."""
+    return types.SimpleNamespace(weight=conv.weight.t(), bias=conv.bias)
+
+
+def _head_major_rows(weight: Tensor, bias: Tensor | None, heads: int, head_dim: int):
+    """A (heads * parts * head_dim, in) matrix whose rows go head by head, each head's parts in turn
+    (GPT-NeoX's query_key_value), and its bias, with the rows part by part instead: all heads' q, then
+    all heads' k, then v, as separate q/k/v projections stack them."""
+    parts = weight.shape[0] // (heads * head_dim)
+    weight = weight.reshape(heads, parts, head_dim, -1).transpose(0, 1).reshape(weight.shape)
+    if bias is not None:
+        bias = bias.reshape(heads, parts, head_dim).transpose(0, 1).reshape(-1)
+    return weight, bias
 
 
 def _interleave_rotary_rows(weight: Tensor, head_dim: int, rotary_dim: int | None = None) -> Tensor:
@@ -522,10 +635,9 @@ class _Layer:
     def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0,
                  transpose: bool = False, upcast: bool = False, heads: tuple[int, int] = (0, 0),
                  rotary_dim: int | None = None, window: int | None = None, rope_kind: str | None = None) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = _attention_module(layer)
         self.window = window  # the sliding window this layer attends within (None: all of its prefix)
         self.rope_kind = rope_kind  # the rotation's table (Gemma 3: per layer kind; None: the model's one)
-        self.input_norm, self.input_eps = _norm_scale_and_eps(layer.input_layernorm)
         # Gemma 2 / 3 norm each block's output before its residual add ("sandwich" norms): there
         # post_attention_layernorm is the attention output's norm and pre_feedforward_layernorm the MLP's
         # input norm (Llama's post_attention_layernorm); None elsewhere.
@@ -533,28 +645,54 @@ class _Layer:
         if hasattr(layer, "pre_feedforward_layernorm"):
             self.attn_out_norm, self.attn_out_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
             self.mlp_out_norm, self.mlp_out_eps = _norm_scale_and_eps(layer.post_feedforward_layernorm)
-            self.post_norm, self.post_eps = _norm_scale_and_eps(layer.pre_feedforward_layernorm)
+            input_norm, post_norm = layer.input_layernorm, layer.pre_feedforward_layernorm
+        elif hasattr(layer, "ln_1"):  # (GPT-2)
+            input_norm, post_norm = layer.ln_1, layer.ln_2
+        elif hasattr(layer, "self_attn_layer_norm"):  # (OPT: the MLP's is the layer's final_layer_norm)
+            input_norm, post_norm = layer.self_attn_layer_norm, layer.final_layer_norm
         else:
-            self.post_norm, self.post_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
+            input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        # GPT-NeoX, GPT-2, OPT: LayerNorms (with biases) rather than RMSNorms; GPT-NeoX where
+        # ``use_parallel_residual``: attention and the MLP both read the layer's input,
+        # h + attn(ln1(h)) + mlp(ln2(h)).
+        self.layer_norm = isinstance(input_norm, torch.nn.LayerNorm)
+        self.parallel = bool(getattr(layer, "use_parallel_residual", False))
+        self.input_bias, self.post_bias = _norm_bias(input_norm), _norm_bias(post_norm)
+        self.input_norm, self.input_eps = _norm_scale_and_eps(input_norm)
+        self.post_norm, self.post_eps = _norm_scale_and_eps(post_norm)
         # Gemma 2: attention scores soft-capped, c * tanh(s / c), before the mask (None: not capped)
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
+        head_major = None
         if hasattr(attn, "qkv_proj"):  # Phi-3: one matrix, q then k then v rows
             q_size, kv_size = heads[0] * head_dim, heads[1] * head_dim
             qkv_linears, qkv_sizes = [attn.qkv_proj], (q_size, kv_size, kv_size)
+        elif hasattr(attn, "query_key_value"):  # GPT-NeoX: one matrix, head by head (no grouped kv heads)
+            qkv_linears, qkv_sizes = [attn.query_key_value], (heads[0] * head_dim,) * 3
+            head_major = (heads[0], head_dim)
+        elif hasattr(attn, "c_attn"):  # GPT-2: one Conv1D, q then k then v columns
+            qkv_linears, qkv_sizes = [_conv1d_as_linear(attn.c_attn)], (heads[0] * head_dim,) * 3
         else:
             qkv_linears, qkv_sizes = [attn.q_proj, attn.k_proj, attn.v_proj], None
         qk = sum(qkv_sizes[:2]) if qkv_sizes else attn.q_proj.weight.shape[0] + attn.k_proj.weight.shape[0]
 
-        def interleave_qk(weight: Tensor, bias: Tensor | None):
-            # the fused copy is ours to reorder: q and k rows (and biases), not v
+        def reorder_qkv(weight: Tensor, bias: Tensor | None):
+            # the fused copy is ours to reorder: GPT-NeoX's rows part by part; q and k rows (and biases)
+            # interleaved for the rotation, not v
+            if head_major is not None:
+                weight, bias = _head_major_rows(weight, bias, *head_major)
+            if not interleave:
+                return weight, bias
             weight = torch.cat([_interleave_rotary_rows(weight[:qk], head_dim, rotary_dim), weight[qk:]])
             if bias is not None:
                 bias = torch.cat([_interleave_rotary_rows(bias[:qk], head_dim, rotary_dim), bias[qk:]])
             return weight, bias
 
-        self.qkv = _Projections(qkv_linears, fuse, transpose, interleave_qk if interleave else None, upcast,
-                                qkv_sizes)
-        self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, transpose, upcast)
+        self.qkv = _Projections(qkv_linears, fuse, transpose, reorder_qkv if interleave or head_major else None,
+                                upcast, qkv_sizes, head_major)
+        out_proj = next(getattr(attn, name) for name in ("o_proj", "dense", "out_proj", "c_proj") if hasattr(attn, name))
+        if _is_conv1d(out_proj):  # (GPT-2)
+            out_proj = _conv1d_as_linear(out_proj)
+        self.o = _Linear(out_proj.weight, out_proj.bias, transpose, upcast)
         self.q_norm = getattr(attn, "q_norm", None)  # Qwen3, Gemma 3: RMSNorm over the head dimension
         self.k_norm = getattr(attn, "k_norm", None)
         self.interleaved = interleave
@@ -564,9 +702,20 @@ class _Layer:
             self.q_norm_weight = _interleave_rotary_rows(q_scale, head_dim, rotary_dim)
             self.k_norm_weight = _interleave_rotary_rows(k_scale, head_dim, rotary_dim)
         self.scaling = attn.scaling
+        # The MLP: gated, act(gate) * up, or (GPT-NeoX, GPT-2, OPT) act(up), where gate_up holds the up
+        # projection alone. OPT's MLP matrices sit on the layer itself.
+        mlp = getattr(layer, "mlp", layer)
+        ungated = next(((up, down) for up, down in (("dense_h_to_4h", "dense_4h_to_h"), ("c_fc", "c_proj"),
+                                                    ("fc1", "fc2")) if hasattr(mlp, up)), None)
+        self.gated = ungated is None
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: one matrix, gate then up rows
             half = mlp.gate_up_proj.weight.shape[0] // 2
             self.gate_up = _Projections([mlp.gate_up_proj], fuse, transpose, upcast=upcast, sizes=(half, half))
+        elif not self.gated:
+            up, down = (getattr(mlp, name) for name in ungated)
+            if _is_conv1d(up):  # (GPT-2)
+                up, down = _conv1d_as_linear(up), _conv1d_as_linear(down)
+            self.gate_up = _Projections([up], fuse, transpose, upcast=upcast)
         else:
             self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse, transpose, upcast=upcast)
         # Granite: each block's output times this before the residual add (None: 1)
@@ -574,16 +723,26 @@ class _Layer:
         self.residual_multiplier = None if multiplier in (None, 1, 1.0) else float(multiplier)
         # The norms' weights go into the matrices after them where those are our copies (float32);
         # the forward then passes weight None.
-        if _fold_norm_weight(self.qkv, self.input_norm):
-            self.input_norm = None
-        if _fold_norm_weight(self.gate_up, self.post_norm):
-            self.post_norm = None
-        self.down = _Linear(mlp.down_proj.weight, None, transpose, upcast)
-        self.act = _functional(mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
+        if _fold_norm_weight(self.qkv, self.input_norm, self.input_bias):
+            self.input_norm = self.input_bias = None
+        if _fold_norm_weight(self.gate_up, self.post_norm, self.post_bias):
+            self.post_norm = self.post_bias = None
+        if self.gated:
+            down = mlp.down_proj
+        self.down = _Linear(down.weight, down.bias, transpose, upcast)
+        act = next(getattr(mlp, name) for name in ("act_fn", "activation_fn", "act") if hasattr(mlp, name))
+        self.act = _functional(act)
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of the layer, in the order the forward runs them."""
         return [*self.qkv.parts, self.o, *self.gate_up.parts, self.down]
+
+    def mlp_hidden(self, x: Tensor) -> Tensor:
+        """What the MLP's down projection reads: act(gate) * up, or act(up) where it has no gate."""
+        if self.gated:
+            gate, up = self.gate_up(x)
+            return self.act(gate) * up
+        return self.act(self.gate_up(x)[0])
 
 
 class LeanCausalLM:
@@ -604,36 +763,46 @@ class LeanCausalLM:
         config = model.config.get_text_config()
         # The dtype the matrices' values are (bfloat16 ones may be run in float32: see
         # bf16_weights_in_float32_reason); ``self.dtype`` is the one the forward computes in.
-        self.weight_dtype = text_decoder(model).embed_tokens.weight.dtype
+        self.weight_dtype = _embedding_module(text_decoder(model)).weight.dtype
         self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
         if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after
             model = copy.deepcopy(model).to(torch.float32)
         inner = text_decoder(model)
-        self.embed = inner.embed_tokens.weight
+        embedding = _embedding_module(inner)
+        self.embed = embedding.weight
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
         # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory).
         fuse = sum(p.numel() for p in model.parameters()) <= FUSE_MAX_PARAMETERS
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype, device = inner.embed_tokens.weight.dtype, inner.embed_tokens.weight.device
+        dtype, device = embedding.weight.dtype, embedding.weight.device
         # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.
         self.interleaved = fuse and dtype in (torch.float32, torch.float64)
-        self.rotary = inner.rotary_emb
+        decoder_layers = _decoder_layers(inner)
+        # GPT-2 and OPT rotate nothing: their positions are learned rows added to the token's (OPT's at
+        # position + 2). Their layers take the identity's table (NO_ROTATION); None elsewhere.
+        self.rotary = getattr(inner, "rotary_emb", None)
+        positions = _position_embedding_module(inner) if self.rotary is None else None
+        self.position_embed = None if positions is None else positions.weight
+        self.position_offset = int(getattr(positions, "offset", 0))
         # Gemma 3 rotates each layer kind by its own base: its rotary module takes the kind, and every
         # kind gets a table. SmolLM3's layers without rotation (``use_rope`` 0) take the identity's. None:
         # one table for every layer.
-        per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
-        kinds = [NO_ROTATION if not getattr(layer.self_attn, "use_rope", True) else kind
-                 for layer, kind in zip(inner.layers, config.layer_types if per_kind else [None] * len(inner.layers))]
+        per_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
+        kinds = [NO_ROTATION if self.rotary is None or not getattr(_attention_module(layer), "use_rope", True)
+                 else kind
+                 for layer, kind in zip(decoder_layers, config.layer_types if per_kind else [None] * len(decoder_layers))]
         self.rope_kinds = kinds if any(kind is not None for kind in kinds) else None
-        # How many dimensions of each head the rotation turns (all but Phi-3's partial rotations): the
-        # width of the model's own tables.
-        probe_cos, _ = self._rotary_module(torch.empty((), dtype=dtype, device=device),
-                                           torch.zeros(1, 1, dtype=torch.long, device=device),
-                                           config.layer_types[0] if per_kind else None)
-        self.rotary_dim = probe_cos.shape[-1]
+        # How many dimensions of each head the rotation turns (all but Phi-3's and GPT-NeoX's partial
+        # rotations): the width of the model's own tables.
+        self.rotary_dim = head_dim
+        if self.rotary is not None:
+            probe_cos, _ = self._rotary_module(torch.empty((), dtype=dtype, device=device),
+                                               torch.zeros(1, 1, dtype=torch.long, device=device),
+                                               config.layer_types[0] if per_kind else None)
+            self.rotary_dim = probe_cos.shape[-1]
         num_heads = config.num_attention_heads
         heads = (num_heads, getattr(config, "num_key_value_heads", None) or num_heads)
-        windows = layer_windows(config, len(inner.layers))
+        windows = layer_windows(config, len(decoder_layers))
         # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
         # most of them): only where they pay, and under the same size limit.
         self.transposed = fuse and transposed_weights_pay(dtype, device)
@@ -641,15 +810,19 @@ class LeanCausalLM:
         self.upcast = bf16_products_upcast(dtype, device)
         self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
                               self.rotary_dim, windows[index], self.rope_kinds[index] if self.rope_kinds else None)
-                       for index, layer in enumerate(inner.layers)]
-        final_norm, self.norm_eps = _norm_scale_and_eps(inner.norm)
+                       for index, layer in enumerate(decoder_layers)]
+        final_norm, self.norm_eps = _norm_scale_and_eps(_final_norm_module(inner))
+        self.norm_bias = _norm_bias(_final_norm_module(inner))
+        self.layer_norm = self.layers[0].layer_norm if self.layers else False
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
                                self.upcast)
-        self.norm = None if _fold_norm_weight(self.lm_head, final_norm) else final_norm
+        self.norm = final_norm
+        if _fold_norm_weight(self.lm_head, final_norm, self.norm_bias):
+            self.norm = self.norm_bias = None
         # The embedding's scale: Gemma's sqrt(hidden) as a tensor in the weights' dtype (as its embedding
         # module multiplies), Granite's ``embedding_multiplier`` as a number; None where it is 1.
         self.embed_scale = None
-        embed_scale = getattr(inner.embed_tokens, "embed_scale", None)
+        embed_scale = getattr(embedding, "embed_scale", None)
         if isinstance(embed_scale, Tensor):
             self.embed_scale = embed_scale.to(self.weight_dtype).to(device=device, dtype=dtype)
         elif getattr(inner, "embedding_multiplier", 1.0) not in (None, 1, 1.0):
@@ -797,15 +970,18 @@ class LeanCausalLM:
     def rotations(self, positions: Tensor, upto: int) -> tuple[Tensor | None, Tensor | None, dict | None]:
         """What :meth:`_layers` takes for queries at ``positions``: (cos, sin, None) where one table serves
         every layer (:meth:`_rotary`), else (None, None, {kind: (cos, sin)}) for each rotary kind
-        (Gemma 3's bases, SmolLM3's layers without rotation)."""
+        (Gemma 3's bases), with (None, None) for the layers without rotation (SmolLM3's NoPE layers, GPT-2's
+        and OPT's): they skip it (its table is the identity, a multiply by exact ones and zeros)."""
         if self.rope_kinds is None:
             cos, sin = self._rotary(positions, upto)
             return cos, sin, None
-        return None, None, {kind: self._rotary(positions, upto, kind) for kind in set(self.rope_kinds)}
+        return None, None, {kind: (None, None) if kind == NO_ROTATION else self._rotary(positions, upto, kind)
+                            for kind in set(self.rope_kinds)}
 
-    def _qkv_interleaved(self, layer: _Layer, x: Tensor, rot: Tensor, batch: int, n: int):
+    def _qkv_interleaved(self, layer: _Layer, x: Tensor, rot: Tensor | None, batch: int, n: int):
         """q, k, v as (B, heads, N, D) with the rotation applied to q and k together: one complex
-        multiply instead of six ops each (rows in interleaved rotary order, see _interleave_rotary_rows)."""
+        multiply instead of six ops each (rows in interleaved rotary order, see _interleave_rotary_rows);
+        ``rot`` None: a layer without rotation."""
         heads = self.num_heads + 2 * self.kv_heads
         qkv = layer.qkv.parts[0](x).view(batch, n, heads, self.head_dim)  # x: (B * N, hidden)
         qk = qkv[:, :, :self.num_heads + self.kv_heads]
@@ -813,7 +989,7 @@ class LeanCausalLM:
             q_part = _rms_norm(qk[:, :, :self.num_heads], layer.q_norm_weight, layer.q_norm_eps)
             k_part = _rms_norm(qk[:, :, self.num_heads:], layer.k_norm_weight, layer.k_norm_eps)
             qk = torch.cat([q_part, k_part], dim=2)
-        rotated = torch.view_as_real(torch.view_as_complex(
+        rotated = qk if rot is None else torch.view_as_real(torch.view_as_complex(
             qk.reshape(batch, n, -1, self.head_dim // 2, 2)) * rot).flatten(-2)
         q = rotated[:, :, :self.num_heads].transpose(1, 2)
         k = rotated[:, :, self.num_heads:].transpose(1, 2)
@@ -964,7 +1140,7 @@ class LeanCausalLM:
         cos, sin, by_kind = self.rotations(positions, end)  # invariant: every position < end (positions <= slots)
         # The hidden states are 2D, (B * N, hidden), between the attention blocks: every product is one
         # mm / addmm call on them (a 3D input costs matmul's dispatch and two views, ~7 us a product).
-        hidden = self.embed_rows(tokens.reshape(-1))
+        hidden = self.embed_rows(tokens.reshape(-1), positions.reshape(-1))
         mask, use_causal = attention_mask(mask, causal, start, n, tokens.device)
         window_mask = None  # (the sliding layers' mask, where their window binds)
         if self.window is not None and end > self.window:
@@ -991,10 +1167,16 @@ class LeanCausalLM:
         slots = torch.arange(mask.shape[-1], device=positions.device)
         return mask & (slots > positions[:, None, :, None] - self.window)
 
-    def embed_rows(self, tokens: Tensor) -> Tensor:
-        """The input rows (N, hidden) of (N,) long ``tokens``, scaled where the model scales them."""
+    def embed_rows(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """The input rows (N, hidden) of (N,) long ``tokens`` at (N,) long ``positions``: scaled where the
+        model scales them, plus the learned rows of their positions where it has them (GPT-2, OPT)."""
         hidden = torch.embedding(self.embed, tokens)  # (F.embedding's checks cost per call)
-        return hidden if self.embed_scale is None else hidden * self.embed_scale
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        if self.position_embed is not None:
+            rows = positions if not self.position_offset else positions + self.position_offset
+            hidden = hidden + torch.embedding(self.position_embed, rows)
+        return hidden
 
     def _layers(self, hidden: Tensor, batch: int, n: int, cos: Tensor, sin: Tensor | None, cache: KVCache,
                 first_row: int, start: int, slots: Tensor | None, mask: Tensor | None, use_causal: bool,
@@ -1014,6 +1196,8 @@ class LeanCausalLM:
         end = start + n
 
         def laid_out(cos, sin):  # interleaved: the complex rotation (B, N, 1, D/2), None; else (B, 1, N, D) each
+            if cos is None:  # (no rotation)
+                return None, None
             return (cos[:, :, None], None) if self.interleaved else (cos[:, None], sin[:, None])
 
         tables = {None: laid_out(cos, sin)} if rotations is None else {
@@ -1022,7 +1206,7 @@ class LeanCausalLM:
             cos, sin = tables[layer.rope_kind]
             rot = cos  # (interleaved)
             residual = hidden
-            x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
+            x = _norm(hidden, layer.input_norm, layer.input_eps, layer.input_bias, layer.layer_norm)
             if layer.interleaved:
                 q, k, v = self._qkv_interleaved(layer, x, rot, batch, n)
             else:
@@ -1033,7 +1217,8 @@ class LeanCausalLM:
                 if layer.q_norm is not None:
                     q, k = layer.q_norm(q), layer.k_norm(k)
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                if cos is not None:  # (None: a layer without rotation)
+                    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.keys[index], cache.values[index]
             if first_row or batch != keys.shape[0]:  # (a slice is a call: only when it selects)
                 keys = keys[first_row:first_row + batch]
@@ -1061,20 +1246,25 @@ class LeanCausalLM:
                     q, keys, values, attn_mask=layer_mask, is_causal=layer_causal,
                     scale=layer.scaling, enable_gqa=self.kv_heads != self.num_heads)
             attn = attn.transpose(1, 2).reshape(batch * n, -1)
+            if layer.parallel:  # (GPT-NeoX: the MLP reads the layer's input; HF's sum order, mlp + attn + h)
+                attn = layer.o(attn)
+                x = _norm(residual, layer.post_norm, layer.post_eps, layer.post_bias, layer.layer_norm)
+                hidden = layer.down(layer.mlp_hidden(x)) + attn + residual
+                continue
             if layer.attn_out_norm is not None:  # (Gemma 2 / 3: the block's output normed, then added)
                 hidden = residual + _rms_norm(layer.o(attn), layer.attn_out_norm, layer.attn_out_eps)
             elif layer.residual_multiplier is None:
                 hidden = layer.o.add_to(residual, attn)
             else:  # (Granite: the product, times the multiplier, then the add, as its modules do)
                 hidden = residual + layer.o(attn) * layer.residual_multiplier
-            x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
-            gate, up = layer.gate_up(x)
+            x = _norm(hidden, layer.post_norm, layer.post_eps, layer.post_bias, layer.layer_norm)
+            mlp_hidden = layer.mlp_hidden(x)
             if layer.mlp_out_norm is not None:
-                hidden = hidden + _rms_norm(layer.down(layer.act(gate) * up), layer.mlp_out_norm, layer.mlp_out_eps)
+                hidden = hidden + _rms_norm(layer.down(mlp_hidden), layer.mlp_out_norm, layer.mlp_out_eps)
             elif layer.residual_multiplier is None:
-                hidden = layer.down.add_to(hidden, layer.act(gate) * up)
+                hidden = layer.down.add_to(hidden, mlp_hidden)
             else:
-                hidden = hidden + layer.down(layer.act(gate) * up) * layer.residual_multiplier
+                hidden = hidden + layer.down(mlp_hidden) * layer.residual_multiplier
         return hidden
 
     def attention_bias(self, mask: Tensor, batch: int) -> Tensor:
@@ -1092,7 +1282,7 @@ class LeanCausalLM:
         """The final norm and the LM head: (B, N, V) logits (N = 1 with ``last_only``)."""
         if last_only:
             hidden = hidden.view(batch, n, -1)[:, -1] if n > 1 else hidden
-        hidden = _rms_norm(hidden, self.norm, self.norm_eps)
+        hidden = _norm(hidden, self.norm, self.norm_eps, self.norm_bias, self.layer_norm)
         logits = self.lm_head(hidden).view(batch, 1 if last_only else n, -1)
         if self.logits_softcap is not None:  # (Gemma 2)
             return torch.tanh(logits / self.logits_softcap) * self.logits_softcap

@@ -63,7 +63,15 @@ def host_forward_unsupported_reason(lean) -> str | None:
         return "sliding-window attention"
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
+    if lean.position_embed is not None:
+        return "learned position embeddings (GPT-2, OPT)"
+    if lean.layer_norm:
+        return "layer norms (GPT-NeoX)"
+    if lean.lm_head.bias is not None:
+        return "a bias on the LM head"
     for layer in lean.layers:
+        if layer.parallel or not layer.gated:
+            return "parallel attention and MLP, or an MLP without a gate (GPT-NeoX)"
         if layer.q_norm is not None:
             return "q/k norms (Qwen3)"
         if layer.input_norm is not None or layer.post_norm is not None:

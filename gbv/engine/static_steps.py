@@ -178,7 +178,7 @@ def static_forward(lean, tokens: Tensor, positions: Tensor, slots: Tensor, mask:
     not depend on where it writes. Returns (B, N or 1, V) logits."""
     batch, n = tokens.shape
     cos, sin, rotations = lean.rotations(positions, capacity)
-    hidden = lean.embed_rows(tokens.reshape(-1))
+    hidden = lean.embed_rows(tokens.reshape(-1), positions.reshape(-1))
     bias = lean.attention_bias(mask, batch) if FEW_QUERY_ATTENTION else None
     # The layers with a sliding window (Mistral v0.1, Phi-3 4k, Gemma 2 / 3) mask the slots before it too,
     # at every call: a recorded step's positions change from replay to replay.

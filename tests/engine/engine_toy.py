@@ -187,26 +187,77 @@ def _mistral(vocab, hidden, layers):
                                             max_position_embeddings=128, sliding_window=TOY_WINDOW, **NO_SPECIAL))
 
 
+def _gptneox(vocab, hidden, layers, parallel: bool = True):
+    """GPT-NeoX (Pythia): LayerNorms with biases (random here: the ones and zeros they start from would
+    hide them), q/k/v one matrix head by head, biases on every matrix, an MLP without a gate (GELU), a
+    rotation of a quarter of each head, and (``parallel``, Pythia's setting) attention and MLP reading
+    the same input."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, max_position_embeddings=128, use_parallel_residual=parallel, **NO_SPECIAL))
+    return _random_layer_norms_and_biases(model, "query_key_value")
+
+
+def _random_layer_norms_and_biases(model, qkv: str):
+    """LayerNorm weights in [0.5, 1.5] and every bias (LayerNorms' too) in [-0.5, 0.5]: the ones and zeros
+    they start from would hide them. The matrices whose names hold ``qkv`` times 4 (the q/k/v matrices):
+    attention sharp enough that the positions it sees weigh in the logits."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or ("norm" in name or ".ln_" in name):
+                parameter.uniform_(-0.5, 0.5)
+                if not name.endswith("bias"):
+                    parameter.add_(1.0)
+            if qkv in name:
+                parameter.mul_(4.0)
+    return model
+
+
+def _gptneox_sequential(vocab, hidden, layers):
+    """GPT-NeoX with ``use_parallel_residual`` off (attention, then the MLP on its output)."""
+    return _gptneox(vocab, hidden, layers, parallel=False)
+
+
 def _gpt2(vocab, hidden, layers):
-    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, n_positions=128,
-                                      **NO_SPECIAL))
+    """GPT-2: learned positions, LayerNorms with biases, Conv1D matrices (q/k/v one), tanh GELU (Python)."""
+    return _random_layer_norms_and_biases(GPT2LMHeadModel(GPT2Config(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, n_positions=128, **NO_SPECIAL)), "c_attn")
 
 
 def _opt(vocab, hidden, layers):
-    return OPTForCausalLM(OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
-                                    num_attention_heads=2, max_position_embeddings=128, word_embed_proj_dim=hidden,
-                                    **NO_SPECIAL))
+    """OPT: learned positions (rows offset by 2), LayerNorms with biases, ReLU, q scaled after its product."""
+    return _random_layer_norms_and_biases(OPTForCausalLM(OPTConfig(
+        vocab_size=vocab, hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers, num_attention_heads=2,
+        max_position_embeddings=128, word_embed_proj_dim=hidden, **NO_SPECIAL)), "_proj.weight")
 
 
-ARCHITECTURES = {"gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
+def _bloom(vocab, hidden, layers):
+    """BLOOM (ALiBi attention biases, no positions in the inputs): on the plain Hugging Face path."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=2, **NO_SPECIAL))
+
+
+def _gptj(vocab, hidden, layers):
+    """GPT-J (a rotation of interleaved pairs, attention and MLP in parallel): on the plain Hugging Face path."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    return GPTJForCausalLM(GPTJConfig(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, rotary_dim=8,
+                                      n_positions=128, **NO_SPECIAL))
+
+
+ARCHITECTURES = {"bloom": _bloom, "gptj": _gptj, "gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
                  "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm,
-                 "smollm3": _smollm3}
+                 "smollm3": _smollm3, "gptneox": _gptneox, "gptneox-sequential": _gptneox_sequential}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
 
-# The architectures the lean tree engine runs (the rest take the plain Hugging Face path).
-LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm", "smollm3")
+# The architectures the lean tree engine runs (the rest, BLOOM and GPT-J, take the plain Hugging Face path).
+LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm", "smollm3",
+        "gptneox", "gptneox-sequential", "gpt2", "opt")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):

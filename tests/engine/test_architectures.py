@@ -13,12 +13,13 @@ from gbv.engine import lean as lean_module
 from gbv.engine import lean_host
 from gbv.engine.decoder import engine_for
 from gbv.engine.generate import generate
-from gbv.engine.lean import LeanCausalLM, lean_unsupported_reason, text_decoder
+from gbv.engine.lean import LeanCausalLM, _attention_module, _decoder_layers, lean_unsupported_reason, text_decoder
 from gbv.models.loading import ModelPair
 
 from engine_toy import hf_pair, sharpen
 
-NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3", "smollm3")
+NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3", "smollm3", "gptneox",
+                "gptneox-sequential", "gpt2", "opt")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -38,9 +39,9 @@ def _sharpen_attention(model) -> None:
     """q and k weights times 4: sharper attention, so that the positions (the rotation, the window) weigh
     in the logits."""
     with torch.no_grad():
-        for layer in text_decoder(model).layers:
-            for name, parameter in layer.self_attn.named_parameters():
-                if name.startswith(("q", "k")):
+        for layer in _decoder_layers(text_decoder(model)):
+            for name, parameter in _attention_module(layer).named_parameters():  # (GPT-NeoX: q/k/v one matrix)
+                if name.startswith(("q", "k", "c_attn")):
                     parameter.mul_(4.0)
 
 
@@ -61,6 +62,17 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
     elif arch in ("gemma3", "gemma3mm"):  # one rotary base for every layer (the sliding layers')
         for layer in lean.layers:
             layer.rope_kind = "sliding_attention"
+    elif arch == "gptneox":  # the MLP on the attention's output, not on the layer's input
+        for layer in lean.layers:
+            layer.parallel = False
+    elif arch == "gpt2":  # no learned positions
+        lean.position_embed = None
+    elif arch == "opt":  # the position rows not offset by 2
+        lean.position_offset = 0
+    elif arch == "gptneox-sequential":  # RMSNorms for its LayerNorms (their weights and biases folded)
+        lean.layer_norm = False
+        for layer in lean.layers:
+            layer.layer_norm = False
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
@@ -110,6 +122,9 @@ def test_which_forward_runs_each_family():
                        "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
                        "gemma3mm": "sliding-window attention",
                        "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",
+                       "gptneox": "layer norms (GPT-NeoX)", "gptneox-sequential": "layer norms (GPT-NeoX)",
+                       "gpt2": "learned position embeddings (GPT-2, OPT)",
+                       "opt": "learned position embeddings (GPT-2, OPT)",
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -127,6 +142,21 @@ def test_gelu_tanh_runs_as_a_function_and_its_python_form_as_the_module():
     torch.testing.assert_close(lean_module._gelu_tanh(x), GELUTanh()(x), atol=0, rtol=0)
 
 
+def test_exact_gelu_runs_as_a_function_and_its_python_form_as_the_module():
+    """GPT-NeoX's GELU (``hidden_act="gelu"``) runs as ``F.gelu``; its Python form (erf written out, which
+    rounds otherwise) stays the module."""
+    from transformers.activations import GELUActivation
+
+    assert lean_module._functional(GELUActivation()) is torch.nn.functional.gelu
+    python_form = GELUActivation(use_gelu_python=True)
+    assert lean_module._functional(python_form) is python_form
+    x = torch.randn(5, 7)
+    torch.testing.assert_close(torch.nn.functional.gelu(x), GELUActivation()(x), atol=0, rtol=0)
+    neox = LeanCausalLM(hf_pair("gptneox", vocab=32)[0])
+    assert all(layer.act is torch.nn.functional.gelu and not layer.gated for layer in neox.layers)
+    assert all(layer.parallel for layer in neox.layers) and neox.layer_norm
+
+
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, monkeypatch):
     """A model past FUSE_MAX_PARAMETERS (every real Gemma, Granite and Phi-3) keeps its own tensors:
@@ -141,8 +171,18 @@ def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, 
         attn = text_decoder(target).layers[0].self_attn
         assert [part.weight for part in lean.layers[0].qkv.parts] == [attn.qkv_proj.weight]
         assert lean.layers[0].qkv.sizes == [32, 16, 16]
+    if arch.startswith("gptneox"):  # (its query_key_value one product, split head by head as the model does)
+        attn = text_decoder(target).layers[0].attention
+        assert [part.weight for part in lean.layers[0].qkv.parts] == [attn.query_key_value.weight]
+        assert lean.layers[0].qkv.head_major == (2, 16) and lean.layers[0].input_norm is not None
     expected = _reference(target, TOKENS)
     torch.testing.assert_close(_logits(lean, TOKENS), expected, atol=2e-5, rtol=0)
+    if arch == "gpt2":  # (its Conv1D tensors in place, as views: no copy)
+        attn = text_decoder(target).h[0].attn
+        assert lean.layers[0].qkv.parts[0].weight.data_ptr() == attn.c_attn.weight.data_ptr()
+    if arch == "gptneox":  # control: q, k, v split as three blocks of rows
+        lean.layers[0].qkv.head_major = None
+        assert (_logits(lean, TOKENS) - expected).abs().max() > 2e-4
     if arch == "phi3":
         def whole_head(x, cos, sin):
             pad = x.shape[-1] - cos.shape[-1]

@@ -409,14 +409,14 @@ def test_a_pair_off_the_lean_engine_is_told_why_once(monkeypatch, caplog):
 
     from gbv.engine.lean import lean_unsupported_reason
 
-    gpt2_target, gpt2_draft = hf_pair("gpt2", vocab=32)
+    bloom_target, bloom_draft = hf_pair("bloom", vocab=32)
     with caplog.at_level(logging.WARNING, logger="gbv"):
         for _ in range(2):
-            generate(ModelPair(gpt2_target, gpt2_draft), prompt_ids=PROMPT, method="block", max_new_tokens=3,
+            generate(ModelPair(bloom_target, bloom_draft), prompt_ids=PROMPT, method="block", max_new_tokens=3,
                      eos_token_id=[])
     told = [r.getMessage() for r in caplog.records if "plain Hugging Face path" in r.getMessage()]
     assert told == ["this pair runs on the plain Hugging Face path (slower: no token tree, a cache row per "
-                    f"path; docs/ENGINE.md, \"Two paths\"). GPT2LMHeadModel: {lean_unsupported_reason(gpt2_target)}"]
+                    f"path; docs/ENGINE.md, \"Two paths\"). BloomForCausalLM: {lean_unsupported_reason(bloom_target)}"]
     caplog.clear()
     llama_target, llama_draft = hf_pair("llama", vocab=32)
     with caplog.at_level(logging.WARNING, logger="gbv"):

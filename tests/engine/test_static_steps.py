@@ -65,14 +65,18 @@ def _calls(gen: torch.Generator, vocab: int):
                                         ("llama", torch.bfloat16), ("mistral", torch.float32),
                                         ("gemma2", torch.float32), ("gemma3", torch.bfloat16),
                                         ("phi3", torch.bfloat16), ("granite", torch.float32),
-                                        ("smollm3", torch.float32)])
+                                        ("smollm3", torch.float32), ("gptneox", torch.float32),
+                                        ("gptneox-sequential", torch.bfloat16), ("gpt2", torch.float32),
+                                        ("opt", torch.bfloat16)])
 def test_static_steps_equal_the_eager_forward(arch, dtype):
     """Logits and every cache entry written agree with the eager forward, through a cache that grows
     on the way (its steps dropped and made again). llama: grouped-query attention, interleaved
     rotation in float32; qwen3: q/k norms; bfloat16: the cos/sin rotation; mistral, gemma2, gemma3:
     sliding windows (8 positions) passed (every layer's, some layers'), gemma2's soft caps, gemma3's
     rotation per layer kind; phi3: a partial rotation; granite: its multipliers; smollm3: a layer
-    without rotation."""
+    without rotation; gptneox: LayerNorms, biases, attention and MLP in parallel, an MLP without a gate
+    (and in bfloat16 the norms unfolded, the layers in sequence); gpt2, opt: learned positions (opt's
+    rows offset by 2), no rotation."""
     target, _ = hf_pair(arch, vocab=40, seed=3, target_size=(64, 2))
     target = target.to(device=TEST_DEVICE, dtype=dtype)
     eager, static = _eager_and_static(target)

@@ -222,10 +222,11 @@ def test_rms_norm_matches_hugging_face_in_every_dtype():
     assert (wrong_eps - lean_module._rms_norm(x, None, 1e-5)).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu", "gelu_new"])
 def test_activation_runs_as_a_function_where_it_is_silu(hidden_act):
-    """SiLU (every lean architecture's default) runs as ``F.silu``, without the module call; any other
-    activation keeps the model's own module. Both give the Hugging Face logits."""
+    """SiLU (the Llama family's) and GELU (GPT-NeoX's) run as ``F.silu`` and ``F.gelu``, without the module
+    call; any other activation (here GPT-2's tanh GELU in its Python form) keeps the model's own module.
+    All give the Hugging Face logits."""
     config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None)
@@ -234,7 +235,8 @@ def test_activation_runs_as_a_function_where_it_is_silu(hidden_act):
     lean = LeanCausalLM(target)
     act = lean.layers[0].act
     assert (act is torch.nn.functional.silu) == (hidden_act == "silu")
-    if hidden_act != "silu":
+    assert (act is torch.nn.functional.gelu) == (hidden_act == "gelu")
+    if hidden_act == "gelu_new":
         assert act is target.model.layers[0].mlp.act_fn
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
     with torch.inference_mode():
@@ -272,7 +274,7 @@ def test_bf16_products_of_several_rows_run_in_float32(arch, monkeypatch):
 
 
 def test_unsupported_models_fall_back_to_hf():
-    for arch in ("gpt2", "opt"):
+    for arch in ("bloom", "gptj"):
         assert engine_for(*hf_pair(arch, vocab=32)) == "hf"
     assert engine_for(*hf_pair("llama", vocab=32)) == "tree"
 
