@@ -35,8 +35,10 @@ gap would be a bug.
 
 ``--family``: the bundled pair rewritten in another family's layout (``tests/engine/engine_toy.py``,
 ``as_family``: phi3, granite, gemma, gemma2, gemma3, mistral, smollm3; the windowed ones slide over 128
-positions, so long prompts pass their windows). Only Phi-3 runs on the compiled kernels like the
-bundled pair; the others run on the torch forward, where differences are reported, not failed.
+positions, so long prompts pass their windows); gptneox, gpt2, opt, gpt-bigcode, starcoder2, phi: random
+models of the bundled shapes (``shaped_like``: their layers cannot compute the bundled function). Only
+Phi-3 runs on the compiled kernels like the bundled pair; the others run on the torch forward, where
+differences are reported, not failed.
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
     return done, cancel
 
 
+# Families whose pairs are random models of the bundled shapes (their layers cannot compute the bundled
+# function: tests/engine/engine_toy.py, shaped_like).
+SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi")
+
+
 def exact_rows(args) -> bool:
     """Whether rows must equal their references bit for bit: on the CPU where the compiled kernels run
     (``main`` sets one thread), for a family they run (the bundled Llama pair, Phi-3)."""
@@ -127,12 +134,16 @@ def load(args):
     """A fresh pair: the bundled one, or it rewritten in ``args.family``'s layout."""
     if args.family == "llama":
         return gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
-    from engine_toy import as_family
+    from engine_toy import as_family, shaped_like
     from gbv.models.loading import ModelPair
 
     bundled = gbv.load_pair("bundled", dtype="float32")
-    target, draft = (as_family(model, args.family).to(device=args.device, dtype=getattr(torch, args.dtype))
-                     for model in (bundled.target, bundled.draft))
+    if args.family in SHAPED_LIKE:  # (random models of the bundled shapes: see shaped_like)
+        target, draft = (shaped_like(model, args.family, seed) for seed, model in enumerate(
+            (bundled.target, bundled.draft), start=1))
+    else:
+        target, draft = (as_family(model, args.family) for model in (bundled.target, bundled.draft))
+    target, draft = (model.to(device=args.device, dtype=getattr(torch, args.dtype)) for model in (target, draft))
     return ModelPair(target, draft, tokenizer=bundled.tokenizer)
 
 
@@ -261,8 +272,9 @@ def main() -> int:
     parser.add_argument("--mode", choices=("batch", "single"), default="batch")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (scripts/gpu_check.sh, part fuzz)")
     parser.add_argument("--family", default="llama", choices=("llama", "phi3", "granite", "gemma", "gemma2", "gemma3",
-                                                              "mistral", "smollm3"),
-                        help="the bundled pair as is (llama) or rewritten in this family's layout")
+                                                              "mistral", "smollm3", *SHAPED_LIKE),
+                        help="the bundled pair as is (llama) or rewritten in this family's layout (gptneox, gpt2, "
+                             "opt, gpt-bigcode, starcoder2, phi: random models of its shapes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     text = "\n\n".join(load_prompts("gsm8k", 200))

@@ -234,7 +234,7 @@ class Decoder(DecoderState):
 
 
 def engine_for(target, draft) -> str:
-    """``"tree"`` when both models run on the lean tree engine (the Llama-shaped families:
+    """``"tree"`` when both models run on the lean tree engine (the lean families:
     ``LEAN_ARCHITECTURES``), else ``"hf"``.
     ``GBV_ENGINE=hf`` in the environment forces the plain Hugging Face path (for comparisons)."""
     from gbv.engine.lean import lean_unsupported_reason

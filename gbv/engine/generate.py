@@ -297,7 +297,7 @@ def _check_memory(pair, config: GenerationConfig, vocab: int, positions: int) ->
 
 def _make_decoder(pair, config: GenerationConfig, vocab: int):
     """The decoding state of one sequence (the one place that builds a decoder from a config):
-    the tree engine for the Llama-shaped families, the plain Hugging Face path otherwise (``make_decoder``)."""
+    the tree engine for the lean families (``LEAN_ARCHITECTURES``), the plain Hugging Face path otherwise (``make_decoder``)."""
     draft = pair.draft if config.uses_draft else None
     return make_decoder(pair.target, draft, config.method, config.num_paths, config.block_len, vocab,
                    config.target_sampling, config.draft_sampling, config.seed, pair.device)
@@ -441,7 +441,7 @@ def _finish(iterator: Iterator[str | list[int]], stream: Callable[[str | list[in
 
 
 def _generate_many(pair, jobs: list[_Job], batch_size: int = DEFAULT_BATCH_SIZE) -> list[GenerationOutput]:
-    """Every prompt of a batch. On the tree engine (the Llama-shaped families) up to ``batch_size`` rows decode
+    """Every prompt of a batch. On the tree engine (the lean families) up to ``batch_size`` rows decode
     together (one draft forward per depth and one target forward per iteration for all of them; a
     finished row is replaced by the next prompt between iterations); elsewhere, one after another.
     Each job carries its own seed and generator, so a row's output does not depend on the others."""
@@ -697,7 +697,7 @@ def generate(pair, prompt: str | None = None, prompt_ids: Sequence[int] | torch.
     (one row is still a batch of 1) return a list of GenerationOutput, one per prompt, in order.
     Prompt ``i`` is sampled with seed ``seed + i``, exactly as ``generate(pair, <prompt i>, seed=seed + i)``
     would: its output does not depend on the other prompts, and a prompt repeated in a batch gives
-    independent samples. ``stream`` takes one prompt only. On the tree engine (the Llama-shaped families) up to
+    independent samples. ``stream`` takes one prompt only. On the tree engine (the lean families) up to
     ``batch_size`` prompts decode together in shared forwards (docs/ENGINE.md); ``auto`` rows of a
     batch choose their arm per iteration from a policy of their settings and of the batch size.
     """

@@ -1,5 +1,5 @@
 """A lean forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, and the Llama-shaped Gemma 1-3,
-Granite and Phi-3) over a preallocated KV cache.
+Granite, Phi-3 and SmolLM3) and for GPT-NeoX, GPT-2 and OPT, over a preallocated KV cache.
 
 Why: an eager transformers decode step of a small model is mostly framework work (about 1,750 aten
 ops for the bundled 8-layer target, of which matrix multiplies are 65% of the time; a 1-layer draft
@@ -49,7 +49,8 @@ FUSE_MAX_PARAMETERS = 1_000_000_000
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                       "GraniteForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM",
-                      "GPT2LMHeadModel", "OPTForCausalLM")
+                      "GPT2LMHeadModel", "OPTForCausalLM", "GPTBigCodeForCausalLM", "Starcoder2ForCausalLM",
+                      "PhiForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
@@ -73,7 +74,13 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 # - GPT-2 and OPT: no rotation but learned position embeddings added to the token's (OPT's rows offset by
 #   2), LayerNorms with biases, biases on every matrix, an MLP without a gate (GPT-2's tanh GELU in its
 #   Python form, OPT's ReLU); GPT-2's matrices are ``Conv1D`` (stored (in, out)) with q/k/v one matrix;
-#   OPT scales q after its projection (here the attention's scale: the same product up to rounding).
+#   OPT scales q after its projection (here the attention's scale: the same product up to rounding);
+# - GPT-BigCode (StarCoder, SantaCoder): GPT-2's layout with ``nn.Linear`` matrices and, where
+#   ``multi_query``, one kv head (q/k/v one matrix: q, then k, then v; else head by head as GPT-NeoX);
+# - StarCoder2: Llama's layout with LayerNorms, biases, an MLP without a gate (tanh GELU) and a sliding
+#   window;
+# - Phi (phi-1, 1.5, 2): one LayerNorm per layer, read by attention and the MLP in parallel, a partial
+#   rotation, biases on every matrix and on the LM head.
 
 # The rotary kind of layers that do not rotate q and k (SmolLM3's NoPE layers): its table is the identity.
 NO_ROTATION = "none"
@@ -134,6 +141,8 @@ def lean_unsupported_reason(model) -> str | None:
         return "projections in and out of the embedding (OPT-350m's word_embed_proj_dim)"
     if getattr(config, "_remove_final_layer_norm", False):
         return "no final layer norm"
+    if getattr(config, "qk_layernorm", False):
+        return "LayerNorms on q and k (Phi's qk_layernorm)"
     inner = text_decoder(model)
     if inner is None or _decoder_layers(inner) is None or not (
             hasattr(inner, "rotary_emb") or _position_embedding_module(inner) is not None):
@@ -163,6 +172,14 @@ def _position_embedding_module(inner):
     return getattr(inner, "wpe", None) or getattr(inner, "embed_positions", None)
 
 
+def _kv_heads(config) -> int:
+    """The number of key/value heads: one where ``multi_query`` (GPT-BigCode), else ``num_key_value_heads``
+    (grouped-query attention), else one per query head."""
+    if getattr(config, "multi_query", False):
+        return 1
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def _attention_module(layer):
     """A decoder layer's attention module (``self_attn``; GPT-NeoX's ``attention``, GPT-2's ``attn``)."""
     attn = getattr(layer, "self_attn", None)
@@ -180,11 +197,13 @@ def _embedding_module(inner):
 
 
 def _final_norm_module(inner):
-    """The norm after the last layer (``norm``; GPT-NeoX's and OPT's ``final_layer_norm``, GPT-2's ``ln_f``)."""
-    norm = getattr(inner, "norm", None)
-    if norm is None:
-        norm = getattr(inner, "final_layer_norm", None)
-    return inner.ln_f if norm is None else norm
+    """The norm after the last layer (``norm``; GPT-NeoX's and OPT's ``final_layer_norm``, Phi's
+    ``final_layernorm``, GPT-2's ``ln_f``)."""
+    for name in ("norm", "final_layer_norm", "final_layernorm"):
+        norm = getattr(inner, name, None)
+        if norm is not None:
+            return norm
+    return inner.ln_f
 
 
 class KVCache:
@@ -348,6 +367,8 @@ def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor, bia
     made where it has none). Only in float32 (in bfloat16 the folded weights would round differently from
     HF's ``weight * x_hat``). Returns whether it folded."""
     parts = projections.parts if isinstance(projections, _Projections) else [projections]
+    if weight is None and bias is None:  # (a LayerNorm without affine parameters: OPT's elementwise_affine off)
+        return True
     if not all(part.owned and part.upcast is False for part in parts):
         return False
     if any((part.weight_t if part.weight is None else part.weight).dtype != torch.float32 for part in parts):
@@ -357,6 +378,8 @@ def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor, bia
             held = part.weight_t.t() if part.weight is None else part.weight
             shift = (held.double() @ bias.double()).to(held.dtype)
             part.bias = shift if part.bias is None else part.bias + shift  # (a new tensor: not the model's)
+        if weight is None:
+            continue
         if part.weight is None:
             part.weight_t.mul_(weight[:, None])  # (in, out): scale rows
         else:
@@ -650,13 +673,15 @@ class _Layer:
             input_norm, post_norm = layer.ln_1, layer.ln_2
         elif hasattr(layer, "self_attn_layer_norm"):  # (OPT: the MLP's is the layer's final_layer_norm)
             input_norm, post_norm = layer.self_attn_layer_norm, layer.final_layer_norm
+        elif not hasattr(layer, "post_attention_layernorm"):  # (Phi: one norm, for attention and the MLP)
+            input_norm = post_norm = layer.input_layernorm
         else:
             input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        # GPT-NeoX, GPT-2, OPT: LayerNorms (with biases) rather than RMSNorms; GPT-NeoX where
-        # ``use_parallel_residual``: attention and the MLP both read the layer's input,
-        # h + attn(ln1(h)) + mlp(ln2(h)).
+        # GPT-NeoX, GPT-2, OPT, ...: LayerNorms (with biases) rather than RMSNorms; GPT-NeoX where
+        # ``use_parallel_residual``, and Phi: attention and the MLP both read the layer's input,
+        # h + attn(ln1(h)) + mlp(ln2(h)) (Phi: ln1 = ln2).
         self.layer_norm = isinstance(input_norm, torch.nn.LayerNorm)
-        self.parallel = bool(getattr(layer, "use_parallel_residual", False))
+        self.parallel = bool(getattr(layer, "use_parallel_residual", False)) or post_norm is input_norm
         self.input_bias, self.post_bias = _norm_bias(input_norm), _norm_bias(post_norm)
         self.input_norm, self.input_eps = _norm_scale_and_eps(input_norm)
         self.post_norm, self.post_eps = _norm_scale_and_eps(post_norm)
@@ -669,8 +694,13 @@ class _Layer:
         elif hasattr(attn, "query_key_value"):  # GPT-NeoX: one matrix, head by head (no grouped kv heads)
             qkv_linears, qkv_sizes = [attn.query_key_value], (heads[0] * head_dim,) * 3
             head_major = (heads[0], head_dim)
-        elif hasattr(attn, "c_attn"):  # GPT-2: one Conv1D, q then k then v columns
-            qkv_linears, qkv_sizes = [_conv1d_as_linear(attn.c_attn)], (heads[0] * head_dim,) * 3
+        elif hasattr(attn, "c_attn"):  # GPT-2 (a Conv1D), GPT-BigCode: one matrix
+            q_size, kv_size = heads[0] * head_dim, heads[1] * head_dim
+            qkv_linears, qkv_sizes = [attn.c_attn], (q_size, kv_size, kv_size)
+            if _is_conv1d(attn.c_attn):  # (GPT-2: q then k then v columns)
+                qkv_linears = [_conv1d_as_linear(attn.c_attn)]
+            elif not getattr(attn, "multi_query", False):  # (GPT-BigCode without multi-query: head by head)
+                head_major = (heads[0], head_dim)
         else:
             qkv_linears, qkv_sizes = [attn.q_proj, attn.k_proj, attn.v_proj], None
         qk = sum(qkv_sizes[:2]) if qkv_sizes else attn.q_proj.weight.shape[0] + attn.k_proj.weight.shape[0]
@@ -801,7 +831,7 @@ class LeanCausalLM:
                                                config.layer_types[0] if per_kind else None)
             self.rotary_dim = probe_cos.shape[-1]
         num_heads = config.num_attention_heads
-        heads = (num_heads, getattr(config, "num_key_value_heads", None) or num_heads)
+        heads = (num_heads, _kv_heads(config))
         windows = layer_windows(config, len(decoder_layers))
         # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
         # most of them): only where they pay, and under the same size limit.
@@ -838,7 +868,7 @@ class LeanCausalLM:
                     held = matrix.weight_t if matrix.weight is None else matrix.weight
                     held.copy_(held.to(torch.bfloat16))
         self.num_heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.kv_heads = _kv_heads(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.dtype = self.embed.dtype

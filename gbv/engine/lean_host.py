@@ -66,7 +66,7 @@ def host_forward_unsupported_reason(lean) -> str | None:
     if lean.position_embed is not None:
         return "learned position embeddings (GPT-2, OPT)"
     if lean.layer_norm:
-        return "layer norms (GPT-NeoX)"
+        return "LayerNorms rather than RMSNorms (GPT-NeoX, Phi, StarCoder2)"
     if lean.lm_head.bias is not None:
         return "a bias on the LM head"
     for layer in lean.layers:

@@ -1,6 +1,6 @@
 """Tree decoding over lean models: one shared prefix, a preallocated cache, rollback by index.
 
-Used for the Llama-shaped families (:mod:`gbv.engine.lean`, ``LEAN_ARCHITECTURES``); other architectures use
+Used for the lean families (:mod:`gbv.engine.lean`, ``LEAN_ARCHITECTURES``); other architectures use
 :class:`gbv.engine.decoder.Decoder`. One iteration (docs/ENGINE.md):
 
 1. draft: the draft is fed the tokens it has not seen (the pending token, plus the last drafted token

@@ -233,6 +233,43 @@ def _opt(vocab, hidden, layers):
         max_position_embeddings=128, word_embed_proj_dim=hidden, **NO_SPECIAL)), "_proj.weight")
 
 
+def _gpt_bigcode(vocab, hidden, layers, multi_query: bool = True):
+    """GPT-BigCode (StarCoder, SantaCoder): GPT-2's layout with nn.Linear matrices and (``multi_query``, as
+    released) one kv head."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    return _random_layer_norms_and_biases(GPTBigCodeForCausalLM(GPTBigCodeConfig(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, n_positions=128, multi_query=multi_query,
+        **NO_SPECIAL)), "c_attn")
+
+
+def _gpt_bigcode_heads(vocab, hidden, layers):
+    """GPT-BigCode without multi-query attention: q/k/v head by head, as GPT-NeoX's."""
+    return _gpt_bigcode(vocab, hidden, layers, multi_query=False)
+
+
+def _starcoder2(vocab, hidden, layers):
+    """StarCoder2: Llama's layout with LayerNorms, biases, an MLP without a gate (tanh GELU), grouped-query
+    attention and a sliding window (TOY_WINDOW)."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    return _random_layer_norms_and_biases(Starcoder2ForCausalLM(Starcoder2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, sliding_window=TOY_WINDOW,
+        **NO_SPECIAL)), "_proj.weight")
+
+
+def _phi(vocab, hidden, layers):
+    """Phi (phi-1, 1.5, 2): one LayerNorm a layer for attention and the MLP in parallel, half of each head
+    rotated, biases everywhere (the LM head's too), tanh GELU (Python form)."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    return _random_layer_norms_and_biases(PhiForCausalLM(PhiConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, max_position_embeddings=128, partial_rotary_factor=0.5, **NO_SPECIAL)),
+        "_proj.weight")
+
+
 def _bloom(vocab, hidden, layers):
     """BLOOM (ALiBi attention biases, no positions in the inputs): on the plain Hugging Face path."""
     from transformers import BloomConfig, BloomForCausalLM
@@ -250,14 +287,17 @@ def _gptj(vocab, hidden, layers):
 
 ARCHITECTURES = {"bloom": _bloom, "gptj": _gptj, "gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
                  "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm,
-                 "smollm3": _smollm3, "gptneox": _gptneox, "gptneox-sequential": _gptneox_sequential}
+                 "smollm3": _smollm3, "gptneox": _gptneox, "gptneox-sequential": _gptneox_sequential,
+                 "gpt-bigcode": _gpt_bigcode, "gpt-bigcode-heads": _gpt_bigcode_heads, "starcoder2": _starcoder2,
+                 "phi": _phi}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
 
 # The architectures the lean tree engine runs (the rest, BLOOM and GPT-J, take the plain Hugging Face path).
 LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm", "smollm3",
-        "gptneox", "gptneox-sequential", "gpt2", "opt")
+        "gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
+        "phi")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):
@@ -418,3 +458,36 @@ def as_family(model, family: str, window: int = 128):
     assert not unexpected and all("rotary" in name or "embed_scale" in name for name in missing), (missing, unexpected)
     new.generation_config = model.generation_config
     return new.eval()
+
+
+def shaped_like(model, family: str, seed: int, window: int = 128):
+    """A random ``family`` model of the shape of a Llama ``model`` (hidden size, layers, heads, MLP width,
+    vocabulary, context and special tokens; float32, eval mode, weights from ``seed``), for the families
+    whose layers cannot compute a Llama model's function (LayerNorms, MLPs without a gate; see
+    ``as_family``): ``"gptneox"``, ``"gpt2"``, ``"opt"``, ``"gpt-bigcode"`` (multi-query), ``"starcoder2"``
+    (its kv heads as ``model``'s, a sliding ``window``) and ``"phi"``."""
+    from transformers import (GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, GPTNeoXConfig,
+                              GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM,
+                              Starcoder2Config, Starcoder2ForCausalLM)
+
+    like = model.config
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=like.vocab_size, hidden_size=like.hidden_size, num_hidden_layers=like.num_hidden_layers,
+                 num_attention_heads=like.num_attention_heads, max_position_embeddings=like.max_position_embeddings,
+                 bos_token_id=like.bos_token_id, eos_token_id=like.eos_token_id, pad_token_id=like.pad_token_id)
+    if family == "gptneox":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(**shape, intermediate_size=like.intermediate_size)).eval()
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(**shape, n_inner=like.intermediate_size)).eval()
+    if family == "gpt-bigcode":
+        return GPTBigCodeForCausalLM(GPTBigCodeConfig(**shape, n_inner=like.intermediate_size)).eval()
+    if family == "opt":
+        return OPTForCausalLM(OPTConfig(**shape, ffn_dim=like.intermediate_size,
+                                        word_embed_proj_dim=like.hidden_size)).eval()
+    if family == "starcoder2":
+        return Starcoder2ForCausalLM(Starcoder2Config(**shape, intermediate_size=like.intermediate_size,
+                                                      num_key_value_heads=like.num_key_value_heads,
+                                                      sliding_window=window)).eval()
+    if family == "phi":
+        return PhiForCausalLM(PhiConfig(**shape, intermediate_size=like.intermediate_size)).eval()
+    raise ValueError(f"no random model of family {family!r}")

@@ -19,7 +19,8 @@ from gbv.models.loading import ModelPair
 from engine_toy import hf_pair, sharpen
 
 NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3", "smollm3", "gptneox",
-                "gptneox-sequential", "gpt2", "opt")
+                "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
+                "phi")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -69,7 +70,12 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
         lean.position_embed = None
     elif arch == "opt":  # the position rows not offset by 2
         lean.position_offset = 0
-    elif arch == "gptneox-sequential":  # RMSNorms for its LayerNorms (their weights and biases folded)
+    elif arch in ("gpt-bigcode", "gpt-bigcode-heads"):  # positions not added
+        lean.position_embed = None
+    elif arch == "phi":  # the MLP on the attention's output
+        for layer in lean.layers:
+            layer.parallel = False
+    elif arch in ("gptneox-sequential", "starcoder2"):  # RMSNorms for the LayerNorms (weights, biases folded)
         lean.layer_norm = False
         for layer in lean.layers:
             layer.layer_norm = False
@@ -115,16 +121,18 @@ def test_granite_logits_divisor_is_applied():
 
 def test_which_forward_runs_each_family():
     """float32 on the CPU: Phi-3 (SiLU, no scales; its partial rotation is a table of ones past the
-    turned pairs) runs on the compiled host forward; Gemma (GELU) and Granite (multipliers) on torch."""
+    turned pairs) runs on the compiled host forward; the others (GELU, multipliers, windows, LayerNorms,
+    learned positions) on torch."""
     reasons = {arch: lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair(arch, vocab=32)[0]))
                for arch in NEW_FAMILIES}
+    layer_norms = "LayerNorms rather than RMSNorms (GPT-NeoX, Phi, StarCoder2)"
+    positions = "learned position embeddings (GPT-2, OPT)"
     assert reasons == {"gemma": "activation other than SiLU", "granite": "residual multipliers (Granite)",
                        "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
-                       "gemma3mm": "sliding-window attention",
+                       "gemma3mm": "sliding-window attention", "starcoder2": "sliding-window attention",
                        "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",
-                       "gptneox": "layer norms (GPT-NeoX)", "gptneox-sequential": "layer norms (GPT-NeoX)",
-                       "gpt2": "learned position embeddings (GPT-2, OPT)",
-                       "opt": "learned position embeddings (GPT-2, OPT)",
+                       "gptneox": layer_norms, "gptneox-sequential": layer_norms, "phi": layer_norms,
+                       "gpt2": positions, "opt": positions, "gpt-bigcode": positions, "gpt-bigcode-heads": positions,
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -157,6 +165,24 @@ def test_exact_gelu_runs_as_a_function_and_its_python_form_as_the_module():
     assert all(layer.parallel for layer in neox.layers) and neox.layer_norm
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_norms_without_affine_parameters(dtype, monkeypatch):
+    """OPT with ``layer_norm_elementwise_affine`` off: LayerNorms without weight or bias, in float32 (where
+    the norms fold) and bfloat16 (where they do not)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    monkeypatch.setenv("GBV_HOST_KERNELS", "0")
+    torch.manual_seed(2)
+    model = OPTForCausalLM(OPTConfig(vocab_size=32, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                     num_attention_heads=2, max_position_embeddings=128, word_embed_proj_dim=32,
+                                     layer_norm_elementwise_affine=False, bos_token_id=None, eos_token_id=None,
+                                     pad_token_id=None)).eval().to(getattr(torch, dtype))
+    _sharpen_attention(model)
+    expected = _reference(model, TOKENS)
+    tolerance = 2e-5 if dtype == "float32" else 2e-2 * float(expected.abs().max())
+    torch.testing.assert_close(_logits(LeanCausalLM(model), TOKENS), expected, atol=tolerance, rtol=0)
+
+
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, monkeypatch):
     """A model past FUSE_MAX_PARAMETERS (every real Gemma, Granite and Phi-3) keeps its own tensors:
@@ -180,7 +206,9 @@ def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, 
     if arch == "gpt2":  # (its Conv1D tensors in place, as views: no copy)
         attn = text_decoder(target).h[0].attn
         assert lean.layers[0].qkv.parts[0].weight.data_ptr() == attn.c_attn.weight.data_ptr()
-    if arch == "gptneox":  # control: q, k, v split as three blocks of rows
+    if arch == "gpt-bigcode":  # (multi-query: one kv head; q, k, v blocks of one product)
+        assert lean.kv_heads == 1 and lean.layers[0].qkv.sizes == [32, 16, 16]
+    if arch in ("gptneox", "gpt-bigcode-heads"):  # control: q, k, v split as three blocks of rows
         lean.layers[0].qkv.head_major = None
         assert (_logits(lean, TOKENS) - expected).abs().max() > 2e-4
     if arch == "phi3":
@@ -233,7 +261,7 @@ def test_which_sliding_windows_the_lean_path_takes():
     assert LeanCausalLM(Qwen2ForCausalLM(Qwen2Config(sliding_window=64, **small))).window is None  # (off)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3", "gemma3mm"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3", "gemma3mm", "starcoder2"])
 def test_a_sliding_window_masks_the_slots_before_it(arch):
     """A prompt chain longer than the window, one-token steps after it and a tree pass: each query's
     logits are those of the model's own forward over the whole sequence, which applies the window. The
