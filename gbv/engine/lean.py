@@ -393,8 +393,9 @@ def _gelu_tanh(x: Tensor) -> Tensor:
 
 def _functional(act):
     """The activation module of an MLP as a plain function where it is one (SiLU: what the Llama family
-    uses; GELU's tanh form: Gemma's; GELU: GPT-NeoX's), else the module itself. Why: a module call costs several
-    microseconds of Python per layer and forward, about 5% of a decode step of a small model."""
+    uses; GELU's tanh form: Gemma's and StarCoder2's; GELU: GPT-NeoX's; ReLU: OPT's), else the module
+    itself. Why: a module call costs several microseconds of Python per layer and forward, about 5% of a
+    decode step of a small model."""
     from transformers import activations
 
     if type(act) in (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU)):
@@ -732,8 +733,8 @@ class _Layer:
             self.q_norm_weight = _interleave_rotary_rows(q_scale, head_dim, rotary_dim)
             self.k_norm_weight = _interleave_rotary_rows(k_scale, head_dim, rotary_dim)
         self.scaling = attn.scaling
-        # The MLP: gated, act(gate) * up, or (GPT-NeoX, GPT-2, OPT) act(up), where gate_up holds the up
-        # projection alone. OPT's MLP matrices sit on the layer itself.
+        # The MLP: gated, act(gate) * up, or (GPT-NeoX, GPT-2, OPT, GPT-BigCode, StarCoder2, Phi) act(up),
+        # where gate_up holds the up projection alone. OPT's MLP matrices sit on the layer itself.
         mlp = getattr(layer, "mlp", layer)
         ungated = next(((up, down) for up, down in (("dense_h_to_4h", "dense_4h_to_h"), ("c_fc", "c_proj"),
                                                     ("fc1", "fc2")) if hasattr(mlp, up)), None)
@@ -776,7 +777,8 @@ class _Layer:
 
 
 class LeanCausalLM:
-    """The forward pass of a Hugging Face Llama-family causal LM, over a :class:`KVCache`.
+    """The forward pass of a Hugging Face causal LM of the lean families (``LEAN_ARCHITECTURES``), over a
+    :class:`KVCache`.
 
     ``model`` must pass :func:`lean_unsupported_reason`. The Hugging Face model is kept and stays
     usable as it was. Models up to ``FUSE_MAX_PARAMETERS`` get fused (and, where
