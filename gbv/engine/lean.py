@@ -50,7 +50,7 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                       "GraniteForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM",
                       "GPT2LMHeadModel", "OPTForCausalLM", "GPTBigCodeForCausalLM", "Starcoder2ForCausalLM",
-                      "PhiForCausalLM")
+                      "PhiForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
@@ -80,7 +80,10 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 # - StarCoder2: Llama's layout with LayerNorms, biases, an MLP without a gate (tanh GELU) and a sliding
 #   window;
 # - Phi (phi-1, 1.5, 2): one LayerNorm per layer, read by attention and the MLP in parallel, a partial
-#   rotation, biases on every matrix and on the LM head.
+#   rotation, biases on every matrix and on the LM head;
+# - OLMo 2 / 3: no norm before attention or the MLP, each block's output normed before its residual add
+#   (as Gemma 2's), q and k normed over all heads at once (not per head), every RMSNorm scaling before
+#   its cast; OLMo 3 slides windows on some layers and rotates each layer kind by its own table.
 
 # The rotary kind of layers that do not rotate q and k (SmolLM3's NoPE layers): its table is the identity.
 NO_ROTATION = "none"
@@ -343,6 +346,8 @@ def _norm_scale_and_eps(norm) -> tuple[Tensor, float]:
     eps = norm.eps if eps is None else eps
     if type(norm).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
         return 1.0 + norm.weight.detach().float(), eps
+    if type(norm).__name__ in ("Olmo2RMSNorm", "Olmo3RMSNorm"):  # (weight * x_hat in float32, then the cast)
+        return norm.weight.detach().float(), eps
     return norm.weight, eps
 
 
@@ -466,12 +471,16 @@ def _rotate_half(x: Tensor) -> Tensor:
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Hugging Face's rotation of q or k (..., head_dim) by tables of the rotary width (..., rotary_dim):
     a partial rotation (Phi-3's ``partial_rotary_factor``) turns the first ``rotary_dim`` dimensions and
-    passes the rest through."""
+    passes the rest through. Tables of a wider dtype than ``x`` (OLMo 2 / 3's float32 ones) turn it in
+    that dtype, and the result is cast back, as those models do."""
     width = cos.shape[-1]
     if width == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    turned = x[..., :width]
-    return torch.cat([turned * cos + _rotate_half(turned) * sin, x[..., width:]], dim=-1)
+        rotated = x * cos + _rotate_half(x) * sin
+    else:
+        turned = x[..., :width]
+        rotated = torch.cat([turned * cos + _rotate_half(turned) * sin, x[..., width:]], dim=-1)
+    # (OLMo 2 / 3's tables stay float32: half-precision q and k are turned in float32, then cast back)
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
 
 def transposed_weights_pay(dtype: torch.dtype, device: torch.device) -> bool:
@@ -674,6 +683,10 @@ class _Layer:
             input_norm, post_norm = layer.ln_1, layer.ln_2
         elif hasattr(layer, "self_attn_layer_norm"):  # (OPT: the MLP's is the layer's final_layer_norm)
             input_norm, post_norm = layer.self_attn_layer_norm, layer.final_layer_norm
+        elif not hasattr(layer, "input_layernorm"):  # (OLMo 2 / 3: only the blocks' outputs are normed)
+            self.attn_out_norm, self.attn_out_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
+            self.mlp_out_norm, self.mlp_out_eps = _norm_scale_and_eps(layer.post_feedforward_layernorm)
+            input_norm = post_norm = None
         elif not hasattr(layer, "post_attention_layernorm"):  # (Phi: one norm, for attention and the MLP)
             input_norm = post_norm = layer.input_layernorm
         else:
@@ -682,10 +695,12 @@ class _Layer:
         # ``use_parallel_residual``, and Phi: attention and the MLP both read the layer's input,
         # h + attn(ln1(h)) + mlp(ln2(h)) (Phi: ln1 = ln2).
         self.layer_norm = isinstance(input_norm, torch.nn.LayerNorm)
-        self.parallel = bool(getattr(layer, "use_parallel_residual", False)) or post_norm is input_norm
+        self.parallel = bool(getattr(layer, "use_parallel_residual", False)) or (
+            input_norm is not None and post_norm is input_norm)
         self.input_bias, self.post_bias = _norm_bias(input_norm), _norm_bias(post_norm)
-        self.input_norm, self.input_eps = _norm_scale_and_eps(input_norm)
-        self.post_norm, self.post_eps = _norm_scale_and_eps(post_norm)
+        # (eps None: no norm there, OLMo 2 / 3)
+        self.input_norm, self.input_eps = _norm_scale_and_eps(input_norm) if input_norm is not None else (None, None)
+        self.post_norm, self.post_eps = _norm_scale_and_eps(post_norm) if post_norm is not None else (None, None)
         # Gemma 2: attention scores soft-capped, c * tanh(s / c), before the mask (None: not capped)
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
         head_major = None
@@ -726,6 +741,8 @@ class _Layer:
         self.o = _Linear(out_proj.weight, out_proj.bias, transpose, upcast)
         self.q_norm = getattr(attn, "q_norm", None)  # Qwen3, Gemma 3: RMSNorm over the head dimension
         self.k_norm = getattr(attn, "k_norm", None)
+        # OLMo 2 / 3: q and k normed over all heads at once (their norms' width), before the split into heads
+        self.qk_norm_all_heads = self.q_norm is not None and self.q_norm.weight.shape[0] != head_dim
         self.interleaved = interleave
         if interleave and self.q_norm is not None:  # RMS is order-free; its weight follows the rows
             q_scale, self.q_norm_eps = _norm_scale_and_eps(self.q_norm)
@@ -1018,8 +1035,13 @@ class LeanCausalLM:
         qkv = layer.qkv.parts[0](x).view(batch, n, heads, self.head_dim)  # x: (B * N, hidden)
         qk = qkv[:, :, :self.num_heads + self.kv_heads]
         if layer.q_norm is not None:
-            q_part = _rms_norm(qk[:, :, :self.num_heads], layer.q_norm_weight, layer.q_norm_eps)
-            k_part = _rms_norm(qk[:, :, self.num_heads:], layer.k_norm_weight, layer.k_norm_eps)
+            q_part, k_part = qk[:, :, :self.num_heads], qk[:, :, self.num_heads:]
+            if layer.qk_norm_all_heads:  # (OLMo 2 / 3: over every head's dimensions at once)
+                q_part = _rms_norm(q_part.flatten(2), layer.q_norm_weight, layer.q_norm_eps).view(q_part.shape)
+                k_part = _rms_norm(k_part.flatten(2), layer.k_norm_weight, layer.k_norm_eps).view(k_part.shape)
+            else:
+                q_part = _rms_norm(q_part, layer.q_norm_weight, layer.q_norm_eps)
+                k_part = _rms_norm(k_part, layer.k_norm_weight, layer.k_norm_eps)
             qk = torch.cat([q_part, k_part], dim=2)
         rotated = qk if rot is None else torch.view_as_real(torch.view_as_complex(
             qk.reshape(batch, n, -1, self.head_dim // 2, 2)) * rot).flatten(-2)
@@ -1238,15 +1260,18 @@ class LeanCausalLM:
             cos, sin = tables[layer.rope_kind]
             rot = cos  # (interleaved)
             residual = hidden
-            x = _norm(hidden, layer.input_norm, layer.input_eps, layer.input_bias, layer.layer_norm)
+            x = hidden if layer.input_eps is None else _norm(hidden, layer.input_norm, layer.input_eps,
+                                                             layer.input_bias, layer.layer_norm)
             if layer.interleaved:
                 q, k, v = self._qkv_interleaved(layer, x, rot, batch, n)
             else:
                 q, k, v = layer.qkv(x)
+                if layer.qk_norm_all_heads:  # (OLMo 2 / 3: before the split into heads)
+                    q, k = layer.q_norm(q), layer.k_norm(k)
                 q = q.reshape(batch, n, self.num_heads, self.head_dim)
                 k = k.reshape(batch, n, self.kv_heads, self.head_dim)
                 v = v.reshape(batch, n, self.kv_heads, self.head_dim)
-                if layer.q_norm is not None:
+                if layer.q_norm is not None and not layer.qk_norm_all_heads:
                     q, k = layer.q_norm(q), layer.k_norm(k)
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 if cos is not None:  # (None: a layer without rotation)
@@ -1289,7 +1314,8 @@ class LeanCausalLM:
                 hidden = layer.o.add_to(residual, attn)
             else:  # (Granite: the product, times the multiplier, then the add, as its modules do)
                 hidden = residual + layer.o(attn) * layer.residual_multiplier
-            x = _norm(hidden, layer.post_norm, layer.post_eps, layer.post_bias, layer.layer_norm)
+            x = hidden if layer.post_eps is None else _norm(hidden, layer.post_norm, layer.post_eps, layer.post_bias,
+                                                            layer.layer_norm)
             mlp_hidden = layer.mlp_hidden(x)
             if layer.mlp_out_norm is not None:
                 hidden = hidden + _rms_norm(layer.down(mlp_hidden), layer.mlp_out_norm, layer.mlp_out_eps)

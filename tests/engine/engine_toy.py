@@ -270,6 +270,29 @@ def _phi(vocab, hidden, layers):
         "_proj.weight")
 
 
+def _olmo2(vocab, hidden, layers):
+    """OLMo 2: no norms before attention or the MLP, norms after each block, q and k normed over all heads
+    (random norm weights: the ones they start from would hide their order)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return _random_norms(Olmo2ForCausalLM(Olmo2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, **NO_SPECIAL)))
+
+
+def _olmo3(vocab, hidden, layers):
+    """OLMo 3: OLMo 2 with sliding windows (TOY_WINDOW) on all layers but every third, each layer kind
+    rotated by its own table."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    count = max(layers, 3)
+    return _random_norms(Olmo3ForCausalLM(Olmo3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=count,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, sliding_window=TOY_WINDOW,
+        layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(count)],
+        **NO_SPECIAL)))
+
+
 def _bloom(vocab, hidden, layers):
     """BLOOM (ALiBi attention biases, no positions in the inputs): on the plain Hugging Face path."""
     from transformers import BloomConfig, BloomForCausalLM
@@ -289,7 +312,7 @@ ARCHITECTURES = {"bloom": _bloom, "gptj": _gptj, "gpt2": _gpt2, "opt": _opt, "ll
                  "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm,
                  "smollm3": _smollm3, "gptneox": _gptneox, "gptneox-sequential": _gptneox_sequential,
                  "gpt-bigcode": _gpt_bigcode, "gpt-bigcode-heads": _gpt_bigcode_heads, "starcoder2": _starcoder2,
-                 "phi": _phi}
+                 "phi": _phi, "olmo2": _olmo2, "olmo3": _olmo3}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
@@ -297,7 +320,7 @@ if Qwen3ForCausalLM is not None:
 # The architectures the lean tree engine runs (the rest, BLOOM and GPT-J, take the plain Hugging Face path).
 LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm", "smollm3",
         "gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
-        "phi")
+        "phi", "olmo2", "olmo3")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):
@@ -465,7 +488,8 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
     vocabulary, context and special tokens; float32, eval mode, weights from ``seed``), for the families
     whose layers cannot compute a Llama model's function (LayerNorms, MLPs without a gate; see
     ``as_family``): ``"gptneox"``, ``"gpt2"``, ``"opt"``, ``"gpt-bigcode"`` (multi-query), ``"starcoder2"``
-    (its kv heads as ``model``'s, a sliding ``window``) and ``"phi"``."""
+    (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo2"`` and ``"olmo3"`` (a sliding
+    ``window`` on three layers of four)."""
     from transformers import (GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, GPTNeoXConfig,
                               GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM)
@@ -490,4 +514,12 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
                                                       sliding_window=window)).eval()
     if family == "phi":
         return PhiForCausalLM(PhiConfig(**shape, intermediate_size=like.intermediate_size)).eval()
+    if family in ("olmo2", "olmo3"):
+        from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+
+        settings = dict(**shape, intermediate_size=like.intermediate_size, num_key_value_heads=like.num_key_value_heads)
+        if family == "olmo2":
+            return Olmo2ForCausalLM(Olmo2Config(**settings)).eval()
+        kinds = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(like.num_hidden_layers)]
+        return Olmo3ForCausalLM(Olmo3Config(**settings, sliding_window=window, layer_types=kinds)).eval()
     raise ValueError(f"no random model of family {family!r}")

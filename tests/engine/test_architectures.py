@@ -20,7 +20,7 @@ from engine_toy import hf_pair, sharpen
 
 NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3", "smollm3", "gptneox",
                 "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
-                "phi")
+                "phi", "olmo2", "olmo3")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -72,6 +72,12 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
         lean.position_offset = 0
     elif arch in ("gpt-bigcode", "gpt-bigcode-heads"):  # positions not added
         lean.position_embed = None
+    elif arch == "olmo2":  # the blocks' outputs not normed
+        for layer in lean.layers:
+            layer.attn_out_norm = layer.mlp_out_norm = None
+    elif arch == "olmo3":  # no sliding window
+        for layer in lean.layers:
+            layer.window = None
     elif arch == "phi":  # the MLP on the attention's output
         for layer in lean.layers:
             layer.parallel = False
@@ -133,6 +139,7 @@ def test_which_forward_runs_each_family():
                        "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",
                        "gptneox": layer_norms, "gptneox-sequential": layer_norms, "phi": layer_norms,
                        "gpt2": positions, "opt": positions, "gpt-bigcode": positions, "gpt-bigcode-heads": positions,
+                       "olmo2": "q/k norms (Qwen3)", "olmo3": "sliding-window attention",
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -261,7 +268,7 @@ def test_which_sliding_windows_the_lean_path_takes():
     assert LeanCausalLM(Qwen2ForCausalLM(Qwen2Config(sliding_window=64, **small))).window is None  # (off)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3", "gemma3mm", "starcoder2"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3", "gemma3mm", "starcoder2", "olmo3"])
 def test_a_sliding_window_masks_the_slots_before_it(arch):
     """A prompt chain longer than the window, one-token steps after it and a tree pass: each query's
     logits are those of the model's own forward over the whole sequence, which applies the window. The
