@@ -696,8 +696,8 @@ class _Layer:
         # ``use_parallel_residual``, and Phi: attention and the MLP both read the layer's input,
         # h + attn(ln1(h)) + mlp(ln2(h)) (Phi: ln1 = ln2).
         self.layer_norm = isinstance(input_norm, torch.nn.LayerNorm)
-        self.parallel = bool(getattr(layer, "use_parallel_residual", False)) or (
-            input_norm is not None and post_norm is input_norm)
+        self.shared_norm = input_norm is not None and post_norm is input_norm  # (Phi: the MLP reads attention's x)
+        self.parallel = bool(getattr(layer, "use_parallel_residual", False)) or self.shared_norm
         self.input_bias, self.post_bias = _norm_bias(input_norm), _norm_bias(post_norm)
         # (eps None: no norm there, OLMo 2 / 3)
         self.input_norm, self.input_eps = _norm_scale_and_eps(input_norm) if input_norm is not None else (None, None)
@@ -1306,7 +1306,8 @@ class LeanCausalLM:
             attn = attn.transpose(1, 2).reshape(batch * n, -1)
             if layer.parallel:  # (GPT-NeoX: the MLP reads the layer's input; HF's sum order, mlp + attn + h)
                 attn = layer.o(attn)
-                x = _norm(residual, layer.post_norm, layer.post_eps, layer.post_bias, layer.layer_norm)
+                if not layer.shared_norm:  # (Phi: the same norm of the same input, already in x)
+                    x = _norm(residual, layer.post_norm, layer.post_eps, layer.post_bias, layer.layer_norm)
                 hidden = layer.down(layer.mlp_hidden(x)) + attn + residual
                 continue
             if layer.attn_out_norm is not None:  # (Gemma 2 / 3: the block's output normed, then added)
