@@ -14,8 +14,8 @@ on how well their drafts agree (the table's last column), and only ``ar`` compar
 
     python scripts/bench_architectures.py --families llama,gemma2,gemma3
 
-``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo2`` and ``olmo3`` (not in the
-default list) cannot compute the bundled function at all (LayerNorms, MLPs without a gate, norms after
+``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo2``, ``olmo3`` and ``gptj`` (not
+in the default list) cannot compute the bundled function at all (LayerNorms, MLPs without a gate, norms after
 the blocks only): their pairs are random models of the bundled target's and draft's shapes (seeded;
 ``shaped_like`` in engine_toy.py; StarCoder2 and OLMo 3 with windows of 128). Again only ``ar`` compares engines alone; the speculative rows run the same pair on both
 engines and the peer, with whatever agreement random models have:
@@ -61,7 +61,7 @@ ROWS = [("ar", "tree", "ar", 1, 1), ("block L=4", "tree", "block", 1, 4), ("auto
 
 # Families whose layers cannot compute the bundled function (LayerNorms, MLPs without a gate): a pair of
 # random models of the bundled shapes (seeded), so only the engines compare (see the module docstring).
-SYNTHETIC = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3")
+SYNTHETIC = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj")
 
 
 def family_pair(bundled, family: str) -> ModelPair:

@@ -36,9 +36,9 @@ gap would be a bug.
 ``--family``: the bundled pair rewritten in another family's layout (``tests/engine/engine_toy.py``,
 ``as_family``: phi3, granite, gemma, gemma2, gemma3, mistral, smollm3; the windowed ones slide over 128
 positions, so long prompts pass their windows); gptneox, gpt2, opt, gpt-bigcode, starcoder2, phi, olmo2,
-olmo3: random models of the bundled shapes (``shaped_like``: their layers cannot compute the bundled
-function). Only Phi-3 runs on the compiled kernels like the bundled pair; the others run on the torch
-forward, where differences are reported, not failed.
+olmo3, gptj: random models of the bundled shapes (``shaped_like``: their layers cannot compute the
+bundled function). Only Phi-3 runs on the compiled kernels like the bundled pair; the others run on the
+torch forward, where differences are reported, not failed.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
 
 # Families whose pairs are random models of the bundled shapes (their layers cannot compute the bundled
 # function: tests/engine/engine_toy.py, shaped_like).
-SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3")
+SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj")
 
 
 def exact_rows(args) -> bool:
@@ -274,7 +274,7 @@ def main() -> int:
     parser.add_argument("--family", default="llama", choices=("llama", "phi3", "granite", "gemma", "gemma2", "gemma3",
                                                               "mistral", "smollm3", *SHAPED_LIKE),
                         help="the bundled pair as is (llama) or rewritten in this family's layout (gptneox, gpt2, "
-                             "opt, gpt-bigcode, starcoder2, phi, olmo2, olmo3: random models of its shapes)")
+                             "opt, gpt-bigcode, starcoder2, phi, olmo2, olmo3, gptj: random models of its shapes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     text = "\n\n".join(load_prompts("gsm8k", 200))

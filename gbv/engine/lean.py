@@ -51,7 +51,7 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                       "GraniteForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM",
                       "GPT2LMHeadModel", "OPTForCausalLM", "GPTBigCodeForCausalLM", "Starcoder2ForCausalLM",
-                      "PhiForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+                      "PhiForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GPTJForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
@@ -84,7 +84,10 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   rotation, biases on every matrix and on the LM head;
 # - OLMo 2 / 3: no norm before attention or the MLP, each block's output normed before its residual add
 #   (as Gemma 2's), q and k normed over all heads at once (not per head), every RMSNorm scaling before
-#   its cast; OLMo 3 slides windows on some layers and rotates each layer kind by its own table.
+#   its cast; OLMo 3 slides windows on some layers and rotates each layer kind by its own table;
+# - GPT-J: Phi's parallel block (one LayerNorm), and a rotation of adjacent pairs (2i, 2i + 1) of the first
+#   ``rotary_dim`` dimensions (``rotate_every_two``), by tables its rotary module gives as (sin, cos) with
+#   one entry per pair (``LeanCausalLM.adjacent_pairs``).
 
 # The rotary kind of layers that do not rotate q and k (SmolLM3's NoPE layers): its table is the identity.
 NO_ROTATION = "none"
@@ -464,22 +467,29 @@ def _softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor 
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
+def _rotate_every_two(x: Tensor) -> Tensor:
+    """GPT-J's turn of adjacent pairs: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, adjacent: bool = False) -> Tensor:
     """Hugging Face's rotation of q or k (..., head_dim) by tables of the rotary width (..., rotary_dim):
     a partial rotation (Phi-3's ``partial_rotary_factor``) turns the first ``rotary_dim`` dimensions and
     passes the rest through. Tables of a wider dtype than ``x`` (OLMo 2 / 3's float32 ones) turn it in
-    that dtype, and the result is cast back, as those models do."""
+    that dtype, and the result is cast back, as those models do. ``adjacent`` (GPT-J): pairs (2i, 2i + 1)
+    turn together (``rotate_every_two``), by tables in that layout (each entry repeated in place)."""
     width = cos.shape[-1]
+    turn = _rotate_every_two if adjacent else _rotate_half
     if width == x.shape[-1]:
-        rotated = x * cos + _rotate_half(x) * sin
+        rotated = x * cos + turn(x) * sin
     else:
         turned = x[..., :width]
-        rotated = torch.cat([turned * cos + _rotate_half(turned) * sin, x[..., width:]], dim=-1)
+        rotated = torch.cat([turned * cos + turn(turned) * sin, x[..., width:]], dim=-1)
     # (OLMo 2 / 3's tables stay float32: half-precision q and k are turned in float32, then cast back)
     return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
@@ -668,7 +678,8 @@ class _Layer:
 
     def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0,
                  transpose: bool = False, upcast: bool = False, heads: tuple[int, int] = (0, 0),
-                 rotary_dim: int | None = None, window: int | None = None, rope_kind: str | None = None) -> None:
+                 rotary_dim: int | None = None, window: int | None = None, rope_kind: str | None = None,
+                 adjacent_pairs: bool = False) -> None:
         attn = _attention_module(layer)
         self.window = window  # the sliding window this layer attends within (None: all of its prefix)
         self.rope_kind = rope_kind  # the rotation's table (Gemma 3: per layer kind; None: the model's one)
@@ -680,8 +691,8 @@ class _Layer:
             self.attn_out_norm, self.attn_out_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
             self.mlp_out_norm, self.mlp_out_eps = _norm_scale_and_eps(layer.post_feedforward_layernorm)
             input_norm, post_norm = layer.input_layernorm, layer.pre_feedforward_layernorm
-        elif hasattr(layer, "ln_1"):  # (GPT-2)
-            input_norm, post_norm = layer.ln_1, layer.ln_2
+        elif hasattr(layer, "ln_1"):  # (GPT-2; GPT-J: ln_1 alone, for attention and the MLP, as Phi)
+            input_norm, post_norm = layer.ln_1, getattr(layer, "ln_2", layer.ln_1)
         elif hasattr(layer, "self_attn_layer_norm"):  # (OPT: the MLP's is the layer's final_layer_norm)
             input_norm, post_norm = layer.self_attn_layer_norm, layer.final_layer_norm
         elif not hasattr(layer, "input_layernorm"):  # (OLMo 2 / 3: only the blocks' outputs are normed)
@@ -727,14 +738,15 @@ class _Layer:
             # interleaved for the rotation, not v
             if head_major is not None:
                 weight, bias = _head_major_rows(weight, bias, *head_major)
-            if not interleave:
+            if not interleave or adjacent_pairs:  # (GPT-J's q/k rows are in interleaved order already)
                 return weight, bias
             weight = torch.cat([_interleave_rotary_rows(weight[:qk], head_dim, rotary_dim), weight[qk:]])
             if bias is not None:
                 bias = torch.cat([_interleave_rotary_rows(bias[:qk], head_dim, rotary_dim), bias[qk:]])
             return weight, bias
 
-        self.qkv = _Projections(qkv_linears, fuse, transpose, reorder_qkv if interleave or head_major else None,
+        self.qkv = _Projections(qkv_linears, fuse, transpose,
+                                reorder_qkv if (interleave and not adjacent_pairs) or head_major else None,
                                 upcast, qkv_sizes, head_major)
         out_proj = next(getattr(attn, name) for name in ("o_proj", "dense", "out_proj", "c_proj") if hasattr(attn, name))
         if _is_conv1d(out_proj):  # (GPT-2)
@@ -755,7 +767,7 @@ class _Layer:
         # where gate_up holds the up projection alone. OPT's MLP matrices sit on the layer itself.
         mlp = getattr(layer, "mlp", layer)
         ungated = next(((up, down) for up, down in (("dense_h_to_4h", "dense_4h_to_h"), ("c_fc", "c_proj"),
-                                                    ("fc1", "fc2")) if hasattr(mlp, up)), None)
+                                                    ("fc1", "fc2"), ("fc_in", "fc_out")) if hasattr(mlp, up)), None)
         self.gated = ungated is None
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: one matrix, gate then up rows
             half = mlp.gate_up_proj.weight.shape[0] // 2
@@ -831,6 +843,9 @@ class LeanCausalLM:
         # GPT-2 and OPT rotate nothing: their positions are learned rows added to the token's (OPT's at
         # position + 2). Their layers take the identity's table (NO_ROTATION); None elsewhere.
         self.rotary = getattr(inner, "rotary_emb", None)
+        # GPT-J turns adjacent pairs (2i, 2i + 1): its q/k rows are in the interleaved order already, and
+        # the cos/sin path takes tables with each entry repeated in place (``rotate_every_two``).
+        self.adjacent_pairs = type(self.rotary).__name__ == "GPTJRotaryEmbedding"
         positions = _position_embedding_module(inner) if self.rotary is None else None
         self.position_embed = None if positions is None else positions.weight
         self.position_offset = int(getattr(positions, "offset", 0))
@@ -859,7 +874,8 @@ class LeanCausalLM:
         # bfloat16 products of several rows in float32 where this CPU has no fast kernel for them.
         self.upcast = bf16_products_upcast(dtype, device)
         self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
-                              self.rotary_dim, windows[index], self.rope_kinds[index] if self.rope_kinds else None)
+                              self.rotary_dim, windows[index], self.rope_kinds[index] if self.rope_kinds else None,
+                              self.adjacent_pairs)
                        for index, layer in enumerate(decoder_layers)]
         final_norm, self.norm_eps = _norm_scale_and_eps(_final_norm_module(inner))
         self.norm_bias = _norm_bias(_final_norm_module(inner))
@@ -998,14 +1014,21 @@ class LeanCausalLM:
                         ones = torch.ones(rot.shape[0], (self.head_dim - self.rotary_dim) // 2, dtype=rot.dtype,
                                           device=rot.device)
                         rot = torch.cat([rot, ones], dim=1)
+                if self.adjacent_pairs:  # (GPT-J: each entry repeated in place, for rotate_every_two)
+                    half = self.rotary_dim // 2
+                    cos, sin = cos[:, :half].repeat_interleave(2, -1), sin[:, :half].repeat_interleave(2, -1)
                 self._kind_tables[kind] = (cos, sin, rot)
             self._cos, self._sin, self._rot = self._kind_tables[kinds[0]]
             if self._rot is not None and self._rot.device.type == "cpu":
                 self.rotary_numpy = self._rot.numpy()  # (positions, head_dim / 2) complex64
 
     def _rotary_module(self, probe: Tensor, ids: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
-        """The model's own rotary tables (1, positions, rotary_dim) at ``ids``; of layer kind ``kind``
-        where the module takes one (Gemma 3)."""
+        """The model's own rotary tables (1, positions, rotary_dim) at ``ids``, in Hugging Face's usual
+        layout (each pair's entry at ``i`` and ``i + rotary_dim / 2``); of layer kind ``kind`` where the
+        module takes one (Gemma 3). GPT-J's module gives (sin, cos) with one entry per pair: laid out so."""
+        if self.adjacent_pairs:
+            sin, cos = self.rotary(probe, ids)
+            return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return self.rotary(probe, ids) if kind is None else self.rotary(probe, ids, kind)
 
     def _rotary(self, positions: Tensor, upto: int, kind: str | None = None) -> tuple[Tensor, Tensor]:
@@ -1276,7 +1299,7 @@ class LeanCausalLM:
                     q, k = layer.q_norm(q), layer.k_norm(k)
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 if cos is not None:  # (None: a layer without rotation)
-                    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                    q, k = _rotate(q, cos, sin, self.adjacent_pairs), _rotate(k, cos, sin, self.adjacent_pairs)
             keys, values = cache.keys[index], cache.values[index]
             if first_row or batch != keys.shape[0]:  # (a slice is a call: only when it selects)
                 keys = keys[first_row:first_row + batch]

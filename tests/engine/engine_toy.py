@@ -301,14 +301,25 @@ def _bloom(vocab, hidden, layers):
 
 
 def _gptj(vocab, hidden, layers):
-    """GPT-J (a rotation of interleaved pairs, attention and MLP in parallel): on the plain Hugging Face path."""
+    """GPT-J: a rotation of adjacent pairs of the first ``rotary_dim`` dimensions (8 of 16 here), one
+    LayerNorm for attention and the MLP in parallel, biases on the MLP and the LM head."""
     from transformers import GPTJConfig, GPTJForCausalLM
 
-    return GPTJForCausalLM(GPTJConfig(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, rotary_dim=8,
-                                      n_positions=128, **NO_SPECIAL))
+    return _random_layer_norms_and_biases(GPTJForCausalLM(GPTJConfig(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, rotary_dim=8, n_positions=128, **NO_SPECIAL)),
+        "_proj.weight")
 
 
-ARCHITECTURES = {"bloom": _bloom, "gptj": _gptj, "gpt2": _gpt2, "opt": _opt, "llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
+def _falcon(vocab, hidden, layers):
+    """Falcon: on the plain Hugging Face path."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                          num_attention_heads=2, **NO_SPECIAL))
+
+
+ARCHITECTURES = {"bloom": _bloom, "falcon": _falcon, "gptj": _gptj, "gpt2": _gpt2, "opt": _opt, "llama": _llama,
+                 "qwen2": _qwen2, "gemma": _gemma, "granite": _granite,
                  "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm,
                  "smollm3": _smollm3, "gptneox": _gptneox, "gptneox-sequential": _gptneox_sequential,
                  "gpt-bigcode": _gpt_bigcode, "gpt-bigcode-heads": _gpt_bigcode_heads, "starcoder2": _starcoder2,
@@ -317,10 +328,10 @@ if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
 
-# The architectures the lean tree engine runs (the rest, BLOOM and GPT-J, take the plain Hugging Face path).
+# The architectures the lean tree engine runs (the rest, BLOOM and Falcon, take the plain Hugging Face path).
 LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm", "smollm3",
         "gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
-        "phi", "olmo2", "olmo3")
+        "phi", "olmo2", "olmo3", "gptj")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):
@@ -488,8 +499,8 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
     vocabulary, context and special tokens; float32, eval mode, weights from ``seed``), for the families
     whose layers cannot compute a Llama model's function (LayerNorms, MLPs without a gate; see
     ``as_family``): ``"gptneox"``, ``"gpt2"``, ``"opt"``, ``"gpt-bigcode"`` (multi-query), ``"starcoder2"``
-    (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo2"`` and ``"olmo3"`` (a sliding
-    ``window`` on three layers of four)."""
+    (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo2"``, ``"olmo3"`` (a sliding
+    ``window`` on three layers of four) and ``"gptj"``."""
     from transformers import (GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, GPTNeoXConfig,
                               GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM)
@@ -514,6 +525,11 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
                                                       sliding_window=window)).eval()
     if family == "phi":
         return PhiForCausalLM(PhiConfig(**shape, intermediate_size=like.intermediate_size)).eval()
+    if family == "gptj":  # (a quarter of each head rotated, as GPT-J-6B's 64 of 256)
+        from transformers import GPTJConfig, GPTJForCausalLM
+
+        head_dim = like.hidden_size // like.num_attention_heads
+        return GPTJForCausalLM(GPTJConfig(**shape, n_inner=like.intermediate_size, rotary_dim=head_dim // 4)).eval()
     if family in ("olmo2", "olmo3"):
         from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 

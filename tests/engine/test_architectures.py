@@ -20,7 +20,7 @@ from engine_toy import hf_pair, sharpen
 
 NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3", "smollm3", "gptneox",
                 "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
-                "phi", "olmo2", "olmo3")
+                "phi", "olmo2", "olmo3", "gptj")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -78,7 +78,7 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
     elif arch == "olmo3":  # no sliding window
         for layer in lean.layers:
             layer.window = None
-    elif arch == "phi":  # the MLP on the attention's output
+    elif arch in ("phi", "gptj"):  # the MLP on the attention's output
         for layer in lean.layers:
             layer.parallel = False
     elif arch in ("gptneox-sequential", "starcoder2"):  # RMSNorms for the LayerNorms (weights, biases folded)
@@ -139,7 +139,7 @@ def test_which_forward_runs_each_family():
                        "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",
                        "gptneox": layer_norms, "gptneox-sequential": layer_norms, "phi": layer_norms,
                        "gpt2": positions, "opt": positions, "gpt-bigcode": positions, "gpt-bigcode-heads": positions,
-                       "olmo2": "q/k norms (Qwen3)", "olmo3": "sliding-window attention",
+                       "olmo2": "q/k norms (Qwen3)", "olmo3": "sliding-window attention", "gptj": layer_norms,
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -215,11 +215,15 @@ def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, 
         assert lean.layers[0].qkv.parts[0].weight.data_ptr() == attn.c_attn.weight.data_ptr()
     if arch == "gpt-bigcode":  # (multi-query: one kv head; q, k, v blocks of one product)
         assert lean.kv_heads == 1 and lean.layers[0].qkv.sizes == [32, 16, 16]
+    if arch == "gptj":  # (adjacent pairs turned in place: rotate_every_two); control: halves turned
+        assert lean.adjacent_pairs
+        lean.adjacent_pairs = False
+        assert (_logits(lean, TOKENS) - expected).abs().max() > 2e-4
     if arch in ("gptneox", "gpt-bigcode-heads"):  # control: q, k, v split as three blocks of rows
         lean.layers[0].qkv.head_major = None
         assert (_logits(lean, TOKENS) - expected).abs().max() > 2e-4
     if arch == "phi3":
-        def whole_head(x, cos, sin):
+        def whole_head(x, cos, sin, adjacent=False):
             pad = x.shape[-1] - cos.shape[-1]
             cos = torch.cat([cos, cos.new_ones(cos.shape[:-1] + (pad,))], -1)
             sin = torch.cat([sin, sin.new_zeros(sin.shape[:-1] + (pad,))], -1)

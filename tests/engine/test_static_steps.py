@@ -69,7 +69,7 @@ def _calls(gen: torch.Generator, vocab: int):
                                         ("gptneox-sequential", torch.bfloat16), ("gpt2", torch.float32),
                                         ("opt", torch.bfloat16), ("gpt-bigcode", torch.float32),
                                         ("starcoder2", torch.float32), ("olmo2", torch.float32),
-                                        ("olmo3", torch.bfloat16)])
+                                        ("olmo3", torch.bfloat16), ("gptj", torch.float32)])
 def test_static_steps_equal_the_eager_forward(arch, dtype):
     """Logits and every cache entry written agree with the eager forward, through a cache that grows
     on the way (its steps dropped and made again). llama: grouped-query attention, interleaved
@@ -79,7 +79,7 @@ def test_static_steps_equal_the_eager_forward(arch, dtype):
     without rotation; gptneox: LayerNorms, biases, attention and MLP in parallel, an MLP without a gate
     (and in bfloat16 the norms unfolded, the layers in sequence); gpt2, opt: learned positions (opt's
     rows offset by 2), no rotation; gpt-bigcode: one kv head; starcoder2: LayerNorms and a window; olmo2, olmo3: q/k norms over all heads,
-    norms after each block only."""
+    norms after each block only; gptj: adjacent pairs turned."""
     target, _ = hf_pair(arch, vocab=40, seed=3, target_size=(64, 2))
     target = target.to(device=TEST_DEVICE, dtype=dtype)
     eager, static = _eager_and_static(target)

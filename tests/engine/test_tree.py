@@ -274,7 +274,7 @@ def test_bf16_products_of_several_rows_run_in_float32(arch, monkeypatch):
 
 
 def test_unsupported_models_fall_back_to_hf():
-    for arch in ("bloom", "gptj"):
+    for arch in ("bloom", "falcon"):
         assert engine_for(*hf_pair(arch, vocab=32)) == "hf"
     assert engine_for(*hf_pair("llama", vocab=32)) == "tree"
 
