@@ -1027,7 +1027,9 @@ class LeanCausalLM:
         layout (each pair's entry at ``i`` and ``i + rotary_dim / 2``); of layer kind ``kind`` where the
         module takes one (Gemma 3). GPT-J's module gives (sin, cos) with one entry per pair: laid out so."""
         if self.adjacent_pairs:
-            sin, cos = self.rotary(probe, ids)
+            # (its table holds max_position_embeddings rows; a batch's slots may pass that while every
+            # position stays below it, so the rows past it, never read, repeat its last)
+            sin, cos = self.rotary(probe, ids.clamp(max=self.rotary.embed_positions.shape[0] - 1))
             return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return self.rotary(probe, ids) if kind is None else self.rotary(probe, ids, kind)
 

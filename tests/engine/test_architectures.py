@@ -375,3 +375,24 @@ def test_longrope_stays_on_the_plain_path():
     model = Phi3ForCausalLM(config)
     assert lean_unsupported_reason(model) == "rope type longrope (its frequencies depend on the sequence length)"
     assert engine_for(model, None) == "hf"
+
+
+def test_gptj_tree_passes_reach_past_its_rotary_table():
+    """GPT-J's rotary table has ``max_position_embeddings`` rows (the others compute any position). A tree
+    pass near the context writes its nodes at slots past that while their positions stay below it: the
+    lean view asks for a table that long, and must not index the module's past its rows (it raised
+    IndexError). Sampled paths (T = 1) part, so a pass has many nodes; greedy output equals Hugging Face's
+    up to the context."""
+    target, draft = sharpen(*hf_pair("gptj", vocab=32, seed=7))
+    pair = ModelPair(target, draft)
+    prompt = [(3 * i) % 32 for i in range(110)]  # (the toys' context: 128 positions; up to 4 x 6 nodes a pass)
+    sampled = generate(pair, prompt_ids=prompt, method="gbv", num_paths=4, block_len=6, temperature=1.0,
+                       max_new_tokens=18, eos_token_id=[], seed=3)
+    assert len(sampled.token_ids) == 18 and sampled.stats.to_dict()["mean_tree_nodes"] > 7  # (paths parted)
+    out = generate(pair, prompt_ids=prompt, method="gbv", num_paths=4, block_len=6, temperature=0.0,
+                   max_new_tokens=18, eos_token_id=[])
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out.token_ids),
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.token_ids == expected and len(out.token_ids) == 18
