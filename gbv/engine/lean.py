@@ -1,6 +1,6 @@
 """A lean forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, and the Llama-shaped Gemma 1-3,
-Granite, Phi-3 and SmolLM3) and for GPT-NeoX, GPT-2, OPT, GPT-BigCode, StarCoder2, Phi and OLMo 2 / 3, over
-a preallocated KV cache.
+Granite, Phi-3 and SmolLM3) and for GPT-NeoX, GPT-2, OPT, GPT-BigCode, StarCoder2, Phi, OLMo 2 / 3 and
+GPT-J, over a preallocated KV cache.
 
 Why: an eager transformers decode step of a small model is mostly framework work (about 1,750 aten
 ops for the bundled 8-layer target, of which matrix multiplies are 65% of the time; a 1-layer draft
