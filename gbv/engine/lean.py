@@ -67,7 +67,7 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   logits divided by ``logits_scaling``;
 # - Phi-3: q/k/v and gate/up each one matrix (``qkv_proj``, ``gate_up_proj``), and a rotation of the
 #   first ``partial_rotary_factor`` of each head only (Phi-4-mini: 0.75);
-# - SmolLM3: no rotation in some layers (``use_rope`` 0, every fourth: "NoPE"), a table of the identity;
+# - SmolLM3: no rotation in some layers (``use_rope`` 0, every fourth: "NoPE"): NO_ROTATION;
 # - GPT-NeoX (Pythia): LayerNorms with biases, q/k/v one matrix whose rows go head by head (q, k, v of
 #   head 0, then of head 1, ...), biases on every matrix, an MLP without a gate (GELU), a rotation of
 #   part of each head (``rotary_pct``), and attention and MLP reading the same input where
@@ -89,7 +89,8 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   ``rotary_dim`` dimensions (``rotate_every_two``), by tables its rotary module gives as (sin, cos) with
 #   one entry per pair (``LeanCausalLM.adjacent_pairs``).
 
-# The rotary kind of layers that do not rotate q and k (SmolLM3's NoPE layers): its table is the identity.
+# The rotary kind of layers that do not rotate q and k (SmolLM3's NoPE layers, GPT-2's, OPT's): they have no
+# table and skip the rotation (LeanCausalLM.rotations).
 NO_ROTATION = "none"
 
 
@@ -157,26 +158,36 @@ def lean_unsupported_reason(model) -> str | None:
     return None
 
 
+def _first_attribute(module, *names: str):
+    """The first of ``names`` that ``module`` has (and is not None), else None: the families name the same
+    part differently (``self_attn`` / ``attention`` / ``attn``, ...)."""
+    for name in names:
+        value = getattr(module, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def text_decoder(model):
     """The module holding the embedding, the decoder layers, the final norm and the rotary tables:
     ``model.model``, or its ``language_model`` in a multimodal model (Gemma 3's 4B and larger: the
-    vision tower is not used for text). None where there is neither."""
+    vision tower is not used for text), or OPT's ``model.decoder``; GPT-NeoX's ``gpt_neox``, GPT-2's
+    ``transformer``. None where there is none."""
     inner = getattr(model, "model", None)
-    if inner is None:  # (GPT-NeoX, GPT-2)
-        return getattr(model, "gpt_neox", None) or getattr(model, "transformer", None)
-    return getattr(inner, "language_model", None) or getattr(inner, "decoder", None) or inner  # (OPT: decoder)
+    if inner is None:
+        return _first_attribute(model, "gpt_neox", "transformer")
+    return _first_attribute(inner, "language_model", "decoder") or inner
 
 
 def _decoder_layers(inner):
     """The decoder layers of a text decoder (``layers``; GPT-2's ``h``); None where it has neither."""
-    layers = getattr(inner, "layers", None)
-    return getattr(inner, "h", None) if layers is None else layers
+    return _first_attribute(inner, "layers", "h")
 
 
 def _position_embedding_module(inner):
     """The learned position embedding of a text decoder without rotations (GPT-2's ``wpe``, OPT's
     ``embed_positions``); None elsewhere."""
-    return getattr(inner, "wpe", None) or getattr(inner, "embed_positions", None)
+    return _first_attribute(inner, "wpe", "embed_positions")
 
 
 def _kv_heads(config) -> int:
@@ -189,28 +200,18 @@ def _kv_heads(config) -> int:
 
 def _attention_module(layer):
     """A decoder layer's attention module (``self_attn``; GPT-NeoX's ``attention``, GPT-2's ``attn``)."""
-    attn = getattr(layer, "self_attn", None)
-    if attn is None:
-        attn = getattr(layer, "attention", None)
-    return layer.attn if attn is None else attn
+    return _first_attribute(layer, "self_attn", "attention", "attn")
 
 
 def _embedding_module(inner):
     """The token embedding of a text decoder (``embed_tokens``; GPT-NeoX's ``embed_in``, GPT-2's ``wte``)."""
-    embed = getattr(inner, "embed_tokens", None)
-    if embed is None:
-        embed = getattr(inner, "embed_in", None)
-    return inner.wte if embed is None else embed
+    return _first_attribute(inner, "embed_tokens", "embed_in", "wte")
 
 
 def _final_norm_module(inner):
     """The norm after the last layer (``norm``; GPT-NeoX's and OPT's ``final_layer_norm``, Phi's
     ``final_layernorm``, GPT-2's ``ln_f``)."""
-    for name in ("norm", "final_layer_norm", "final_layernorm"):
-        norm = getattr(inner, name, None)
-        if norm is not None:
-            return norm
-    return inner.ln_f
+    return _first_attribute(inner, "norm", "final_layer_norm", "final_layernorm", "ln_f")
 
 
 class KVCache:
@@ -686,19 +687,17 @@ class _Layer:
         # Gemma 2 / 3 norm each block's output before its residual add ("sandwich" norms): there
         # post_attention_layernorm is the attention output's norm and pre_feedforward_layernorm the MLP's
         # input norm (Llama's post_attention_layernorm); None elsewhere.
+        # OLMo 2 / 3 norm only the blocks' outputs (no input_layernorm, no pre_feedforward_layernorm: None).
         self.attn_out_norm = self.mlp_out_norm = None
-        if hasattr(layer, "pre_feedforward_layernorm"):
+        if hasattr(layer, "post_feedforward_layernorm"):
             self.attn_out_norm, self.attn_out_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
             self.mlp_out_norm, self.mlp_out_eps = _norm_scale_and_eps(layer.post_feedforward_layernorm)
-            input_norm, post_norm = layer.input_layernorm, layer.pre_feedforward_layernorm
+            input_norm = getattr(layer, "input_layernorm", None)
+            post_norm = getattr(layer, "pre_feedforward_layernorm", None)
         elif hasattr(layer, "ln_1"):  # (GPT-2; GPT-J: ln_1 alone, for attention and the MLP, as Phi)
             input_norm, post_norm = layer.ln_1, getattr(layer, "ln_2", layer.ln_1)
         elif hasattr(layer, "self_attn_layer_norm"):  # (OPT: the MLP's is the layer's final_layer_norm)
             input_norm, post_norm = layer.self_attn_layer_norm, layer.final_layer_norm
-        elif not hasattr(layer, "input_layernorm"):  # (OLMo 2 / 3: only the blocks' outputs are normed)
-            self.attn_out_norm, self.attn_out_eps = _norm_scale_and_eps(layer.post_attention_layernorm)
-            self.mlp_out_norm, self.mlp_out_eps = _norm_scale_and_eps(layer.post_feedforward_layernorm)
-            input_norm = post_norm = None
         elif not hasattr(layer, "post_attention_layernorm"):  # (Phi: one norm, for attention and the MLP)
             input_norm = post_norm = layer.input_layernorm
         else:
@@ -748,7 +747,7 @@ class _Layer:
         self.qkv = _Projections(qkv_linears, fuse, transpose,
                                 reorder_qkv if (interleave and not adjacent_pairs) or head_major else None,
                                 upcast, qkv_sizes, head_major)
-        out_proj = next(getattr(attn, name) for name in ("o_proj", "dense", "out_proj", "c_proj") if hasattr(attn, name))
+        out_proj = _first_attribute(attn, "o_proj", "dense", "out_proj", "c_proj")
         if _is_conv1d(out_proj):  # (GPT-2)
             out_proj = _conv1d_as_linear(out_proj)
         self.o = _Linear(out_proj.weight, out_proj.bias, transpose, upcast)
@@ -791,8 +790,7 @@ class _Layer:
         if self.gated:
             down = mlp.down_proj
         self.down = _Linear(down.weight, down.bias, transpose, upcast)
-        act = next(getattr(mlp, name) for name in ("act_fn", "activation_fn", "act") if hasattr(mlp, name))
-        self.act = _functional(act)
+        self.act = _functional(_first_attribute(mlp, "act_fn", "activation_fn", "act"))
 
     def matrices(self) -> list[_Linear]:
         """Every matrix multiply of the layer, in the order the forward runs them."""
@@ -841,7 +839,7 @@ class LeanCausalLM:
         self.interleaved = fuse and dtype in (torch.float32, torch.float64)
         decoder_layers = _decoder_layers(inner)
         # GPT-2 and OPT rotate nothing: their positions are learned rows added to the token's (OPT's at
-        # position + 2). Their layers take the identity's table (NO_ROTATION); None elsewhere.
+        # position + 2). Their layers take NO_ROTATION; None elsewhere.
         self.rotary = getattr(inner, "rotary_emb", None)
         # GPT-J turns adjacent pairs (2i, 2i + 1): its q/k rows are in the interleaved order already, and
         # the cos/sin path takes tables with each entry repeated in place (``rotate_every_two``).
@@ -850,7 +848,7 @@ class LeanCausalLM:
         self.position_embed = None if positions is None else positions.weight
         self.position_offset = int(getattr(positions, "offset", 0))
         # Gemma 3 rotates each layer kind by its own base: its rotary module takes the kind, and every
-        # kind gets a table. SmolLM3's layers without rotation (``use_rope`` 0) take the identity's. None:
+        # kind gets a table. SmolLM3's layers without rotation (``use_rope`` 0) take NO_ROTATION. None:
         # one table for every layer.
         per_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         kinds = [NO_ROTATION if self.rotary is None or not getattr(_attention_module(layer), "use_rope", True)
@@ -877,9 +875,10 @@ class LeanCausalLM:
                               self.rotary_dim, windows[index], self.rope_kinds[index] if self.rope_kinds else None,
                               self.adjacent_pairs)
                        for index, layer in enumerate(decoder_layers)]
-        final_norm, self.norm_eps = _norm_scale_and_eps(_final_norm_module(inner))
-        self.norm_bias = _norm_bias(_final_norm_module(inner))
-        self.layer_norm = self.layers[0].layer_norm if self.layers else False
+        final = _final_norm_module(inner)
+        final_norm, self.norm_eps = _norm_scale_and_eps(final)
+        self.norm_bias = _norm_bias(final)
+        self.layer_norm = isinstance(final, torch.nn.LayerNorm)  # (the final norm's kind: its layers' too)
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
                                self.upcast)
         self.norm = final_norm
@@ -910,7 +909,10 @@ class LeanCausalLM:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
-        self._kind_tables: dict = {}  # (cos, sin, rot) by rotary kind (None: the only one; Gemma 3: per kind)
+        self._table_rows = 0  # (the positions the tables cover; none where no layer rotates: GPT-2, OPT)
+        # (cos, sin, rot) by rotary kind (None: the only one; Gemma 3: per kind); _cos, _sin, _rot are its first.
+        # Each growth makes a new dict, so one kept by a recorded graph keeps that graph's tables alive.
+        self._kind_tables: dict = {}
         self._rot = None  # the same as complex rotations, (positions, head_dim / 2), when interleaved
         self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host forward)
         # The sliding window of the layers that have one where it binds (Mistral v0.1 and Phi-3 4k: every
@@ -992,45 +994,45 @@ class LeanCausalLM:
     def ensure_rotary(self, upto: int) -> None:
         """Grow the rotary tables to cover positions ``0 .. upto-1`` (computed by the model's own rotary
         module, so every rope scaling type it supports is honoured)."""
-        if self._cos is None or self._cos.shape[0] < upto:
-            size = max(upto, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+        if self._table_rows < upto:
+            size = max(upto, 2 * self._table_rows, 256)
             if self.max_positions:
                 size = max(upto, min(size, self.max_positions))
             ids = torch.arange(size, device=self.device)[None]
             probe = torch.empty((), dtype=self.dtype, device=self.device)
-            kinds = list(dict.fromkeys(self.rope_kinds)) if self.rope_kinds else [None]
+            # (the layers without rotation have no table: :meth:`rotations` gives them none)
+            kinds = [kind for kind in (dict.fromkeys(self.rope_kinds) if self.rope_kinds else [None])
+                     if kind != NO_ROTATION]
+            # Each pair's entry: at i (and i + rotary_dim / 2) in Hugging Face's usual layout, at 2i (and 2i + 1)
+            # in GPT-J's.
+            per_pair = slice(None, None, 2) if self.adjacent_pairs else slice(0, self.rotary_dim // 2)
             self._kind_tables = {}
             for kind in kinds:
-                if kind == NO_ROTATION:  # (the identity: cos 1, sin 0, and exact ones as rotations)
-                    cos = torch.ones(1, size, self.rotary_dim, dtype=self.dtype, device=self.device)
-                    sin = torch.zeros(1, size, self.rotary_dim, dtype=self.dtype, device=self.device)
-                else:
-                    cos, sin = self._rotary_module(probe, ids, kind)
+                cos, sin = self._rotary_module(probe, ids, kind)
                 cos, sin, rot = cos[0], sin[0], None
                 if self.interleaved:  # e^{i theta} per frequency (HF repeats each frequency twice)
-                    half = self.rotary_dim // 2
-                    rot = torch.complex(cos[:, :half], sin[:, :half])
+                    rot = torch.complex(cos[:, per_pair], sin[:, per_pair])
                     if self.rotary_dim < self.head_dim:  # (a partial rotation: the other pairs times 1, exactly)
                         ones = torch.ones(rot.shape[0], (self.head_dim - self.rotary_dim) // 2, dtype=rot.dtype,
                                           device=rot.device)
                         rot = torch.cat([rot, ones], dim=1)
-                if self.adjacent_pairs:  # (GPT-J: each entry repeated in place, for rotate_every_two)
-                    half = self.rotary_dim // 2
-                    cos, sin = cos[:, :half].repeat_interleave(2, -1), sin[:, :half].repeat_interleave(2, -1)
                 self._kind_tables[kind] = (cos, sin, rot)
-            self._cos, self._sin, self._rot = self._kind_tables[kinds[0]]
+            self._table_rows = size
+            if kinds:
+                self._cos, self._sin, self._rot = self._kind_tables[kinds[0]]
             if self._rot is not None and self._rot.device.type == "cpu":
                 self.rotary_numpy = self._rot.numpy()  # (positions, head_dim / 2) complex64
 
     def _rotary_module(self, probe: Tensor, ids: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
-        """The model's own rotary tables (1, positions, rotary_dim) at ``ids``, in Hugging Face's usual
-        layout (each pair's entry at ``i`` and ``i + rotary_dim / 2``); of layer kind ``kind`` where the
-        module takes one (Gemma 3). GPT-J's module gives (sin, cos) with one entry per pair: laid out so."""
+        """The model's own rotary tables (1, positions, rotary_dim) at ``ids``, of layer kind ``kind`` where
+        the module takes one (Gemma 3): in Hugging Face's usual layout (each pair's entry at ``i`` and
+        ``i + rotary_dim / 2``), or GPT-J's (at ``2i`` and ``2i + 1``, as its rotation repeats the (sin, cos)
+        of one entry per pair its module gives)."""
         if self.adjacent_pairs:
             # (its table holds max_position_embeddings rows; a batch's slots may pass that while every
             # position stays below it, so the rows past it, never read, repeat its last)
             sin, cos = self.rotary(probe, ids.clamp(max=self.rotary.embed_positions.shape[0] - 1))
-            return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+            return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
         return self.rotary(probe, ids) if kind is None else self.rotary(probe, ids, kind)
 
     def _rotary(self, positions: Tensor, upto: int, kind: str | None = None) -> tuple[Tensor, Tensor]:
@@ -1046,7 +1048,7 @@ class LeanCausalLM:
         """What :meth:`_layers` takes for queries at ``positions``: (cos, sin, None) where one table serves
         every layer (:meth:`_rotary`), else (None, None, {kind: (cos, sin)}) for each rotary kind
         (Gemma 3's bases), with (None, None) for the layers without rotation (SmolLM3's NoPE layers, GPT-2's
-        and OPT's): they skip it (its table is the identity, a multiply by exact ones and zeros)."""
+        and OPT's): they skip it (the same bits as a multiply by the identity, which it was)."""
         if self.rope_kinds is None:
             cos, sin = self._rotary(positions, upto)
             return cos, sin, None

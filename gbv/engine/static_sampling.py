@@ -79,7 +79,7 @@ class DraftLoop(Recorded):
         self.chain, self.rows, self.block, self.vocab, self.config = chain, rows, block, vocab, config
         capacity = cache.capacity
         lean.ensure_rotary(capacity)
-        self.tables = (lean._cos, lean._sin, lean._rot, lean._kind_tables)  # (kept alive: the graph reads them)
+        self.tables = lean._kind_tables  # (kept alive: the graph reads them; a regrowth makes a new dict)
         device = lean.device
         with torch.inference_mode(False):
             self.inputs = torch.zeros(chain + 1, dtype=torch.long, device=device)  # the chain's ids, then base
@@ -258,7 +258,7 @@ class PlainLoop(Recorded):
         self.count, self.vocab, self.config = count, vocab, config
         capacity = cache.capacity
         lean.ensure_rotary(capacity)
-        self.tables = (lean._cos, lean._sin, lean._rot, lean._kind_tables)  # (kept alive: the graph reads them)
+        self.tables = lean._kind_tables  # (kept alive: the graph reads them; a regrowth makes a new dict)
         device = lean.device
         with torch.inference_mode(False):
             self.packed = torch.zeros(2, dtype=torch.long, device=device)  # the first slot, the pending token

@@ -290,7 +290,7 @@ class StaticStep(Recorded):
         capacity = cache.capacity
         lean.ensure_rotary(capacity)
         # The graph reads the rotary tables as they are now: keep them alive should they be regrown.
-        self.tables = (lean._cos, lean._sin, lean._rot, lean._kind_tables)
+        self.tables = lean._kind_tables  # (every kind's (cos, sin, rot); a regrowth makes a new dict)
         device = lean.device
         with torch.inference_mode(False):
             self.tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
