@@ -14,13 +14,16 @@ on how well their drafts agree (the table's last column), and only ``ar`` compar
 
     python scripts/bench_architectures.py --families llama,gemma2,gemma3
 
-``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo2``, ``olmo3`` and ``gptj`` (not
-in the default list) cannot compute the bundled function at all (LayerNorms, MLPs without a gate, norms after
-the blocks only): their pairs are random models of the bundled target's and draft's shapes (seeded;
-``shaped_like`` in engine_toy.py; StarCoder2 and OLMo 3 with windows of 128). Again only ``ar`` compares engines alone; the speculative rows run the same pair on both
-engines and the peer, with whatever agreement random models have:
+``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo2``, ``olmo3`` and ``gptj``
+(``SHAPED_LIKE`` in engine_toy.py; not in the default list) cannot compute the bundled function at all
+(LayerNorms, MLPs without a gate, norms after the blocks only): their pairs are random models of the
+bundled target's and draft's shapes (seeded; ``shaped_like``; StarCoder2 and OLMo 3 with windows of
+128). Again only ``ar`` compares engines alone; the speculative rows run the same pair on both engines
+and the peer, with whatever agreement random models have:
 
     python scripts/bench_architectures.py --families llama,gptneox,gpt2,opt,gpt-bigcode,starcoder2,phi
+    python scripts/bench_architectures.py --families llama,olmo2,olmo3
+    python scripts/bench_architectures.py --families llama,gptj
 
     python scripts/bench_architectures.py --out docs/results/engine/architectures-thirtyseventh.json
 
@@ -46,7 +49,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
 from bench_engine import run_hf, run_ours  # noqa: E402
-from engine_toy import as_family, shaped_like  # noqa: E402
+from engine_toy import family_models  # noqa: E402
 
 import gbv  # noqa: E402
 from gbv.data import load_prompts  # noqa: E402
@@ -59,19 +62,10 @@ ROWS = [("ar", "tree", "ar", 1, 1), ("block L=4", "tree", "block", 1, 4), ("auto
         ("hf-assisted L=4", "peer", "hf-assisted", 0, 4), ("hf-plain", "peer", "hf-plain", 0, 0)]
 
 
-# Families whose layers cannot compute the bundled function (LayerNorms, MLPs without a gate): a pair of
-# random models of the bundled shapes (seeded), so only the engines compare (see the module docstring).
-SYNTHETIC = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj")
-
-
 def family_pair(bundled, family: str) -> ModelPair:
     if family == "llama":
         return bundled
-    if family in SYNTHETIC:
-        return ModelPair(shaped_like(bundled.target, family, 1), shaped_like(bundled.draft, family, 2),
-                         tokenizer=bundled.tokenizer)
-    return ModelPair(as_family(bundled.target, family), as_family(bundled.draft, family),
-                     tokenizer=bundled.tokenizer)
+    return ModelPair(*family_models(bundled.target, bundled.draft, family), tokenizer=bundled.tokenizer)
 
 
 def run_row(pair, row, ids, max_new: int, temperature: float, seed: int) -> dict:

@@ -65,6 +65,8 @@ from gbv.engine.host_kernels import host_kernels_unavailable  # noqa: E402
 from gbv.errors import GbvError  # noqa: E402
 from gbv.verify import METHODS  # noqa: E402
 
+from engine_toy import SHAPED_LIKE, family_models  # noqa: E402
+
 PROMPT_LENGTHS = (1, 3, 64, 255, 256, 257, 511, 512, 513, 900, 1000)
 
 
@@ -118,11 +120,6 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
     return done, cancel
 
 
-# Families whose pairs are random models of the bundled shapes (their layers cannot compute the bundled
-# function: tests/engine/engine_toy.py, shaped_like).
-SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj")
-
-
 def exact_rows(args) -> bool:
     """Whether rows must equal their references bit for bit: on the CPU where the compiled kernels run
     (``main`` sets one thread), for a family they run (the bundled Llama pair, Phi-3)."""
@@ -134,15 +131,10 @@ def load(args):
     """A fresh pair: the bundled one, or it rewritten in ``args.family``'s layout."""
     if args.family == "llama":
         return gbv.load_pair("bundled", device=args.device, dtype=args.dtype)
-    from engine_toy import as_family, shaped_like
     from gbv.models.loading import ModelPair
 
     bundled = gbv.load_pair("bundled", dtype="float32")
-    if args.family in SHAPED_LIKE:  # (random models of the bundled shapes: see shaped_like)
-        target, draft = (shaped_like(model, args.family, seed) for seed, model in enumerate(
-            (bundled.target, bundled.draft), start=1))
-    else:
-        target, draft = (as_family(model, args.family) for model in (bundled.target, bundled.draft))
+    target, draft = family_models(bundled.target, bundled.draft, args.family)
     target, draft = (model.to(device=args.device, dtype=getattr(torch, args.dtype)) for model in (target, draft))
     return ModelPair(target, draft, tokenizer=bundled.tokenizer)
 

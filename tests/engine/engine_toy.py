@@ -494,6 +494,19 @@ def as_family(model, family: str, window: int = 128):
     return new.eval()
 
 
+# Families whose layers cannot compute a Llama model's function: their pairs are random models of its shapes.
+SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj")
+
+
+def family_models(target, draft, family: str):
+    """A Llama target and draft in ``family``'s layout (:func:`as_family`), or, for the ``SHAPED_LIKE``
+    families, random models of their shapes (:func:`shaped_like`, seeds 1 and 2): the pairs of
+    scripts/bench_architectures.py and scripts/fuzz_engine.py ``--family``."""
+    if family in SHAPED_LIKE:
+        return shaped_like(target, family, 1), shaped_like(draft, family, 2)
+    return as_family(target, family), as_family(draft, family)
+
+
 def shaped_like(model, family: str, seed: int, window: int = 128):
     """A random ``family`` model of the shape of a Llama ``model`` (hidden size, layers, heads, MLP width,
     vocabulary, context and special tokens; float32, eval mode, weights from ``seed``), for the families
