@@ -1508,6 +1508,137 @@ __attribute__((target("avx2,fma"))) static void silu_times(const float *gate, co
     for (; c < I; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
 }
 
+/* out = (x - mean(x)) / sqrt(eps + var(x)) per row of H: a LayerNorm without its weight and bias (both folded
+ * into the next matrix, the bias as that matrix's bias: lean._fold_norm_weight). The mean and the variance
+ * (of the centred values, a second pass) in float64 lanes, each value rounded once, as rms_rows. */
+__attribute__((target("avx2,fma"))) static void layer_norm_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H,
+                                                               double eps) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float *row = x + i * H;
+        __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+        Py_ssize_t h = 0;
+        for (; h + 8 <= H; h += 8) {
+            const __m256 v = _mm256_loadu_ps(row + h);
+            low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+            high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
+        double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; h < H; h++) sum += (double)row[h];
+        const double mean = sum / (double)H;
+        const __m256d mean4 = _mm256_set1_pd(mean);
+        low = high = _mm256_setzero_pd();
+        for (h = 0; h + 8 <= H; h += 8) {
+            const __m256 v = _mm256_loadu_ps(row + h);
+            const __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), mean4);
+            const __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), mean4);
+            low = _mm256_fmadd_pd(a, a, low);
+            high = _mm256_fmadd_pd(b, b, high);
+        }
+        _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
+        double squares = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; h < H; h++) squares += ((double)row[h] - mean) * ((double)row[h] - mean);
+        const double scale = 1.0 / sqrt(eps + squares / (double)H);
+        const __m256d scale4 = _mm256_set1_pd(scale);
+        for (h = 0; h + 4 <= H; h += 4)
+            _mm_storeu_ps(out + i * H + h, _mm256_cvtpd_ps(_mm256_mul_pd(
+                                               _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(row + h)), mean4), scale4)));
+        for (; h < H; h++) out[i * H + h] = (float)(((double)row[h] - mean) * scale);
+    }
+}
+
+/* The layers' norm: a LayerNorm's (layer_norm_rows) or an RMSNorm's (rms_rows). */
+static void norm_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H, double eps, int layer_norm) {
+    if (layer_norm)
+        layer_norm_rows(x, out, n, H, eps);
+    else
+        rms_rows(x, out, n, H, eps);
+}
+
+/* y[r] += b for each of n rows of N values (a product's bias; NULL: none). */
+static void add_bias_rows(float *y, const float *b, Py_ssize_t n, Py_ssize_t N) {
+    if (b == NULL) return;
+    for (Py_ssize_t r = 0; r < n; r++)
+        for (Py_ssize_t c = 0; c < N; c++) y[r * N + c] += b[c];
+}
+
+/* The MLPs of the host layers (LAYER_MLP of a layer's style): SiLU(gate) * up (the Llama family), or an
+ * activation of the up projection alone: GELU (GPT-NeoX), GELU's tanh form (GPT-2's and Phi's gelu_new,
+ * GPT-BigCode, StarCoder2, GPT-J) or ReLU (OPT). */
+enum { MLP_SILU_GATED = 0, MLP_GELU = 1, MLP_GELU_TANH = 2, MLP_RELU = 3 };
+
+/* out = act(x) over I columns, eight at a time (act one of the ungated MLPs' above). GELU as
+ * 0.5 x (1 + erf(x / sqrt 2)), erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7: the form
+ * torch's own vectorised CPU erf takes); the tanh form as 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715
+ * x^3), tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2 |u|) (exp8's range). Both within a few ulp of torch's. */
+__attribute__((target("avx2,fma"))) static void activate(const float *x, float *out, int I, int mlp) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    int c = 0;
+    if (mlp == MLP_RELU) {
+        for (; c + 8 <= I; c += 8) _mm256_storeu_ps(out + c, _mm256_max_ps(_mm256_loadu_ps(x + c), _mm256_setzero_ps()));
+        for (; c < I; c++) out[c] = x[c] > 0.0f ? x[c] : 0.0f;
+        return;
+    }
+    if (mlp == MLP_GELU_TANH) {
+        const __m256 k = _mm256_set1_ps(0.7978845608028654f), cubic = _mm256_set1_ps(0.044715f);
+        for (; c + 8 <= I; c += 8) {
+            const __m256 v = _mm256_loadu_ps(x + c);
+            const __m256 u = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(cubic, v), _mm256_mul_ps(v, v), v));
+            const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_or_ps(u, sign))); /* exp(-2|u|) */
+            const __m256 magnitude = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+            const __m256 t = _mm256_or_ps(magnitude, _mm256_and_ps(u, sign)); /* tanh(u), u's sign */
+            _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, t)));
+        }
+        for (; c < I; c++) {
+            const float v = x[c];
+            out[c] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        }
+        return;
+    }
+    /* MLP_GELU */
+    const __m256 p = _mm256_set1_ps(0.3275911f), root_half = _mm256_set1_ps(0.70710678118654752f);
+    const __m256 a1 = _mm256_set1_ps(0.254829592f), a2 = _mm256_set1_ps(-0.284496736f),
+                 a3 = _mm256_set1_ps(1.421413741f), a4 = _mm256_set1_ps(-1.453152027f), a5 = _mm256_set1_ps(1.061405429f);
+    for (; c + 8 <= I; c += 8) {
+        const __m256 v = _mm256_loadu_ps(x + c);
+        const __m256 z = _mm256_mul_ps(v, root_half);
+        const __m256 negative = _mm256_or_ps(z, sign); /* -|z| */
+        const __m256 t = _mm256_div_ps(one, _mm256_fnmadd_ps(p, negative, one)); /* 1 / (1 + p |z|) */
+        __m256 poly = _mm256_fmadd_ps(a5, t, a4);
+        poly = _mm256_fmadd_ps(poly, t, a3);
+        poly = _mm256_fmadd_ps(poly, t, a2);
+        poly = _mm256_fmadd_ps(poly, t, a1);
+        poly = _mm256_mul_ps(poly, t);
+        const __m256 e = exp8(_mm256_mul_ps(negative, _mm256_andnot_ps(sign, z))); /* exp(-z^2) */
+        const __m256 magnitude = _mm256_fnmadd_ps(poly, e, one);                  /* erf(|z|) */
+        const __m256 erf_z = _mm256_or_ps(magnitude, _mm256_and_ps(z, sign));
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, erf_z)));
+    }
+    for (; c < I; c++) out[c] = 0.5f * x[c] * (1.0f + erff(x[c] * 0.70710678118654752f));
+}
+
+/* How a layer differs from the Llama family's (all zero and NULL: a Llama layer). */
+typedef struct {
+    int layer_norm; /* LayerNorms rather than RMSNorms (GPT-NeoX, GPT-2, OPT, ...) */
+    int mlp;        /* MLP_SILU_GATED, MLP_GELU, MLP_GELU_TANH or MLP_RELU */
+    int parallel;   /* LAYER_SEQUENTIAL, LAYER_PARALLEL (attention and the MLP each norm the layer's input:
+                     * GPT-NeoX) or LAYER_PARALLEL_SHARED (the MLP reads attention's norm: Phi, GPT-J) */
+    const float *b_o, *b_up, *b_down; /* the products' biases (NULL: none) */
+} layer_style;
+enum { LAYER_SEQUENTIAL = 0, LAYER_PARALLEL = 1, LAYER_PARALLEL_SHARED = 2 };
+/* A style's bits as Python packs them (host_kernels.layer_style): norm, parallel, MLP. */
+#define STYLE_LAYER_NORM(bits) ((bits) & 1)
+#define STYLE_PARALLEL(bits) (((bits) >> 1) & 3)
+#define STYLE_MLP(bits) (((bits) >> 3) & 7)
+
+/* The error of a style's bits, NULL where they name one. */
+static const char *style_error(int bits) {
+    if (bits < 0 || bits >= 64 || STYLE_PARALLEL(bits) > LAYER_PARALLEL_SHARED || STYLE_MLP(bits) > MLP_RELU)
+        return "a layer's style must be norm | parallel << 1 | mlp << 3 (host_kernels.layer_style)";
+    return NULL;
+}
+
 /* One decoder layer for n rows of each of `batch` sequences, in place on `hidden` (batch * n, H): what
  * the host forward does per layer (lean_host.py), in one call instead of some twenty (a batch: the
  * norms, products and SiLU over all batch * n rows at once; sequence b's keys and values in its own
@@ -1532,10 +1663,12 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     const float *b_qkv, const void *w_o, const void *w_gate_up, const void *w_down, int bf16, Py_ssize_t n, int H,
     int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, void *keys,
     void *values, int kv_bf16, Py_ssize_t capacity, const unsigned char *mask, Py_ssize_t start, float scale,
-    float *scores, Py_ssize_t batch, int prefetch_values) {
+    float *scores, Py_ssize_t batch, int prefetch_values, const layer_style *style) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t rows = batch * n, sequence = (Py_ssize_t)kv_heads * capacity * D; /* (values a cache row) */
-    rms_rows(hidden, normed, rows, H, eps_in);
+    const int ln = style->layer_norm, gated = style->mlp == MLP_SILU_GATED;
+    const Py_ssize_t up_width = gated ? 2 * (Py_ssize_t)I : I;
+    norm_rows(hidden, normed, rows, H, eps_in, ln);
     if (panel_product(normed, w_qkv, bf16, qkv, rows, H, width, 0)) return -1;
     for (Py_ssize_t r = 0; r < rows; r++) {
         const Py_ssize_t i = r % n, first = (r / n) * sequence; /* query i of sequence r / n */
@@ -1543,7 +1676,7 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
         if (b_qkv)
             for (Py_ssize_t c = 0; c < width; c++) row[c] += b_qkv[c];
         const float *rot = rotation + r * D; /* D/2 (cos, sin) pairs */
-        for (int head = 0; head < heads + kv_heads; head++) {
+        for (int head = 0; head < (rotation ? heads + kv_heads : 0); head++) { /* (NULL: no rotation) */
             float *v = row + (Py_ssize_t)head * D;
             for (int j = 0; j < D; j += 2) {
                 const float re = v[j], im = v[j + 1], c = rot[j], s = rot[j + 1];
@@ -1570,12 +1703,28 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
         attend(qkv + b * n * width, width, (const char *)keys + b * sequence * kv_size,
                (const char *)values + b * sequence * kv_size, kv_bf16, capacity, attn + b * n * heads * D,
                mask ? mask + b * n * end : NULL, n, heads, kv_heads, D, start, end, scale, scores, prefetch_values);
-    if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
-    rms_rows(hidden, normed, rows, H, eps_post);
-    if (panel_product(normed, w_gate_up, bf16, gate_up, rows, H, 2 * (Py_ssize_t)I, 0)) return -1;
-    for (Py_ssize_t r = 0; r < rows; r++)
-        silu_times(gate_up + r * 2 * I, gate_up + r * 2 * I + I, act + r * I, I);
-    return panel_product(act, w_down, bf16, hidden, rows, I, H, 1);
+    if (style->parallel == LAYER_SEQUENTIAL) {
+        if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
+        add_bias_rows(hidden, style->b_o, rows, H);
+        norm_rows(hidden, normed, rows, H, eps_post, ln);
+    } else if (style->parallel == LAYER_PARALLEL) { /* (the MLP's own norm of the layer's input) */
+        norm_rows(hidden, normed, rows, H, eps_post, ln);
+    } /* (LAYER_PARALLEL_SHARED: normed is attention's norm still) */
+    if (panel_product(normed, w_gate_up, bf16, gate_up, rows, H, up_width, 0)) return -1;
+    add_bias_rows(gate_up, style->b_up, rows, up_width);
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (gated)
+            silu_times(gate_up + r * 2 * I, gate_up + r * 2 * I + I, act + r * I, I);
+        else
+            activate(gate_up + r * I, act + r * I, I, style->mlp);
+    }
+    if (style->parallel != LAYER_SEQUENTIAL) { /* h + attn(x) + mlp(x): attention's output added now */
+        if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
+        add_bias_rows(hidden, style->b_o, rows, H);
+    }
+    if (panel_product(act, w_down, bf16, hidden, rows, I, H, 1)) return -1;
+    add_bias_rows(hidden, style->b_down, rows, H);
+    return 0;
 }
 #endif
 
@@ -1815,11 +1964,42 @@ static PyObject *draw_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *activation(PyObject *self, PyObject *args) {
+    Py_buffer x, out;
+    Py_ssize_t count;
+    int mlp;
+    if (!PyArg_ParseTuple(args, "y*w*ni", &x, &out, &count, &mlp)) return NULL;
+    const char *error = NULL;
+    if (count < 0 || count > INT_MAX)
+        error = "need 0 <= count <= INT_MAX";
+    else if (mlp < MLP_GELU || mlp > MLP_RELU)
+        error = "mlp must be 1 (GELU), 2 (GELU's tanh form) or 3 (ReLU)";
+    else if (x.len != count * (Py_ssize_t)sizeof(float) || out.len != x.len)
+        error = "x and out must hold count float32 values";
+    else if (!cpu_supported())
+        error = "the activations need an x86-64 CPU with AVX2 and FMA";
+#ifdef GBV_PANELS_X86
+    if (error == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        activate((const float *)x.buf, (float *)out.buf, (int)count, mlp);
+        Py_END_ALLOW_THREADS
+    }
+#endif
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *rms(PyObject *self, PyObject *args) {
     Py_buffer x, out;
     Py_ssize_t rows, H;
     double eps;
-    if (!PyArg_ParseTuple(args, "y*w*nnd", &x, &out, &rows, &H, &eps)) return NULL;
+    int layer_norm = 0;
+    if (!PyArg_ParseTuple(args, "y*w*nnd|p", &x, &out, &rows, &H, &eps, &layer_norm)) return NULL;
     const char *error = NULL;
     if (rows < 0 || H < 1)
         error = "need rows >= 0 and H >= 1";
@@ -1827,7 +2007,7 @@ static PyObject *rms(PyObject *self, PyObject *args) {
         error = "x and out must hold rows * H float32 values";
     if (error == NULL) {
         Py_BEGIN_ALLOW_THREADS
-        rms_rows((const float *)x.buf, (float *)out.buf, rows, H, eps);
+        norm_rows((const float *)x.buf, (float *)out.buf, rows, H, eps, layer_norm);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x);
@@ -1860,15 +2040,22 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 }
 
 static PyObject *layer(PyObject *self, PyObject *args) {
-    PyObject *objects[15];
+    PyObject *objects[18];
     Py_ssize_t n, start, batch = 1;
-    int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0;
+    int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0, style_bits = 0;
     double eps_in, eps_post, scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnp", &objects[0], &objects[1], &objects[2], &objects[3],
-                          &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9], &objects[10],
-                          &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads, &kv_heads, &D, &I,
-                          &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch, &prefetch_values))
+    objects[15] = objects[16] = objects[17] = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOi", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
+                          &objects[10], &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads,
+                          &kv_heads, &D, &I, &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch,
+                          &prefetch_values, &objects[15], &objects[16], &objects[17], &style_bits))
         return NULL;
+    if (style_error(style_bits) != NULL) {
+        PyErr_SetString(PyExc_ValueError, style_error(style_bits));
+        return NULL;
+    }
+    const Py_ssize_t up_width = STYLE_MLP(style_bits) == MLP_SILU_GATED ? 2 * (Py_ssize_t)I : I;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host layer needs an x86-64 CPU with AVX2 and FMA");
         return NULL;
@@ -1885,21 +2072,23 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t end = start + n, rows = batch * n; /* (batch sequences of n queries each) */
 #define PANELS(K, N) panels_bytes(bf16, K, N)
-    /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask */
-    const Py_ssize_t sizes[15] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
-                                  rows * 2 * I * f, rows * I * f, PANELS(H, width), width * f,
-                                  PANELS((Py_ssize_t)heads * D, H), PANELS(H, 2 * (Py_ssize_t)I), PANELS((Py_ssize_t)I, H),
-                                  rows * D * f, -1, -1, rows * end};
+    /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask b_o b_up b_down */
+    const Py_ssize_t sizes[18] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
+                                  rows * up_width * f, rows * I * f, PANELS(H, width), width * f,
+                                  PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width), PANELS((Py_ssize_t)I, H),
+                                  rows * D * f, -1, -1, rows * end, H * f, up_width * f, H * f};
 #undef PANELS
-    static const char *names[15] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv", "w_o",
-                                    "w_gate_up", "w_down", "rotation", "keys", "values", "mask"};
-    static const int writable[15] = {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0};
-    Py_buffer views[15];
-    int given[15] = {0};
+    static const char *names[18] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv", "w_o",
+                                    "w_gate_up", "w_down", "rotation", "keys", "values", "mask", "b_o", "b_up",
+                                    "b_down"};
+    static const int writable[18] = {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0};
+    Py_buffer views[18];
+    int given[18] = {0};
     int failed = 0;
-    for (int b = 0; b < 15 && !failed; b++) {
-        /* the bias and the mask may be None; the rest must be there */
-        const Py_ssize_t bytes = (b == 7 || b == 14) && objects[b] == Py_None ? -1 : sizes[b];
+    for (int b = 0; b < 18 && !failed; b++) {
+        /* the biases, the rotation (none: a model without one) and the mask may be None; the rest must be there */
+        const int optional = b == 7 || b == 11 || b >= 14;
+        const Py_ssize_t bytes = optional && objects[b] == Py_None ? -1 : sizes[b];
         failed = get_buffer(objects[b], &views[b], writable[b], bytes, names[b], &given[b]) != 0;
     }
     Py_ssize_t capacity = 0;
@@ -1927,19 +2116,23 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     }
     if (!failed) {
 #ifdef GBV_PANELS_X86
+        const layer_style style = {STYLE_LAYER_NORM(style_bits), STYLE_MLP(style_bits), STYLE_PARALLEL(style_bits),
+                                   given[15] ? (const float *)views[15].buf : NULL,
+                                   given[16] ? (const float *)views[16].buf : NULL,
+                                   given[17] ? (const float *)views[17].buf : NULL};
         Py_BEGIN_ALLOW_THREADS
         out_of_memory = layer_forward(
             (float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
             (float *)views[4].buf, (float *)views[5].buf, views[6].buf, given[7] ? (const float *)views[7].buf : NULL,
             views[8].buf, views[9].buf, views[10].buf, bf16, n, H, heads, kv_heads, D, I, eps_in, eps_post,
-            (const float *)views[11].buf, views[12].buf, views[13].buf, kv_bf16, capacity,
+            given[11] ? (const float *)views[11].buf : NULL, views[12].buf, views[13].buf, kv_bf16, capacity,
             given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores, batch,
-            prefetch_values);
+            prefetch_values, &style);
         Py_END_ALLOW_THREADS
 #endif
     }
     PyMem_RawFree(scores);
-    for (int b = 0; b < 15; b++)
+    for (int b = 0; b < 18; b++)
         if (given[b]) PyBuffer_Release(&views[b]);
     if (out_of_memory) PyErr_NoMemory();
     if (failed || out_of_memory) return NULL;
@@ -2115,15 +2308,17 @@ static PyObject *softmax_draw(PyObject *self, PyObject *args) {
 static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
-    Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab;
-    int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0;
+    PyObject *position_object = Py_None, *head_bias_object = Py_None;
+    Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
+    int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|p", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpO", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
-                          &below_one, &kv_bf16))
+                          &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
+                          &head_bias_object))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -2148,75 +2343,130 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t num_layers = PyTuple_GET_SIZE(layers), f = (Py_ssize_t)sizeof(float);
+    /* a layer's entry: w_qkv b_qkv w_o w_gate_up w_down eps_in eps_post scale, then for layers other than the
+     * Llama family's b_o b_up b_down style (STYLED) */
+    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12 };
+    for (Py_ssize_t l = 0; l < num_layers; l++) {
+        PyObject *entry = PyTuple_GET_ITEM(layers, l);
+        if (!PyTuple_Check(entry) || (PyTuple_GET_SIZE(entry) != LLAMA_ENTRY && PyTuple_GET_SIZE(entry) != STYLED_ENTRY) ||
+            (PyTuple_GET_SIZE(entry) == STYLED_ENTRY && !PyLong_Check(PyTuple_GET_ITEM(entry, 11)))) {
+            PyErr_SetString(PyExc_ValueError, "each layer must be (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, "
+                                              "eps_post, scale[, b_o, b_up, b_down, style])");
+            return NULL;
+        }
+        if (PyTuple_GET_SIZE(entry) == STYLED_ENTRY) {
+            const long bits = PyLong_AsLong(PyTuple_GET_ITEM(entry, 11));
+            if (style_error(bits < 0 || bits > 63 ? -1 : (int)bits) != NULL) {
+                PyErr_SetString(PyExc_ValueError, style_error(-1));
+                return NULL;
+            }
+        }
+    }
+#define ENTRY_STYLE(entry) (PyTuple_GET_SIZE(entry) == STYLED_ENTRY ? PyLong_AsLong(PyTuple_GET_ITEM(entry, 11)) : 0)
+#define ENTRY_BIAS(entry, index) (PyTuple_GET_SIZE(entry) == STYLED_ENTRY ? PyTuple_GET_ITEM(entry, index) : Py_None)
+    /* every layer's MLP gated or none (the gate_up buffer's width) */
+    const long first_style = num_layers ? ENTRY_STYLE(PyTuple_GET_ITEM(layers, 0)) : 0;
+    const int gated = STYLE_MLP(first_style) == MLP_SILU_GATED;
+    const Py_ssize_t up_width = gated ? 2 * (Py_ssize_t)I : I;
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D, end = start + n, rows_out = last_only ? 1 : n;
     const Py_ssize_t sequence = (Py_ssize_t)kv_heads * capacity * D; /* values of one cache row */
     const Py_ssize_t kv = kv_bf16 ? 2 : 4;                          /* bytes of a cached value */
 #define PANELS(K, N) panels_bytes(bf16, K, N)
     const Py_ssize_t sizes[13] = {n * 8, n * 8, -1, -1, n * H * f, n * H * f, n * width * f,
-                                  n * (Py_ssize_t)heads * D * f, n * 2 * I * f, n * I * f, PANELS(H, vocab),
+                                  n * (Py_ssize_t)heads * D * f, n * up_width * f, n * I * f, PANELS(H, vocab),
                                   rows_out * vocab * f, n * end};
     static const char *names[13] = {"tokens", "positions", "embed", "rotary", "hidden", "normed", "qkv", "attn",
                                     "gate_up", "act", "head", "logits", "mask"};
     static const int writable[13] = {0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 0};
     Py_buffer fixed[13];
     int fixed_given[13] = {0};
-    /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values, then eps_in eps_post scale */
-    enum { PER_LAYER = 7 };
+    /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values b_o b_up b_down, then eps_in eps_post scale */
+    enum { PER_LAYER = 10 };
     Py_buffer *views = (Py_buffer *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(Py_buffer));
     int *given = (int *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(int));
     double *constants = (double *)PyMem_Calloc((size_t)(3 * num_layers) + 1, sizeof(double));
+    layer_style *styles = (layer_style *)PyMem_Calloc((size_t)num_layers + 1, sizeof(layer_style));
     float *rotation = (float *)PyMem_RawMalloc((size_t)(n * D) * sizeof(float));
     float *scores = (float *)PyMem_RawMalloc(attend_scratch_floats(end, D) * sizeof(float));
     int failed = 0;
-    if (views == NULL || given == NULL || constants == NULL || rotation == NULL || scores == NULL) {
+    if (views == NULL || given == NULL || constants == NULL || styles == NULL || rotation == NULL || scores == NULL) {
         PyErr_NoMemory();
         failed = 1;
     }
     for (int b = 0; b < 13 && !failed; b++) {
-        if (b == 12 && objects[b] == Py_None) break; /* no mask: the causal chain after start */
+        if ((b == 3 || b == 12) && objects[b] == Py_None) continue; /* no rotation; no mask: the causal chain */
         failed = get_buffer(objects[b], &fixed[b], writable[b], sizes[b], names[b], &fixed_given[b]) != 0;
     }
-    Py_ssize_t vocab_rows = 0, table_rows = 0;
+    /* the learned position rows (GPT-2, OPT: row position + position_offset added to the token's) and the
+     * head's bias, where given */
+    Py_buffer position_rows, head_bias;
+    int have_positions = 0, have_head_bias = 0;
+    if (!failed)
+        failed = get_buffer(position_object, &position_rows, 0, -1, "position rows", &have_positions) != 0;
+    if (!failed)
+        failed = get_buffer(head_bias_object, &head_bias, 0, head_bias_object == Py_None ? -1 : vocab * f, "head bias",
+                            &have_head_bias) != 0;
+    Py_ssize_t vocab_rows = 0, table_rows = 0, position_count = 0;
     if (!failed) {
         vocab_rows = fixed[2].len / (H * f);
-        table_rows = fixed[3].len / (D * f);
-        if (fixed[2].len != vocab_rows * H * f || fixed[3].len != table_rows * D * f) {
-            PyErr_SetString(PyExc_ValueError, "embed must be (V, H) float32 and rotary (P, head_dim / 2) complex64");
+        table_rows = fixed_given[3] ? fixed[3].len / (D * f) : 0;
+        position_count = have_positions ? position_rows.len / (H * f) : 0;
+        if (fixed[2].len != vocab_rows * H * f || (fixed_given[3] && fixed[3].len != table_rows * D * f) ||
+            (have_positions && position_rows.len != position_count * H * f)) {
+            PyErr_SetString(PyExc_ValueError, "embed and position rows must be (V, H) and (P, H) float32, rotary "
+                                              "(P, head_dim / 2) complex64");
             failed = 1;
         }
     }
-    if (!failed) { /* the embedding rows and each query's rotation row */
+    if (!failed) { /* the embedding rows (with their positions' rows) and each query's rotation row */
         const long long *tokens = (const long long *)fixed[0].buf, *positions = (const long long *)fixed[1].buf;
         for (Py_ssize_t i = 0; i < n && !failed; i++) {
-            if (tokens[i] < 0 || tokens[i] >= vocab_rows || positions[i] < 0 || positions[i] >= table_rows) {
+            const long long row = positions[i] + position_offset;
+            if (tokens[i] < 0 || tokens[i] >= vocab_rows || positions[i] < 0 ||
+                (fixed_given[3] && positions[i] >= table_rows) || (have_positions && row >= position_count)) {
                 PyErr_Format(PyExc_ValueError, "token %lld or position %lld out of range", tokens[i], positions[i]);
                 failed = 1;
                 break;
             }
-            memcpy((float *)fixed[4].buf + i * H, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
-            memcpy(rotation + i * D, (const float *)fixed[3].buf + positions[i] * D, (size_t)D * f);
+            float *hidden_row = (float *)fixed[4].buf + i * H;
+            memcpy(hidden_row, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
+            if (have_positions)
+                for (int h = 0; h < H; h++) hidden_row[h] += ((const float *)position_rows.buf)[row * H + h];
+            if (fixed_given[3]) memcpy(rotation + i * D, (const float *)fixed[3].buf + positions[i] * D, (size_t)D * f);
         }
     }
     for (Py_ssize_t l = 0; l < num_layers && !failed; l++) {
         PyObject *entry = PyTuple_GET_ITEM(layers, l);
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 8) {
-            PyErr_SetString(PyExc_ValueError, "each layer must be (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, "
-                                              "eps_post, scale)");
+        const long bits = ENTRY_STYLE(entry);
+        if ((STYLE_MLP(bits) == MLP_SILU_GATED) != gated) { /* (each style checked above) */
+            PyErr_SetString(PyExc_ValueError, "every layer's MLP must be gated, or none");
             failed = 1;
             break;
         }
         PyObject *parts[PER_LAYER] = {PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1),
                                       PyTuple_GET_ITEM(entry, 2), PyTuple_GET_ITEM(entry, 3),
                                       PyTuple_GET_ITEM(entry, 4), PyTuple_GET_ITEM(keys_list, l),
-                                      PyTuple_GET_ITEM(values_list, l)};
-        const Py_ssize_t bias_bytes = PyTuple_GET_ITEM(entry, 1) == Py_None ? -1 : width * f;
-        const Py_ssize_t part_sizes[PER_LAYER] = {PANELS(H, width), bias_bytes, PANELS((Py_ssize_t)heads * D, H),
-                                                  PANELS(H, 2 * (Py_ssize_t)I), PANELS((Py_ssize_t)I, H), -1, -1};
-        static const char *part_names[PER_LAYER] = {"w_qkv", "b_qkv", "w_o", "w_gate_up", "w_down", "keys", "values"};
+                                      PyTuple_GET_ITEM(values_list, l), ENTRY_BIAS(entry, 8),
+                                      ENTRY_BIAS(entry, 9), ENTRY_BIAS(entry, 10)};
+#define OPTIONAL(index, bytes) (ENTRY_BIAS(entry, index) == Py_None ? -1 : (bytes))
+        const Py_ssize_t part_sizes[PER_LAYER] = {PANELS(H, width), OPTIONAL(1, width * f),
+                                                  PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width),
+                                                  PANELS((Py_ssize_t)I, H), -1, -1, OPTIONAL(8, H * f),
+                                                  OPTIONAL(9, up_width * f), OPTIONAL(10, H * f)};
+#undef OPTIONAL
+#undef ENTRY_BIAS
+        static const char *part_names[PER_LAYER] = {"w_qkv", "b_qkv", "w_o", "w_gate_up", "w_down", "keys", "values",
+                                                    "b_o", "b_up", "b_down"};
         for (int b = 0; b < PER_LAYER && !failed; b++)
-            failed = get_buffer(parts[b], &views[l * PER_LAYER + b], b >= 5, part_sizes[b], part_names[b],
+            failed = get_buffer(parts[b], &views[l * PER_LAYER + b], b == 5 || b == 6, part_sizes[b], part_names[b],
                                 &given[l * PER_LAYER + b]) != 0;
         if (failed) break;
+        const Py_buffer *v = views + l * PER_LAYER;
+        const int *g = given + l * PER_LAYER;
+        styles[l] = (layer_style){STYLE_LAYER_NORM(bits), STYLE_MLP(bits), STYLE_PARALLEL(bits),
+                                  g[7] ? (const float *)v[7].buf : NULL, g[8] ? (const float *)v[8].buf : NULL,
+                                  g[9] ? (const float *)v[9].buf : NULL};
+#undef ENTRY_STYLE
         if (views[l * PER_LAYER + 5].len < (first_row + 1) * sequence * kv ||
             views[l * PER_LAYER + 6].len != views[l * PER_LAYER + 5].len) {
             PyErr_SetString(PyExc_ValueError, kv_bf16 ? "keys and values must be (rows, kv_heads, capacity, head_dim) "
@@ -2270,14 +2520,17 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                 hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
                 (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL, v[2].buf,
                 v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[3 * l], constants[3 * l + 1],
-                rotation, (char *)v[5].buf + first_row * sequence * kv, (char *)v[6].buf + first_row * sequence * kv,
-                kv_bf16, capacity, fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start,
-                (float)constants[3 * l + 2], scores, 1, 0);
+                fixed_given[3] ? rotation : NULL, (char *)v[5].buf + first_row * sequence * kv,
+                (char *)v[6].buf + first_row * sequence * kv, kv_bf16, capacity,
+                fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start, (float)constants[3 * l + 2],
+                scores, 1, 0, styles + l);
         }
         const float *last = hidden + (n - rows_out) * H;
-        rms_rows(last, normed, rows_out, H, final_eps);
+        norm_rows(last, normed, rows_out, H, final_eps, final_layer_norm);
         out_of_memory = out_of_memory || panel_product(normed, fixed[10].buf, bf16, (float *)fixed[11].buf, rows_out,
                                                        H, vocab, 0);
+        if (!out_of_memory && have_head_bias)
+            add_bias_rows((float *)fixed[11].buf, (const float *)head_bias.buf, rows_out, vocab);
         for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0 && !out_of_memory; r++) {
             const float *row = (const float *)fixed[11].buf + r * vocab;
             float *out = have_probs ? (float *)probs.buf + r * probs_stride : scratch + r * draw_vocab;
@@ -2292,6 +2545,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
 #undef PANELS
     PyMem_RawFree(scratch);
+    if (have_positions) PyBuffer_Release(&position_rows);
+    if (have_head_bias) PyBuffer_Release(&head_bias);
     if (have_u) PyBuffer_Release(&u);
     if (have_probs) PyBuffer_Release(&probs);
     if (have_drawn) PyBuffer_Release(&drawn);
@@ -2303,6 +2558,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyMem_Free(views);
     PyMem_Free(given);
     PyMem_Free(constants);
+    PyMem_Free(styles);
     PyMem_RawFree(rotation);
     PyMem_RawFree(scores);
     if (out_of_memory) PyErr_NoMemory();
@@ -2431,11 +2687,15 @@ static PyMethodDef METHODS[] = {
     {"layer", layer, METH_VARARGS,
      "layer(hidden, normed, qkv, attn, gate_up, act, w_qkv, b_qkv, w_o, w_gate_up, w_down, rotation, keys, "
      "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale, bf16[, kv_bf16, "
-     "batch, prefetch_values]): one decoder layer of the host forward for n rows of one sequence (or of batch "
-     "sequences), in place on hidden (bf16: the weights' kind, as matmul's; prefetch_values: see "
-     "prefetch_lines)."},
+     "batch, prefetch_values, b_o, b_up, b_down, style]): one decoder layer of the host forward for n rows of one "
+     "sequence (or of batch sequences), in place on hidden (bf16: the weights' kind, as matmul's; prefetch_values: "
+     "see prefetch_lines; rotation None: none; style: host_kernels.layer_style)."},
+    {"activation", activation, METH_VARARGS,
+     "activation(x, out, count, mlp): out = act(x) over count float32 values, act the compiled layers' MLP "
+     "activation mlp (host_kernels.MLP_GELU, MLP_GELU_TANH or MLP_RELU)."},
     {"rms", rms, METH_VARARGS,
-     "rms(x, out, rows, H, eps): out = x / sqrt(eps + mean(x^2)) per row of H float32 values (the layers' norm)."},
+     "rms(x, out, rows, H, eps[, layer_norm]): out = x / sqrt(eps + mean(x^2)) per row of H float32 values (the "
+     "layers' norm), or with layer_norm (x - mean(x)) / sqrt(eps + var(x))."},
     {"draw_rows", draw_rows, METH_VARARGS,
      "draw_rows(probs, u, out, rows, V, below_one): out[r] = the first token whose float64 cumulative "
      "mass exceeds u[r] * (total_r * below_one), else V - 1 (gbv.verify.common.draw_rows' rule)."},
@@ -2447,7 +2707,8 @@ static PyMethodDef METHODS[] = {
     {"forward", forward, METH_VARARGS,
      "forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask, start, hidden, "
      "normed, qkv, attn, gate_up, act, head, logits, n, H, heads, kv_heads, head_dim, intermediate, vocab, "
-     "final_eps, bf16, last_only, draw_vocab, temperature, u, probs, tokens, below_one): the host forward of one "
+     "final_eps, bf16, last_only, draw_vocab, temperature, u, probs, tokens, below_one[, kv_bf16, position_rows, "
+     "position_offset, final_layer_norm, head_bias]): the host forward of one "
      "sequence (host_kernels.forward_into), and with draw_vocab > 0 the softmax of its logits' first draw_vocab "
      "columns at temperature (0: greedy) into probs (or a scratch row) and, where tokens is given, one draw "
      "per output row with u (one output row with u a float and no tokens: returns its token)."},

@@ -250,13 +250,6 @@ def kv_bf16(keys: np.ndarray) -> bool:
     return False
 
 
-def _kv_flag(keys: np.ndarray) -> tuple:
-    """The kernels' trailing ``kv_bf16`` argument: given only when it is set, so that a module built
-    from an older C file (``scripts/kernels_at.py``, for before/after runs) takes float32 caches as
-    it did."""
-    return (True,) if kv_bf16(keys) else ()
-
-
 def move_slots(arrays: tuple[np.ndarray, ...], rows, src, dst) -> None:
     """In every one of ``arrays`` (C-contiguous (batch, kv_heads, capacity, head_dim) float32 or
     bfloat16-bits caches of one shape), copy slot ``src[j]`` of batch row ``rows[j]`` (``rows`` an int:
@@ -283,14 +276,35 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
     """
     kv_heads, _, head_dim = keys.shape
     _host_kernels.attention(q, q.shape[1], keys, values, out, mask, q.shape[0], heads, kv_heads, head_dim,
-                            start, end, scale, *_kv_flag(keys))
+                            start, end, scale, *_trailing((kv_bf16(keys), False)))
     return out
 
 
+# A host layer's MLP (layer_style): SiLU(gate) * up (the Llama family), or an activation of the up
+# projection alone: GELU (GPT-NeoX), GELU's tanh form (GPT-2's and Phi's gelu_new, GPT-BigCode, StarCoder2,
+# GPT-J) or ReLU (OPT).
+MLP_SILU_GATED, MLP_GELU, MLP_GELU_TANH, MLP_RELU = 0, 1, 2, 3
+# How attention and the MLP sit in a host layer (layer_style): one after the other, or both reading the
+# layer's input, each through its own norm (GPT-NeoX's parallel residual) or through attention's (Phi, GPT-J).
+SEQUENTIAL, PARALLEL, PARALLEL_SHARED_NORM = 0, 1, 2
+# The Llama family's layer: RMSNorms, sequential, SiLU(gate) * up.
+LLAMA_STYLE = 0
+
+
+def layer_style(layer_norm: bool, parallel: int = SEQUENTIAL, mlp: int = MLP_SILU_GATED) -> int:
+    """A host layer's style as the compiled layer takes it (``style`` of :func:`layer_into` and of each
+    layer of :func:`forward_into`): LayerNorms rather than RMSNorms, ``parallel`` (SEQUENTIAL, PARALLEL or
+    PARALLEL_SHARED_NORM) and ``mlp`` (MLP_SILU_GATED, MLP_GELU, MLP_GELU_TANH or MLP_RELU)."""
+    if parallel not in (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_NORM) or mlp not in range(4):
+        raise ValueError(f"no host layer style with parallel={parallel}, mlp={mlp}")
+    return int(bool(layer_norm)) | parallel << 1 | mlp << 3
+
+
 def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWeight, w_gate_up: PanelWeight,
-               w_down: PanelWeight, rotation: np.ndarray, keys: np.ndarray, values: np.ndarray,
+               w_down: PanelWeight, rotation: np.ndarray | None, keys: np.ndarray, values: np.ndarray,
                mask: np.ndarray | None, start: int, eps_in: float, eps_post: float, scale: float,
-               batch: int = 1, prefetch_values: bool = False) -> None:
+               batch: int = 1, prefetch_values: bool = False, b_o: np.ndarray | None = None,
+               b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, style: int = LLAMA_STYLE) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
     ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
     with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
@@ -307,6 +321,13 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     ones get the float32 values rounded to nearest even, as torch rounds), attention
     as :func:`attention_into` (``mask`` (n, start+n) or None), o product added, rms norm, gate/up
     product, SiLU(gate) * up, down product added.
+
+    ``style`` (:func:`layer_style`) names the other layers it computes: LayerNorms (the mean taken out;
+    their weights and biases folded into the next matrix and its bias), an MLP of the up projection
+    alone (``w_gate_up`` then holds it; ``rows.gate_up`` (rows, I)), attention and the MLP in parallel
+    (``h + attn(norm(h)) + mlp(norm'(h))``; the sums in another order than the model's modules: float
+    rounding). ``b_o``, ``b_up``, ``b_down``: the products' biases, or None. ``rotation`` None: no
+    rotation (GPT-2, OPT, GPT-BigCode: learned positions, added to the embedding rows).
     """
     total, hidden = rows.hidden.shape
     n = total // batch
@@ -317,8 +338,19 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     _host_kernels.layer(rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act, w_qkv.panels, b_qkv,
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
-                        eps_post, scale, kind, *(_kv_flag(keys) if batch == 1 else
-                                                 (kv_bf16(keys), batch, *((True,) if prefetch_values else ()))))
+                        eps_post, scale, kind, *_trailing((kv_bf16(keys), False), (batch, 1), (prefetch_values, False),
+                                                          (b_o, None), (b_up, None), (b_down, None), (style, LLAMA_STYLE)))
+
+
+def _trailing(*given: tuple) -> tuple:
+    """The optional trailing arguments of a kernel call, ``(value, default)`` pairs in order, without the
+    run of defaults at the end: a module built from an older C file (``scripts/kernels_at.py``, for
+    before/after runs), which lacks the later ones, takes the calls it knows as it did."""
+    values = [value for value, _ in given]
+    while given and (values[-1] is None if given[-1][1] is None else values[-1] == given[-1][1]):
+        values.pop()
+        given = given[:-1]
+    return tuple(values)
 
 
 def draw_rows_host(probs: Tensor, generator) -> Tensor | None:
@@ -352,12 +384,20 @@ def draw_rows_host_at(probs: Tensor, u: Tensor) -> Tensor | None:
     return torch.from_numpy(tokens)
 
 
-def rms_into(x: np.ndarray, out: np.ndarray, eps: float) -> np.ndarray:
+def activation_into(x: np.ndarray, out: np.ndarray, mlp: int) -> np.ndarray:
+    """``out = act(x)`` over contiguous float32 values, ``act`` the compiled layers' activation of an MLP
+    without a gate (``MLP_GELU``, ``MLP_GELU_TANH`` or ``MLP_RELU``): what each of their rows goes through."""
+    _host_kernels.activation(x, out, x.size, mlp)
+    return out
+
+
+def rms_into(x: np.ndarray, out: np.ndarray, eps: float, layer_norm: bool = False) -> np.ndarray:
     """``out = x / sqrt(eps + mean(x^2))`` per row of (rows, H) float32 ``x`` (contiguous), as the
     compiled layers norm (the mean in float64, each value rounded once): a row's norm is the same bits
-    in a batch as in one sequence's one-call forward."""
+    in a batch as in one sequence's one-call forward. With ``layer_norm``, ``(x - mean(x)) / sqrt(eps +
+    var(x))`` (a LayerNorm's, its weight and bias folded into the next matrix)."""
     rows, width = x.shape
-    _host_kernels.rms(x, out, rows, width, float(eps))
+    _host_kernels.rms(x, out, rows, width, float(eps), layer_norm)
     return out
 
 
@@ -381,14 +421,19 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                  mask: np.ndarray | None, start: int, rows, head: PanelWeight, logits: np.ndarray,
                  final_eps: float, last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,
                  u: np.ndarray | None = None, probs: np.ndarray | None = None,
-                 tokens_out: np.ndarray | None = None) -> int | None:
+                 tokens_out: np.ndarray | None = None, position_rows: np.ndarray | None = None,
+                 position_offset: int = 0, final_layer_norm: bool = False,
+                 head_bias: np.ndarray | None = None) -> int | None:
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
-    every layer as :func:`layer_into`, the final rms norm and the head product into ``logits``.
+    every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
     tokens, positions: (n,) int64. embed: (V, H) float32. rotary: (P, D/2) complex64, the rotation
-    of each position. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale)``
-    per layer, the weights as panel arrays (``PanelWeight.panels``, all of one kind like
-    ``head``), ``b_qkv`` a float32 array or None. keys, values: per layer the cache's
+    of each position, or None (no rotation). position_rows: (P', H) float32, the learned rows added at
+    ``position + position_offset`` (GPT-2, OPT), or None. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up,
+    w_down, eps_in, eps_post, scale, b_o, b_up, b_down, style)`` per layer, the weights as panel arrays
+    (``PanelWeight.panels``, all of one kind like ``head``), the biases float32 arrays or None, ``style``
+    :func:`layer_style`'s (every layer's MLP gated, or none). final_layer_norm: the final norm is a
+    LayerNorm; head_bias: (V_head,) float32 or None. keys, values: per layer the cache's
     (rows, kv_heads, capacity, D) arrays, float32 or bfloat16 (:func:`kv_bf16`); this sequence is row
     ``first_row``. mask: (n, start + n)
     bool/uint8, or None for the causal chain after ``start``. rows: the work buffers (lean_host._Rows)
@@ -407,4 +452,6 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,
                                  rows.act.shape[1], head.out_features, final_eps, head.kind, last_only, draw_vocab,
-                                 temperature, u, probs, tokens_out, BELOW_ONE, *_kv_flag(keys[0]))
+                                 temperature, u, probs, tokens_out, BELOW_ONE,
+                                 *_trailing((kv_bf16(keys[0]), False), (position_rows, None), (position_offset, 0),
+                                            (final_layer_norm, False), (head_bias, None)))

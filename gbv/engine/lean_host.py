@@ -41,13 +41,16 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gbv.engine import host_kernels
 from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
-from gbv.engine.host_kernels import (PANELS_AMX, PanelWeight, attention_into, forward_into, host_kernels_unavailable,
-                                     kv_bf16, layer_into, prefetch_temporal, rms_into, set_prefetch_temporal)
+from gbv.engine.host_kernels import (LLAMA_STYLE, MLP_GELU, MLP_GELU_TANH, MLP_RELU, MLP_SILU_GATED, PANELS_AMX,
+                                     PARALLEL, PARALLEL_SHARED_NORM, SEQUENTIAL, PanelWeight, attention_into,
+                                     forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
+                                     prefetch_temporal, rms_into, set_prefetch_temporal)
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -63,37 +66,72 @@ def host_forward_unsupported_reason(lean) -> str | None:
         return "sliding-window attention"
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
-    if lean.position_embed is not None:
-        return "learned position embeddings (GPT-2, OPT)"
-    if lean.layer_norm:
-        return "LayerNorms rather than RMSNorms (GPT-NeoX, Phi, StarCoder2)"
-    if lean.lm_head.bias is not None:
-        return "a bias on the LM head"
     for layer in lean.layers:
-        if layer.parallel or not layer.gated:
-            return "parallel attention and MLP, or an MLP without a gate (GPT-NeoX)"
         if layer.q_norm is not None:
-            return "q/k norms (Qwen3)"
-        if layer.input_norm is not None or layer.post_norm is not None:
-            return "norm weights not folded"
+            return "q/k norms (Qwen3, OLMo 2)"
+        if layer.input_eps is None or layer.input_norm is not None or layer.post_norm is not None:
+            return "norm weights not folded, or no norm before a block (OLMo 2)"
         parts = layer.qkv.parts
         if len(parts) != 1 or len(layer.gate_up.parts) != 1:
             return "unfused projections"
-        if layer.o.bias is not None or layer.down.bias is not None or layer.gate_up.parts[0].bias is not None:
-            return "biases outside q/k/v"
-        if layer.act is not torch.nn.functional.silu:
-            return "activation other than SiLU"
+        if _layer_mlp(layer) is None:
+            return "an activation the compiled layers lack"
         if layer.residual_multiplier is not None:
             return "residual multipliers (Granite)"
         if layer.attn_out_norm is not None or layer.softcap is not None:
             return "norms after each block or soft-capped attention (Gemma 2 / 3)"
     if lean.norm is not None or lean.lm_head.weight_t is None:
         return "final norm not folded"
-    if lean.rope_kinds is not None:
+    from gbv.engine.lean import NO_ROTATION  # (lean.py imports this module)
+
+    if lean.rope_kinds is not None and set(lean.rope_kinds) != {NO_ROTATION}:
         return "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)"
     if lean.embed_scale is not None or lean.logits_divisor is not None or lean.logits_softcap is not None:
         return "a scaled embedding or logits (Gemma, Granite)"
+    if not _llama_layers(lean):
+        # (the numpy forward between torch's products computes the Llama family's layers only)
+        unavailable = host_kernels_unavailable()
+        if unavailable is not None:
+            return f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled kernels ({unavailable})"
+        if lean.head_dim % 8:
+            return "head_dim not a multiple of 8 (the compiled attention's)"
+        if sum(m.weight_t.numel() for m in lean.matrices()) > PANEL_MAX_PARAMETERS:
+            return f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled products (up to " \
+                   f"{PANEL_MAX_PARAMETERS:,} parameters)"
     return None
+
+
+def _layer_mlp(layer) -> int | None:
+    """The compiled layers' MLP for a lean ``layer`` (host_kernels.MLP_*), None where they lack its activation."""
+    from gbv.engine.lean import _gelu_tanh  # (lean.py imports this module)
+
+    act = layer.act
+    if layer.gated:
+        return MLP_SILU_GATED if act is F.silu else None
+    if act is F.gelu:
+        return MLP_GELU
+    if act is F.relu:
+        return MLP_RELU
+    # GELU's tanh form: as a function (GPT-BigCode, StarCoder2), or GPT-2's, Phi's and GPT-J's gelu_new module
+    if act is _gelu_tanh or type(act).__name__ == "NewGELUActivation":
+        return MLP_GELU_TANH
+    return None
+
+
+def _layer_style(layer) -> int:
+    """A lean ``layer``'s style as the compiled layers take it (host_kernels.layer_style)."""
+    parallel = (PARALLEL_SHARED_NORM if layer.shared_norm else PARALLEL) if layer.parallel else SEQUENTIAL
+    return layer_style(layer.layer_norm, parallel, _layer_mlp(layer))
+
+
+def _llama_layers(lean) -> bool:
+    """Whether every part of ``lean``'s forward is the Llama family's (RMSNorms, sequential blocks, SiLU(gate) *
+    up, no biases but q/k/v's, rotary positions, no head bias): what the numpy forward between torch's products
+    computes. The compiled layers compute the rest too (GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J)."""
+    return (lean.position_embed is None and not lean.layer_norm and lean.lm_head.bias is None
+            and lean.rope_kinds is None
+            and all(_layer_style(layer) == LLAMA_STYLE and layer.o.bias is None and layer.down.bias is None
+                    and layer.gate_up.parts[0].bias is None for layer in lean.layers))
 
 
 # Choosing between the CPU forwards: rounds in rotating order, each form taking a run of this many
@@ -174,6 +212,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     steps = {HOST: lambda: host_step(None), TORCH: lambda: draw_token(
                  lean.forward(one, at, prefix, torch_cache, None, last_only=True)[0, -1, :vocab], config, rng),
              HOST_TORCH_PRODUCTS: lambda: host_step("torch's products measured faster here")}
+    if not host.llama:  # (the numpy forward between torch's products computes the Llama family's layers only)
+        del steps[HOST_TORCH_PRODUCTS]
     hint = prefetch_temporal()
     # (the kernel's prefetch hint, not chosen yet in this process: both, once; not by a model whose
     # products are all AMX ones, which the hint does not touch: a later float32 model chooses it)
@@ -260,7 +300,7 @@ class _Rows:
     ``torch.mm(..., out=)`` alike."""
 
     def __init__(self, batch: int, n: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int) -> None:
+                 intermediate: int, up_width: int | None = None) -> None:
         rows = batch * n
 
         def pair(width: int) -> tuple[np.ndarray, Tensor]:
@@ -271,7 +311,8 @@ class _Rows:
         self.hidden, self.hidden_t = pair(hidden)  # the residual stream
         self.normed, self.normed_t = pair(hidden)
         self.qkv, self.qkv_t = pair((heads + 2 * kv_heads) * head_dim)
-        self.gate_up, self.gate_up_t = pair(2 * intermediate)
+        # (gate and up, or the up projection alone in an MLP without a gate: up_width)
+        self.gate_up, self.gate_up_t = pair(2 * intermediate if up_width is None else up_width)
         self.act, self.act_t = pair(intermediate)
         self.attn, self.attn_t = pair(heads * head_dim)  # the attention output, (rows, heads * head_dim)
         # the same as (batch, n, heads, head_dim), to copy SDPA's (batch, heads, n, head_dim) into
@@ -360,18 +401,34 @@ class HostForward:
         panels = self.panels_off is None
         # A bfloat16 model run in float32 (lean.bf16_in_float32): its panels hold bfloat16, half the bytes.
         bf16 = lean.bf16_in_float32
+        # Layers other than the Llama family's (LayerNorms, biases, MLPs without a gate, parallel blocks,
+        # learned positions) run on the compiled kernels only (host_forward_unsupported_reason): takes().
+        self.llama = _llama_layers(lean)
+
+        def array(bias: Tensor | None) -> np.ndarray | None:
+            return None if bias is None else bias.detach().numpy()
+
+        # per layer: (qkv, b_qkv, o, gate_up, down, eps_in, eps_post, scaling, b_o, b_up, b_down, style)
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
-            bias = None if qkv.bias is None else qkv.bias.detach().numpy()
-            self.layers.append((_Product(qkv.weight_t, panels, bf16), bias,
+            self.layers.append((_Product(qkv.weight_t, panels, bf16), array(qkv.bias),
                                 _Product(layer.o.weight_t, panels, bf16),
                                 _Product(layer.gate_up.parts[0].weight_t, panels, bf16),
                                 _Product(layer.down.weight_t, panels, bf16), float(layer.input_eps),
-                                float(layer.post_eps), float(layer.scaling)))
-        self.intermediate = self.layers[0][3].weight_t.shape[1] // 2 if self.layers else 0
+                                float(layer.post_eps), float(layer.scaling), array(layer.o.bias),
+                                array(layer.gate_up.parts[0].bias), array(layer.down.bias), _layer_style(layer)))
+        # the MLP's width, and the up projection's (gate and up: twice it)
+        gated = not self.layers or lean.layers[0].gated
+        self.up_width = self.layers[0][3].weight_t.shape[1] if self.layers else 0
+        self.intermediate = self.up_width // 2 if gated else self.up_width
         self.lm_head = _Product(lean.lm_head.weight_t, panels, bf16)
+        self.head_bias = array(lean.lm_head.bias)
         self.norm_eps = float(lean.norm_eps)
+        self.layer_norm = bool(lean.layer_norm)  # (the final norm's kind)
+        # GPT-2's, OPT's and GPT-BigCode's learned position rows (added at position + offset), else None
+        self.position_rows = array(lean.position_embed)
+        self.position_offset = lean.position_offset
         # What the one-call forward of a sequence (host_kernels.forward_into) takes per layer; None
         # where the kernels do not run.
         self.layer_panels = None
@@ -382,9 +439,12 @@ class HostForward:
         self._lock = threading.Lock()  # the buffers are shared: one forward at a time per model
 
     def _layer_panels(self) -> tuple:
+        """What forward_into takes per layer: (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale),
+        and (b_o, b_up, b_down, style) after it for layers other than the Llama family's."""
         return tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels, w_down.panel.panels,
-                      eps_in, eps_post, scaling)
-                     for w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling in self.layers)
+                      eps_in, eps_post, scaling, *(() if self.llama else (b_o, b_up, b_down, style)))
+                     for w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down, style
+                     in self.layers)
 
     def products(self) -> list[_Product]:
         """Every product of a forward, in order: each layer's q/k/v, o, gate/up and down, then the head."""
@@ -434,22 +494,24 @@ class HostForward:
         queries each (and ``BATCH_MAX_ROWS`` rows in all, where set). (Without the kernels, batches of
         8 measured 0.96-0.99x the torch forward: torch's products dominate either way.)"""
         if batch == 1:
-            return n <= HOST_MAX_QUERIES or self.one_call(n)
+            return self.one_call(n) or (self.llama and n <= HOST_MAX_QUERIES)
         return (n <= KERNEL_MAX_ROWS and (BATCH_MAX_ROWS is None or batch * n <= BATCH_MAX_ROWS)
-                and self.panels_off is None and self.attention_off is None and torch.get_num_threads() == 1)
+                and self.panels_off is None and self.attention_off is None and torch.get_num_threads() == 1
+                and (self.llama or BATCH_LAYERS))
 
     def rows(self, batch: int, n: int) -> _Rows:
         """The work buffers for ``batch`` sequences of ``n`` queries: kept per shape for the decoding
         shapes, fresh for more than ``HOST_MAX_QUERIES`` rows (a long prompt's chain, whose arithmetic
         dwarfs the allocation; kept, every prompt length would hold megabytes)."""
         if batch * n > HOST_MAX_QUERIES:
-            return _Rows(batch, n, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate)
+            return _Rows(batch, n, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                         self.up_width)
         buffers = self._rows.get((batch, n))
         if buffers is None:
             if len(self._rows) >= _MAX_SHAPES:
                 self._rows.clear()
             buffers = self._rows[batch, n] = _Rows(batch, n, self.hidden, self.heads, self.kv_heads,
-                                                   self.head_dim, self.intermediate)
+                                                   self.head_dim, self.intermediate, self.up_width)
         return buffers
 
     def _rms_into(self, rows: _Rows, eps: float) -> None:
@@ -460,8 +522,9 @@ class HostForward:
         Without: one row's scale in float64, rounded once; several in float32, as torch's."""
         x = rows.hidden
         if self.compiled_norm:
-            rms_into(x, rows.normed, eps)
+            rms_into(x, rows.normed, eps, self.layer_norm)
             return
+        assert self.llama  # (a LayerNorm model runs on the compiled kernels only: host_forward_unsupported_reason)
         if x.shape[0] == 1:
             row = x[0]
             np.multiply(x, 1.0 / math.sqrt(eps + float(np.dot(row, row)) / row.shape[0]), out=rows.normed)
@@ -519,7 +582,8 @@ class HostForward:
                              self.embed, lean.rotary_numpy, self.layer_panels, all_keys, all_values, first_row,
                              cache.capacity, None if mask is None else np.ascontiguousarray(mask.numpy()[0, 0]), start,
                              self.rows(1, n), self.lm_head.panel, logits, self.norm_eps, last_only, draw_vocab,
-                             temperature, u, probs, tokens_out)
+                             temperature, u, probs, tokens_out, self.position_rows, self.position_offset,
+                             self.layer_norm, self.head_bias)
         return logits, token
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
@@ -535,11 +599,14 @@ class HostForward:
         if end > cache.capacity:
             cache.grow(end)
         lean.ensure_rotary(end)
-        rotation = lean.rotary_numpy[positions.reshape(-1)][:, None]  # (B * N, 1, D/2) complex64
+        # (B * N, 1, D/2) complex64; None without rotation (learned positions: added to the rows below)
+        rotation = None if lean.rotary_numpy is None else lean.rotary_numpy[positions.reshape(-1)][:, None]
         all_keys, all_values = cache.arrays()
         sequences = slice(first_row, first_row + batch)
         rows = self.rows(batch, n)
         np.take(self.embed, tokens.reshape(-1), axis=0, out=rows.hidden)
+        if self.position_rows is not None:
+            rows.hidden += self.position_rows[positions.reshape(-1) + self.position_offset]
         # The kernels run on one thread: with more, torch's GEMM and SDPA are left the work.
         one_thread = torch.get_num_threads() == 1
         panels = self.panels_off is None and one_thread and self.lm_head.panel is not None  # (packed at build)
@@ -561,10 +628,12 @@ class HostForward:
         enable_gqa = self.kv_heads != self.heads
         if panels and attend and batch == 1:
             # Both kernels on one sequence: each layer is one compiled call (host_kernels.layer_into).
-            for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
+            for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
+                        style) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
                            all_keys[index][first_row], all_values[index][first_row],
-                           None if kernel_masks is None else kernel_masks[0], start, eps_in, eps_post, scaling)
+                           None if kernel_masks is None else kernel_masks[0], start, eps_in, eps_post, scaling,
+                           b_o=b_o, b_up=b_up, b_down=b_down, style=style)
             layers = ()
         elif panels and attend and BATCH_LAYERS:
             # Several sequences (a batch): each layer is one compiled call too, the products over all
@@ -577,14 +646,17 @@ class HostForward:
             kv_bytes = host_kernels.kv_step_bytes(len(self.layers), batch, kv_heads, end, head_dim,
                                                   all_keys[0].itemsize)
             prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
-            for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(self.layers):
+            for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
+                        style) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
                            all_keys[index][sequences], all_values[index][sequences], kernel_masks, start, eps_in,
-                           eps_post, scaling, batch, prefetch_values)
+                           eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style)
             layers = ()
         else:
+            # (the Llama family's layers, numpy between the products: takes() gives the others no call here)
+            assert self.llama, "a host forward of LayerNorm layers without the compiled layers"
             layers = self.layers
-        for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling) in enumerate(layers):
+        for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, *_) in enumerate(layers):
             self._rms_into(rows, eps_in)
             w_qkv.into(rows.normed, rows.normed_t, rows.qkv, rows.qkv_t, False, loop_panels)
             if b_qkv is not None:
@@ -622,4 +694,6 @@ class HostForward:
         logits = np.empty((rows.normed.shape[0], self.lm_head.weight_t.shape[1]), dtype=np.float32)
         logits_t = torch.from_numpy(logits)
         self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False, panels_for(rows.normed.shape[0]))
+        if self.head_bias is not None:
+            logits += self.head_bias
         return logits_t.view(batch, n, -1)

@@ -475,13 +475,38 @@ def test_compiled_softmax_equals_torch_and_draws_by_the_rule(temperature):
 
 
 @needs_kernels
+@needs_kernels
+def test_compiled_activations_equal_torch():
+    """The compiled layers' activations of MLPs without a gate against torch's: the exact GELU (Abramowitz
+    and Stegun's erf, within 1.5e-7 of it), its tanh form and ReLU, over [-12, 12] and random values. The
+    check tells the two GELUs apart (they differ by up to 5e-4 here)."""
+    from gbv.engine.host_kernels import MLP_GELU, MLP_GELU_TANH, MLP_RELU, activation_into
+
+    x = np.concatenate([np.linspace(-12, 12, 4801, dtype=np.float32),
+                        np.random.default_rng(0).standard_normal(1003).astype(np.float32) * 3, [0.0, -0.0]])
+    x = x.astype(np.float32)
+    t = torch.from_numpy(x)
+    expected = {MLP_GELU: torch.nn.functional.gelu(t), MLP_GELU_TANH: torch.nn.functional.gelu(t, approximate="tanh"),
+                MLP_RELU: torch.relu(t)}
+    for mlp, want in expected.items():
+        got = torch.from_numpy(activation_into(x, np.empty_like(x), mlp))
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert (expected[MLP_GELU] - expected[MLP_GELU_TANH]).abs().max() > 1e-4  # (the check's control)
+    with pytest.raises(ValueError, match="mlp must be"):
+        activation_into(x, np.empty_like(x), 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gptneox", "gpt2", "phi"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_one_call_forward_equals_the_call_per_layer(bf16):
+def test_one_call_forward_equals_the_call_per_layer(bf16, arch):
     """The host forward of one sequence as one compiled call (layer_panels) against one call per layer
     (layer_panels None): chains, tree masks, several queries, last only, a sequence in the second row of
     a two-row cache; the logits agree to float32 rounding (the final norm sums in float64 there) and the
-    caches hold the same keys and values."""
-    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    caches hold the same keys and values. Llama, and layers of the other families (GPT-NeoX: LayerNorms,
+    parallel blocks, biases; GPT-2: learned positions, no rotation; Phi: a shared norm, a head bias)."""
+    if host_kernels_unavailable() is not None:
+        pytest.skip(host_kernels_unavailable())
+    target, _ = hf_pair(arch, vocab=48, seed=5, target_size=(64, 2))
     if bf16:
         target = target.to(torch.bfloat16)
     one, per_layer = LeanCausalLM(target).host_forward, LeanCausalLM(target).host_forward
@@ -619,10 +644,15 @@ def test_one_call_kernels_refuse_bad_input():
     cache = forward.lean.new_cache(1, 16)
     with torch.inference_mode(), pytest.raises(ValueError, match="out of range"):
         forward(np.array([[48]]), np.array([[0]]), 0, cache, None, causal=True)  # no token 48
-    broken = list(forward.layer_panels)
+    panels = forward.layer_panels
+    broken = list(panels)
     broken[0] = broken[0][:7]
     forward.layer_panels = tuple(broken)
     with torch.inference_mode(), pytest.raises(ValueError, match="each layer must be"):
+        forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)
+    broken[0] = (*panels[0], None, None, None, 99)  # (a style that names no layer)
+    forward.layer_panels = tuple(broken)
+    with torch.inference_mode(), pytest.raises(ValueError, match="style must be"):
         forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)
 
 
