@@ -4,6 +4,7 @@ working tree's, on the bundled pair (1 thread), in alternating rounds.
     python scripts/bench_rev_ab.py --before HEAD                        # the working tree against HEAD
     python scripts/bench_rev_ab.py --before f1c41a5 --rows ar,block:4,auto --rounds 8
     python scripts/bench_rev_ab.py --before HEAD --dtype bfloat16 --temperature 1.0 --prompts 5
+    python scripts/bench_rev_ab.py --before HEAD --family gptneox    # the bundled shapes as a random GPT-NeoX pair
 
 Why separate processes: the in-process A/B scripts (``bench_engine_ab.py``, ``bench_auto_ab.py``) load
 a few old modules beside the new ones, which breaks as soon as a signature between them changes. Here
@@ -59,6 +60,13 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     pair = gbv.load_pair("bundled", dtype=args.dtype)
+    if args.family != "llama":  # (the random or rewritten pair of a family, as bench_architectures.py runs)
+        sys.path.insert(0, str(REPO / "tests" / "engine"))
+        from engine_toy import family_models
+        from gbv.models.loading import ModelPair
+
+        target, draft = family_models(pair.target, pair.draft, args.family)
+        pair = ModelPair(target.to(pair.target.dtype), draft.to(pair.draft.dtype), tokenizer=pair.tokenizer)
     prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
     rows = args.rows.split(",")
     settings = {row: parse_row(row) for row in rows}
@@ -106,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", default="0.2,1.0")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--worktrees", default="/tmp/gbv-ab", help="where the 'before' worktree goes")
+    parser.add_argument("--family", default="llama",
+                        help="the bundled pair (llama, the default) or its pair in another family's layout, as "
+                             "scripts/bench_architectures.py --families names them (e.g. gptneox, gpt2, phi)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for row in args.rows.split(","):
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     trees = {"before": worktree(args.before, Path(args.worktrees)), "after": REPO}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rows", args.rows, "--prompts",
                str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--temperature", args.temperature,
-               "--dtype", args.dtype]
+               "--dtype", args.dtype, "--family", args.family]
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for round_ in range(args.rounds):
         for variant in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
@@ -131,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"bench_rev_ab: the {variant} worker imported {result['gbv']}, not its tree")
             runs[variant].append(result["totals"])
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
-    print(f"`{args.before}` (before) against the working tree (after), {args.dtype}, 1 thread, {args.rounds} rounds "
+    print(f"`{args.before}` (before) against the working tree (after), {args.family} pair, {args.dtype}, 1 thread, "
+          f"{args.rounds} rounds "
           f"x {2 * args.prompts} prompts x {args.max_new_tokens} tokens\n")
     print("| row | before tokens/s | after tokens/s | after / before (median) | range over rounds "
           "| after / before, each against its process's ar (median) | block efficiency, before / after "
