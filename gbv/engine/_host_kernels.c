@@ -1460,33 +1460,45 @@ __attribute__((target("avx2,fma"))) static void attend(
     }
 }
 
-/* out = x / sqrt(eps + mean(x^2)) per row of H (the norm's weight is folded into the next matrix):
- * the mean in float64, each value rounded once. The squares are summed in eight float64 lanes. Why:
- * one chain of dependent additions (4 cycles each) made the norms a third of a 25-query bundled-target
- * pass's work outside its products and attention, once the AMX products had made those cheap. */
-__attribute__((target("avx2,fma"))) static void rms_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H,
-                                                        double eps) {
+/* The sum over a row of H values, in eight float64 lanes: of the values (square 0), or of their squares
+ * about `centre`, (x - centre)^2. Why lanes: one chain of dependent additions (4 cycles each) made the
+ * norms a third of a 25-query bundled-target pass's work outside its products and attention, once the
+ * AMX products had made those cheap. */
+__attribute__((target("avx2,fma"))) static inline double row_sum(const float *row, Py_ssize_t H, double centre,
+                                                                 int square) {
+    const __m256d centre4 = _mm256_set1_pd(centre);
+    __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+    Py_ssize_t h = 0;
+    for (; h + 8 <= H; h += 8) {
+        const __m256 v = _mm256_loadu_ps(row + h);
+        const __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), centre4);
+        const __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), centre4);
+        low = square ? _mm256_fmadd_pd(a, a, low) : _mm256_add_pd(low, a);
+        high = square ? _mm256_fmadd_pd(b, b, high) : _mm256_add_pd(high, b);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
+    double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; h < H; h++) sum += square ? ((double)row[h] - centre) * ((double)row[h] - centre) : (double)row[h];
+    return sum;
+}
+
+/* The layers' norm per row of H values, its weight (and a LayerNorm's bias) folded into the next matrix:
+ * an RMSNorm's out = x / sqrt(eps + mean(x^2)), or (layer_norm) a LayerNorm's out = (x - mean(x)) /
+ * sqrt(eps + var(x)), the variance from the centred values (a second pass). The sums in float64
+ * (row_sum), each value rounded once; an RMSNorm's centre is 0, which leaves its bits as they were. */
+__attribute__((target("avx2,fma"))) static void norm_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H,
+                                                         double eps, int layer_norm) {
     for (Py_ssize_t i = 0; i < n; i++) {
         const float *row = x + i * H;
-        __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+        const double mean = layer_norm ? row_sum(row, H, 0.0, 0) / (double)H : 0.0;
+        const double scale = 1.0 / sqrt(eps + row_sum(row, H, mean, 1) / (double)H);
+        const __m256d scale4 = _mm256_set1_pd(scale), mean4 = _mm256_set1_pd(mean);
         Py_ssize_t h = 0;
-        for (; h + 8 <= H; h += 8) {
-            const __m256 v = _mm256_loadu_ps(row + h);
-            const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-            const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-            low = _mm256_fmadd_pd(a, a, low);
-            high = _mm256_fmadd_pd(b, b, high);
-        }
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
-        double squares = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-        for (; h < H; h++) squares += (double)row[h] * (double)row[h];
-        const double scale = 1.0 / sqrt(eps + squares / (double)H);
-        const __m256d scale4 = _mm256_set1_pd(scale);
-        for (h = 0; h + 4 <= H; h += 4) /* (as the scalar form: a float64 product, rounded once) */
-            _mm_storeu_ps(out + i * H + h,
-                          _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(row + h)), scale4)));
-        for (; h < H; h++) out[i * H + h] = (float)(row[h] * scale);
+        for (; h + 4 <= H; h += 4) /* (as the scalar form: a float64 product, rounded once) */
+            _mm_storeu_ps(out + i * H + h, _mm256_cvtpd_ps(_mm256_mul_pd(
+                                               _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(row + h)), mean4), scale4)));
+        for (; h < H; h++) out[i * H + h] = (float)(((double)row[h] - mean) * scale);
     }
 }
 
@@ -1506,54 +1518,6 @@ __attribute__((target("avx2,fma"))) static void silu_times(const float *gate, co
         _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + c)));
     }
     for (; c < I; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
-}
-
-/* out = (x - mean(x)) / sqrt(eps + var(x)) per row of H: a LayerNorm without its weight and bias (both folded
- * into the next matrix, the bias as that matrix's bias: lean._fold_norm_weight). The mean and the variance
- * (of the centred values, a second pass) in float64 lanes, each value rounded once, as rms_rows. */
-__attribute__((target("avx2,fma"))) static void layer_norm_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H,
-                                                               double eps) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const float *row = x + i * H;
-        __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
-        Py_ssize_t h = 0;
-        for (; h + 8 <= H; h += 8) {
-            const __m256 v = _mm256_loadu_ps(row + h);
-            low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-            high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-        }
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
-        double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-        for (; h < H; h++) sum += (double)row[h];
-        const double mean = sum / (double)H;
-        const __m256d mean4 = _mm256_set1_pd(mean);
-        low = high = _mm256_setzero_pd();
-        for (h = 0; h + 8 <= H; h += 8) {
-            const __m256 v = _mm256_loadu_ps(row + h);
-            const __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), mean4);
-            const __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), mean4);
-            low = _mm256_fmadd_pd(a, a, low);
-            high = _mm256_fmadd_pd(b, b, high);
-        }
-        _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
-        double squares = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-        for (; h < H; h++) squares += ((double)row[h] - mean) * ((double)row[h] - mean);
-        const double scale = 1.0 / sqrt(eps + squares / (double)H);
-        const __m256d scale4 = _mm256_set1_pd(scale);
-        for (h = 0; h + 4 <= H; h += 4)
-            _mm_storeu_ps(out + i * H + h, _mm256_cvtpd_ps(_mm256_mul_pd(
-                                               _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(row + h)), mean4), scale4)));
-        for (; h < H; h++) out[i * H + h] = (float)(((double)row[h] - mean) * scale);
-    }
-}
-
-/* The layers' norm: a LayerNorm's (layer_norm_rows) or an RMSNorm's (rms_rows). */
-static void norm_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t H, double eps, int layer_norm) {
-    if (layer_norm)
-        layer_norm_rows(x, out, n, H, eps);
-    else
-        rms_rows(x, out, n, H, eps);
 }
 
 /* y[r] += b for each of n rows of N values (a product's bias; NULL: none). */
@@ -1654,6 +1618,12 @@ static const char *style_error(int bits) {
  *   k, v written to cache slots start .. start+n-1; attn = attention (see attend());
  *   hidden += attn @ W_o; normed = rms(hidden); gate_up = normed @ W_gate_up;
  *   act = silu(gate) * up; hidden += act @ W_down.
+ * `style` names the other families' layers (GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J; see layer_style):
+ * LayerNorms for the RMSNorms (weights and biases folded likewise, a bias into the next matrix's), biases
+ * after the o, up and down products, an MLP of the up projection alone (act(x W_up + b_up): GELU, its tanh
+ * form or ReLU; gate_up then (rows, I), w_gate_up (H, I)), attention and the MLP both reading the layer's
+ * input (hidden += attn @ W_o + mlp(norm'(hidden)), norm' the MLP's own norm or attention's), and rotation
+ * NULL for models without one (learned positions, added to the embedding rows by the caller).
  * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are packed as one kind
  * (bf16: PANELS_F32, PANELS_BF16 or PANELS_AMX, see panel_product); the cache's keys and values are
  * float32 (kv_bf16 = 0) or bfloat16, rounded to nearest even as they are written (bf16_bits);
