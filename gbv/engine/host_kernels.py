@@ -448,10 +448,12 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     """
     n, hidden = rows.hidden.shape
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
+    if position_rows is None and not position_offset and not final_layer_norm and head_bias is None:
+        extra = (True,) if kv_bf16(keys[0]) else ()  # (the Llama family's call as it was: see _trailing)
+    else:
+        extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias)
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,
                                  rows.act.shape[1], head.out_features, final_eps, head.kind, last_only, draw_vocab,
-                                 temperature, u, probs, tokens_out, BELOW_ONE,
-                                 *_trailing((kv_bf16(keys[0]), False), (position_rows, None), (position_offset, 0),
-                                            (final_layer_norm, False), (head_bias, None)))
+                                 temperature, u, probs, tokens_out, BELOW_ONE, *extra)
