@@ -180,8 +180,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     forced = os.environ.get("GBV_HOST_FORWARD")
     if forced == "1":
         return HOST, None
-    if forced == "torch-products":
-        return HOST_TORCH_PRODUCTS, None
+    if forced == "torch-products":  # (the numpy forward between them computes the Llama family's layers only)
+        return (HOST_TORCH_PRODUCTS if host.llama else TORCH), None
     if host.panels_off is not None:  # (its products are torch's already: the AVX2 kernels are not in question,
         return HOST, None            # and a model above PANEL_MAX_PARAMETERS would take seconds to time)
     prefix = 32
@@ -516,7 +516,8 @@ class HostForward:
 
     def _rms_into(self, rows: _Rows, eps: float) -> None:
         """``normed = hidden / sqrt(eps + mean(hidden^2))`` per row (the norm's weight is folded into the
-        next matrix). With the compiled kernels, theirs (:func:`host_kernels.rms_into`: the one-call
+        next matrix), or a LayerNorm's ``(hidden - mean) / sqrt(eps + var)`` where the model has them
+        (compiled only). With the compiled kernels, theirs (:func:`host_kernels.rms_into`: the one-call
         forward's, so a batch row's final norm is its lone run's, bit for bit; numpy's float32 norm of
         several rows was 1 ulp off, which a bfloat16-rounded product can widen to 1e-3 of a logit).
         Without: one row's scale in float64, rounded once; several in float32, as torch's."""

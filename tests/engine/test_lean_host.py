@@ -310,6 +310,10 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
             assert not gpt2.host_forward.takes(1, 1) and lean.host_forward.takes(1, 1)
         finally:
             torch.set_num_threads(threads)
+    with monkeypatch.context() as patch:  # (torch's products forced: the torch forward for these layers)
+        patch.setenv("GBV_HOST_FORWARD", "torch-products")
+        forced = LeanCausalLM(hf_pair("gpt2", vocab=48)[0])
+        assert forced.forward_choice == lean_host.TORCH and forced.host_forward is None
     with monkeypatch.context() as patch:
         patch.setenv("GBV_HOST_KERNELS", "0")
         assert lean_host.host_forward_unsupported_reason(gpt2).startswith(
