@@ -18,7 +18,10 @@ Where the compiled kernels run (``host_kernels.py``: x86-64 with AVX2, one torch
 and the attention go to them instead of torch, and for one sequence the whole forward is a single
 compiled call (``forward_into``: every layer as ``layer_into`` computes it, the final norm and the
 head), which can also sample from its output rows (:meth:`HostForward.sampled`): the same
-mathematics, summed in another order.
+mathematics, summed in another order. The compiled layers also compute GPT-NeoX's, GPT-2's, OPT's,
+GPT-BigCode's, Phi's and GPT-J's (LayerNorms, biases, MLPs without a gate, parallel blocks, learned
+positions: ``host_kernels.layer_style``); those models run here only as compiled calls, since the numpy
+forward below computes the Llama family's layers (:func:`_llama_layers`, :meth:`HostForward.takes`).
 
 :meth:`LeanCausalLM.forward` uses it for one sequence (any cache row): of any length where the
 compiled kernels run, else of up to ``HOST_MAX_QUERIES`` queries, on the CPU in float32, where the
