@@ -1905,6 +1905,19 @@ static void draw(const float *probs, const double *u, long long *out, Py_ssize_t
     }
 }
 
+/* The end of a call over two or three buffers (`third` may be NULL): release them, then None, or a
+ * ValueError of `error` where it is set. */
+static PyObject *released(Py_buffer *first, Py_buffer *second, Py_buffer *third, const char *error) {
+    PyBuffer_Release(first);
+    PyBuffer_Release(second);
+    if (third != NULL) PyBuffer_Release(third);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *draw_rows(PyObject *self, PyObject *args) {
     Py_buffer probs, u, out;
     Py_ssize_t rows, V;
@@ -1924,14 +1937,7 @@ static PyObject *draw_rows(PyObject *self, PyObject *args) {
         draw((const float *)probs.buf, (const double *)u.buf, (long long *)out.buf, rows, V, below_one);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&probs);
-    PyBuffer_Release(&u);
-    PyBuffer_Release(&out);
-    if (error != NULL) {
-        PyErr_SetString(PyExc_ValueError, error);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return released(&probs, &u, &out, error);
 }
 
 static PyObject *activation(PyObject *self, PyObject *args) {
@@ -1955,13 +1961,7 @@ static PyObject *activation(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
     }
 #endif
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&out);
-    if (error != NULL) {
-        PyErr_SetString(PyExc_ValueError, error);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return released(&x, &out, NULL, error);
 }
 
 static PyObject *rms(PyObject *self, PyObject *args) {
@@ -1980,13 +1980,7 @@ static PyObject *rms(PyObject *self, PyObject *args) {
         norm_rows((const float *)x.buf, (float *)out.buf, rows, H, eps, layer_norm);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&out);
-    if (error != NULL) {
-        PyErr_SetString(PyExc_ValueError, error);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return released(&x, &out, NULL, error);
 }
 
 /* The buffer behind `object` (None: no buffer, *given = 0), writable or not; checks its byte size. */
