@@ -185,6 +185,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
         return HOST, None
     if forced == "torch-products":  # (the numpy forward between them computes the Llama family's layers only)
         return (HOST_TORCH_PRODUCTS if host.llama else TORCH), None
+    if not host.llama and not host.one_call(1):  # (these layers run as compiled calls only: on one thread)
+        return TORCH, None
     if host.panels_off is not None:  # (its products are torch's already: the AVX2 kernels are not in question,
         return HOST, None            # and a model above PANEL_MAX_PARAMETERS would take seconds to time)
     prefix = 32

@@ -308,6 +308,14 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
         torch.set_num_threads(2)
         try:
             assert not gpt2.host_forward.takes(1, 1) and lean.host_forward.takes(1, 1)
+            # Built at two threads (a draft beside a target of over 100M parameters, gbv/engine/threads.py),
+            # choosing by measurement as outside the tests: the torch forward, chosen without timing the host
+            # forward, which cannot run there (timing it raised).
+            with monkeypatch.context() as patch:
+                patch.delenv("GBV_HOST_FORWARD")
+                at_two = LeanCausalLM(hf_pair("gpt2", vocab=48)[0])
+                assert at_two.forward_choice == lean_host.TORCH and at_two.host_forward is None
+                assert LeanCausalLM(target).forward_times is not None  # (Llama: measured, numpy between products)
         finally:
             torch.set_num_threads(threads)
     with monkeypatch.context() as patch:  # (torch's products forced: the torch forward for these layers)
