@@ -403,3 +403,20 @@ def test_gptj_tree_passes_reach_past_its_rotary_table():
         expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out.token_ids),
                                    do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert out.token_ids == expected and len(out.token_ids) == 18
+
+
+def test_transposed_copies_and_widened_folds_are_the_plain_ones():
+    """The blocked transposed copy (matrices of 1M values and more) holds ``W.t().contiguous()``'s values, a
+    new tensor also for a GPT-2 Conv1D's view; the block-by-block float64 ``W b`` of a LayerNorm's bias fold
+    rounds to what the whole product in float64 rounds to, from a matrix or from its transposed copy's view."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1500, 1024, generator=gen)  # (past the 1M values where the blocks start; rows not a
+    copy = lean_module._transposed_copy(weight)       # multiple of the block)
+    assert copy.is_contiguous() and torch.equal(copy, weight.t().contiguous())
+    stored = torch.randn(64, 48, generator=gen)  # (a Conv1D's (in, out) tensor; the weight is its view)
+    conv = lean_module._transposed_copy(stored.t())
+    assert torch.equal(conv, stored) and conv.data_ptr() != stored.data_ptr()
+    bias = torch.randn(1024, generator=gen)
+    whole = (weight.double() @ bias.double()).float()
+    assert torch.equal(lean_module._widened_product(weight, bias).float(), whole)
+    assert torch.equal(lean_module._widened_product(copy.t(), bias).float(), whole)
