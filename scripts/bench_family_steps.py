@@ -15,23 +15,15 @@ bundled shapes (docs/ENGINE.md, "The compiled host forward for the LayerNorm fam
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-
-def build(name: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    if name == "pythia-70m":
-        return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=50304, hidden_size=512, num_hidden_layers=6,
-                                                num_attention_heads=8, intermediate_size=2048, rotary_pct=0.25,
-                                                max_position_embeddings=2048)).eval()
-    if name == "distilgpt2":
-        return GPT2LMHeadModel(GPT2Config(n_layer=6)).eval()
-    raise SystemExit(f"bench_family_steps: no model {name!r}; use pythia-70m or distilgpt2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+from engine_toy import real_size  # noqa: E402
 
 
 def step_ms(lean, steps: int) -> float:
@@ -56,7 +48,7 @@ def main() -> None:
     print("| model | parameters | host forward, 1 thread | torch forward, 1 thread | torch forward, 2 threads |")
     print("|---|---:|---:|---:|---:|")
     for name in args.models.split(","):
-        model = build(name)
+        model = real_size(name)
         torch.set_num_threads(1)
         lean = LeanCausalLM(model)
         host = lean.host_forward

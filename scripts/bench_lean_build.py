@@ -18,23 +18,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def build(name: str):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if name == "pythia-410m":
-        return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=50304, hidden_size=1024, num_hidden_layers=24,
-                                                num_attention_heads=16, intermediate_size=4096, rotary_pct=0.25,
-                                                max_position_embeddings=2048)).eval()
-    if name == "smollm2-360m":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=960, num_hidden_layers=32,
-                                            num_attention_heads=15, num_key_value_heads=5, intermediate_size=2560,
-                                            tie_word_embeddings=True, max_position_embeddings=8192)).eval()
-    raise SystemExit(f"bench_lean_build: no model {name!r}; use pythia-410m or smollm2-360m")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+from engine_toy import real_size  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +37,7 @@ def main() -> None:
         from gbv.engine.lean import LeanCausalLM
 
         torch.set_num_threads(args.threads)
-        model = build(args.worker)
+        model = real_size(args.worker)
         began = time.perf_counter()
         LeanCausalLM(model)
         print(time.perf_counter() - began, sum(p.numel() for p in model.parameters()))

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+from engine_toy import real_size  # noqa: E402
 
 
 def main() -> None:
@@ -28,18 +33,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds, the first not counted (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
     import gbv
     from gbv.models.loading import ModelPair
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    shape = dict(vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
-    target = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                              intermediate_size=4096, **shape)).eval()
-    draft = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
-                                             intermediate_size=2048, **shape)).eval()
+    target, draft = real_size("pythia-410m"), real_size("pythia-70m")
     pair = ModelPair(target, draft, tokenizer=gbv.load_pair("bundled").tokenizer)
     ids = list(range(100, 164))
     new = args.max_new_tokens

@@ -552,3 +552,31 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
         kinds = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(like.num_hidden_layers)]
         return Olmo3ForCausalLM(Olmo3Config(**settings, sliding_window=window, layer_types=kinds)).eval()
     raise ValueError(f"no random model of family {family!r}")
+
+
+# Random models of real models' shapes (no download): scripts/bench_family_steps.py, bench_real_sizes.py and
+# bench_lean_build.py.
+REAL_SIZES = ("pythia-70m", "pythia-410m", "distilgpt2", "smollm2-360m")
+
+
+def real_size(name: str, seed: int = 0):
+    """A random model of ``name``'s shape (``REAL_SIZES``), in eval mode: Pythia-70m and Pythia-410m (GPT-NeoX,
+    a quarter of each head rotated, 50k vocabulary), distilgpt2 (GPT-2 small's layers, 6 of them) and
+    SmolLM2-360M (Llama, grouped-query attention, tied embeddings)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    pythia = dict(vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
+    if name == "pythia-70m":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                                                intermediate_size=2048, **pythia)).eval()
+    if name == "pythia-410m":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                                intermediate_size=4096, **pythia)).eval()
+    if name == "distilgpt2":
+        return GPT2LMHeadModel(GPT2Config(n_layer=6)).eval()
+    if name == "smollm2-360m":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=960, num_hidden_layers=32,
+                                            num_attention_heads=15, num_key_value_heads=5, intermediate_size=2560,
+                                            tie_word_embeddings=True, max_position_embeddings=8192)).eval()
+    raise ValueError(f"no real size {name!r}; the sizes are: {', '.join(REAL_SIZES)}")
