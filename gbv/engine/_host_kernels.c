@@ -1527,7 +1527,7 @@ static void add_bias_rows(float *y, const float *b, Py_ssize_t n, Py_ssize_t N) 
         for (Py_ssize_t c = 0; c < N; c++) y[r * N + c] += b[c];
 }
 
-/* The MLPs of the host layers (LAYER_MLP of a layer's style): SiLU(gate) * up (the Llama family), or an
+/* The MLPs of the host layers (STYLE_MLP of a layer's style): SiLU(gate) * up (the Llama family), or an
  * activation of the up projection alone: GELU (GPT-NeoX), GELU's tanh form (GPT-2's and Phi's gelu_new,
  * GPT-BigCode, StarCoder2, GPT-J) or ReLU (OPT). */
 enum { MLP_SILU_GATED = 0, MLP_GELU = 1, MLP_GELU_TANH = 2, MLP_RELU = 3 };
@@ -1643,15 +1643,16 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     for (Py_ssize_t r = 0; r < rows; r++) {
         const Py_ssize_t i = r % n, first = (r / n) * sequence; /* query i of sequence r / n */
         float *row = qkv + r * width;
-        if (b_qkv)
-            for (Py_ssize_t c = 0; c < width; c++) row[c] += b_qkv[c];
-        const float *rot = rotation + r * D; /* D/2 (cos, sin) pairs */
-        for (int head = 0; head < (rotation ? heads + kv_heads : 0); head++) { /* (NULL: no rotation) */
-            float *v = row + (Py_ssize_t)head * D;
-            for (int j = 0; j < D; j += 2) {
-                const float re = v[j], im = v[j + 1], c = rot[j], s = rot[j + 1];
-                v[j] = re * c - im * s;
-                v[j + 1] = re * s + im * c;
+        add_bias_rows(row, b_qkv, 1, width);
+        if (rotation) { /* (NULL: no rotation) */
+            const float *rot = rotation + r * D; /* D/2 (cos, sin) pairs */
+            for (int head = 0; head < heads + kv_heads; head++) {
+                float *v = row + (Py_ssize_t)head * D;
+                for (int j = 0; j < D; j += 2) {
+                    const float re = v[j], im = v[j + 1], c = rot[j], s = rot[j + 1];
+                    v[j] = re * c - im * s;
+                    v[j + 1] = re * s + im * c;
+                }
             }
         }
         for (int g = 0; g < kv_heads; g++) {
@@ -1673,13 +1674,13 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
         attend(qkv + b * n * width, width, (const char *)keys + b * sequence * kv_size,
                (const char *)values + b * sequence * kv_size, kv_bf16, capacity, attn + b * n * heads * D,
                mask ? mask + b * n * end : NULL, n, heads, kv_heads, D, start, end, scale, scores, prefetch_values);
-    if (style->parallel == LAYER_SEQUENTIAL) {
-        if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
-        add_bias_rows(hidden, style->b_o, rows, H);
-        norm_rows(hidden, normed, rows, H, eps_post, ln);
-    } else if (style->parallel == LAYER_PARALLEL) { /* (the MLP's own norm of the layer's input) */
-        norm_rows(hidden, normed, rows, H, eps_post, ln);
-    } /* (LAYER_PARALLEL_SHARED: normed is attention's norm still) */
+    /* In parallel, the MLP reads the layer's input: its own norm of it is taken before attention's output
+     * joins the residual (LAYER_PARALLEL_SHARED: `normed` is attention's norm still); in sequence, the norm
+     * of the residual with attention's output. */
+    if (style->parallel == LAYER_PARALLEL) norm_rows(hidden, normed, rows, H, eps_post, ln);
+    if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
+    add_bias_rows(hidden, style->b_o, rows, H);
+    if (style->parallel == LAYER_SEQUENTIAL) norm_rows(hidden, normed, rows, H, eps_post, ln);
     if (panel_product(normed, w_gate_up, bf16, gate_up, rows, H, up_width, 0)) return -1;
     add_bias_rows(gate_up, style->b_up, rows, up_width);
     for (Py_ssize_t r = 0; r < rows; r++) {
@@ -1687,10 +1688,6 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
             silu_times(gate_up + r * 2 * I, gate_up + r * 2 * I + I, act + r * I, I);
         else
             activate(gate_up + r * I, act + r * I, I, style->mlp);
-    }
-    if (style->parallel != LAYER_SEQUENTIAL) { /* h + attn(x) + mlp(x): attention's output added now */
-        if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
-        add_bias_rows(hidden, style->b_o, rows, H);
     }
     if (panel_product(act, w_down, bf16, hidden, rows, I, H, 1)) return -1;
     add_bias_rows(hidden, style->b_down, rows, H);

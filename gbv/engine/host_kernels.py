@@ -250,6 +250,13 @@ def kv_bf16(keys: np.ndarray) -> bool:
     return False
 
 
+def _kv_flag(keys: np.ndarray) -> tuple:
+    """The kernels' trailing ``kv_bf16`` argument: given only when it is set, so that a module built
+    from an older C file (``scripts/kernels_at.py``, for before/after runs) takes float32 caches as
+    it did."""
+    return (True,) if kv_bf16(keys) else ()
+
+
 def move_slots(arrays: tuple[np.ndarray, ...], rows, src, dst) -> None:
     """In every one of ``arrays`` (C-contiguous (batch, kv_heads, capacity, head_dim) float32 or
     bfloat16-bits caches of one shape), copy slot ``src[j]`` of batch row ``rows[j]`` (``rows`` an int:
@@ -276,7 +283,7 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
     """
     kv_heads, _, head_dim = keys.shape
     _host_kernels.attention(q, q.shape[1], keys, values, out, mask, q.shape[0], heads, kv_heads, head_dim,
-                            start, end, scale, *_trailing((kv_bf16(keys), False)))
+                            start, end, scale, *_kv_flag(keys))
     return out
 
 
@@ -449,7 +456,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     n, hidden = rows.hidden.shape
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
     if position_rows is None and not position_offset and not final_layer_norm and head_bias is None:
-        extra = (True,) if kv_bf16(keys[0]) else ()  # (the Llama family's call as it was: see _trailing)
+        extra = _kv_flag(keys[0])  # (the Llama family's call as it was, without a loop over defaults)
     else:
         extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias)
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,

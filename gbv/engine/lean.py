@@ -376,9 +376,10 @@ def _widened_product(weight: Tensor, vector: Tensor) -> Tensor:
     in the pages of twice its size)."""
     wide = vector.double()
     out = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
-    stored = weight.t()  # (a transposed copy's view: its blocks of columns are rows' runs in memory)
+    stored = weight.t()
+    transposed = stored.is_contiguous()  # (a transposed copy's view: its blocks of columns are runs in memory)
     for row in range(0, weight.shape[0], _WIDEN_BLOCK):
-        if stored.is_contiguous():
+        if transposed:
             out[row:row + _WIDEN_BLOCK] = wide @ stored[:, row:row + _WIDEN_BLOCK].double()
         else:
             out[row:row + _WIDEN_BLOCK] = weight[row:row + _WIDEN_BLOCK].double() @ wide
@@ -572,8 +573,8 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     return None
 
 
-# Rows of W copied at a time into W^T by _transposed_copy, and columns of W^T widened at a time by
-# _fold_norm_weight: blocks that stay in the CPU's caches.
+# Rows of W copied at a time into W^T by _transposed_copy, and outputs of W v widened at a time by
+# _widened_product: blocks that stay in the CPU's caches.
 _COPY_BLOCK = 64
 _WIDEN_BLOCK = 256
 
