@@ -2,9 +2,13 @@
 
     python scripts/bench_real_sizes.py                 # Pythia-410m / Pythia-70m shapes, 2 threads
     python scripts/bench_real_sizes.py --threads 1 --rounds 3
+    python scripts/bench_real_sizes.py --pair smollm2 --dtype bfloat16
 
-The pair is a random GPT-NeoX target of Pythia-410m's shape (24 layers, hidden 1,024, 405M parameters) and
-a draft of Pythia-70m's (6 layers, hidden 512), both with the 50k vocabulary. Their weights are random, so
+The pythia pair is a random GPT-NeoX target of Pythia-410m's shape (24 layers, hidden 1,024, 405M parameters)
+and a draft of Pythia-70m's (6 layers, hidden 512), both with the 50k vocabulary; the smollm2 pair a random
+Llama target of SmolLM2-360M's shape (32 layers, hidden 960, 362M parameters) and a draft of SmolLM2-135M's
+(30 layers, hidden 576), both with the 49k vocabulary (``--dtype bfloat16``: both in bfloat16, as such
+checkpoints are published). Their weights are random, so
 only ``ar`` against ``hf-plain`` compares the engines alone; BV L = 4 and assisted generation run the same
 pair with whatever agreement random models have. Each round runs every row once on the same 64-token
 prompt (T = 1, 48 new tokens, EOS off); the first round, which builds the lean views (the fused copies of a
@@ -26,18 +30,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
 from engine_toy import real_size  # noqa: E402
 
+PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m", "smollm2-135m")}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=4, help="rounds, the first not counted (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--pair", choices=PAIRS, default="pythia")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     import gbv
     from gbv.models.loading import ModelPair
 
     torch.set_num_threads(args.threads)
-    target, draft = real_size("pythia-410m"), real_size("pythia-70m")
+    names = PAIRS[args.pair]
+    dtype = getattr(torch, args.dtype)
+    target, draft = real_size(names[0]).to(dtype), real_size(names[1]).to(dtype)
     pair = ModelPair(target, draft, tokenizer=gbv.load_pair("bundled").tokenizer)
     ids = list(range(100, 164))
     new = args.max_new_tokens
@@ -59,8 +69,8 @@ def main() -> None:
             if round_ > 0:
                 rates[row].append(made / (time.perf_counter() - began))
     median = {row: statistics.median(values) for row, values in rates.items()}
-    print(f"Pythia-410m / 70m shapes (random), {args.threads} thread(s), {new} new tokens, "
-          f"medians of {args.rounds - 1} rounds\n")
+    print(f"{names[0]} / {names[1]} shapes (random), {args.dtype}, {args.threads} thread(s), {new} new tokens, "
+          f"medians of {args.rounds - 1} rounds (gbv from {Path(gbv.__file__).parent})\n")
     print("| row | tokens/s | vs hf-plain | vs hf-assisted |\n|---|---:|---:|---:|")
     for row, rate in median.items():
         print(f"| {row} | {rate:.1f} | {rate / median['hf-plain']:.2f}x | {rate / median['hf-assisted']:.2f}x |")

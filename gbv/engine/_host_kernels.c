@@ -19,9 +19,9 @@
  * Each output is sum_k x[r, k] * W[k, c] accumulated in order of k in float32 (one fused
  * multiply-add per term) in every tile, then added to y when accumulating: the same sum as any GEMM,
  * in another order, and the same bits for a row whatever the product's row count (a step, a tree
- * pass, a batch). No threads: the engine runs small models on one (gbv/engine/threads.py).
+ * pass, a batch), and whatever the threads (set_threads: a product's columns are split among them).
  *
- * Where the CPU has AMX, bfloat16 weights are packed for its tiles instead (amx_product below), and
+ * Where the CPU has AMX, bfloat16 weights are packed for its tiles instead (amx_pairs below), and
  * those products round x to bfloat16 first.
  */
 #define PY_SSIZE_T_CLEAN
@@ -37,7 +37,7 @@
 #define PANELS_AMX 2
 
 /* Bytes of a (K, N) weight packed as `kind` (float32 or bfloat16 panels of 16 columns; the AMX kind's
- * panels in pairs and K padded to a multiple of 32: see amx_product). */
+ * panels in pairs and K padded to a multiple of 32: see amx_pairs). */
 static Py_ssize_t panels_bytes(int kind, Py_ssize_t K, Py_ssize_t N) {
     if (kind == PANELS_AMX) return (N + 2 * PANEL - 1) / (2 * PANEL) * ((K + 31) / 32 * 32) * 2 * PANEL * 2;
     return (N + PANEL - 1) / PANEL * K * PANEL * (kind == PANELS_BF16 ? 2 : 4);
@@ -373,10 +373,10 @@ typedef struct {
 
 #ifndef GBV_AMX
 static int amx_supported(void) { return 0; }
-static int amx_product(const float *x, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
-                       int accumulate) {
-    return -1; /* (never called: kind_error refuses AMX panels where amx_supported is 0) */
-}
+/* (never called: kind_error refuses AMX panels where amx_supported is 0) */
+static const uint16_t *amx_rounded(const float *x, Py_ssize_t M, Py_ssize_t K) { return NULL; }
+static void amx_pairs(const uint16_t *x16, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
+                      int accumulate, Py_ssize_t first_pair, Py_ssize_t end_pair) {}
 #else
 /* Whether the AMX products can run: -1 until asked (the CPU's AMX-TILE, AMX-BF16 and AVX512-BF16, and
  * the kernel's permission to use the tile data, asked once per process), then 0 or 1. (Whether they do
@@ -433,24 +433,30 @@ __attribute__((target("avx512f"))) static void amx_write(const float *c, float *
     }
 }
 
-/* y (M, N) = [y +] bf16(x) (M, K) @ W (K, N), W packed as above. 0 where done; -1 out of memory. */
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static int amx_product(
-    const float *x, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int accumulate) {
-    if (M == 0) return 0;
-    const Py_ssize_t K32 = AMX_K(K), steps = K32 / AMX_STEP, row_tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
-    const Py_ssize_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
+/* x (M, K) rounded to bfloat16 for amx_pairs, in this thread's buffer (amx_x; NULL: out of memory). */
+static const uint16_t *amx_rounded(const float *x, Py_ssize_t M, Py_ssize_t K) {
+    const Py_ssize_t K32 = AMX_K(K), row_tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
     const size_t values = (size_t)(row_tiles * AMX_ROWS * K32);
     if (values > amx_x_values) {
         free(amx_x);
         amx_x = (uint16_t *)aligned_alloc(64, values * sizeof(uint16_t));
         amx_x_values = amx_x == NULL ? 0 : values;
-        if (amx_x == NULL) return -1;
+        if (amx_x == NULL) return NULL;
     }
+    amx_round_rows(x, M, K, row_tiles == 1 ? M : row_tiles * AMX_ROWS, amx_x);
+    return amx_x;
+}
+
+/* Pairs first_pair .. end_pair - 1 of y (M, N) = [y +] x16 @ W, x16 the rows amx_rounded gave (M >= 1),
+ * W packed as above. Each thread that runs a range configures its own tiles. */
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static void amx_pairs(
+    const uint16_t *x16, const uint16_t *panels, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int accumulate,
+    Py_ssize_t first_pair, Py_ssize_t end_pair) {
+    const Py_ssize_t K32 = AMX_K(K), steps = K32 / AMX_STEP, row_tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
     /* Up to 16 rows (a step, a draft's step, a block's pass): tiles of x and of sums of M rows, as
      * configured, rather than 16 with zero rows (bf16 target forwards of 1-12 tokens 0.986-0.997x the
      * time: scripts/bench_kernels_ab.py). More: tiles of 16 rows, the last padded with zero rows. */
     const int rows = row_tiles == 1 ? (int)M : AMX_ROWS;
-    amx_round_rows(x, M, K, row_tiles == 1 ? M : row_tiles * AMX_ROWS, amx_x);
     amx_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
@@ -461,13 +467,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static int amx_p
     _tile_loadconfig(&config);
     float c[4][AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
     const Py_ssize_t a_stride = K32 * (Py_ssize_t)sizeof(uint16_t), b_stride = 2 * PANEL * sizeof(uint16_t);
-    for (Py_ssize_t p = 0; p < pairs; p++) {
+    for (Py_ssize_t p = first_pair; p < end_pair; p++) {
         const uint16_t *pair = panels + p * K32 * 2 * PANEL;
         const Py_ssize_t c0 = 2 * p * PANEL;
         const int width0 = (int)(N - c0 < PANEL ? N - c0 : PANEL);
         const int width1 = (int)(N - c0 - PANEL < PANEL ? N - c0 - PANEL : PANEL);
         for (Py_ssize_t t = 0; t < row_tiles; t += 2) {
-            const uint16_t *a = amx_x + t * AMX_ROWS * K32;
+            const uint16_t *a = x16 + t * AMX_ROWS * K32;
             const Py_ssize_t r0 = t * AMX_ROWS;
             _tile_zero(0);
             _tile_zero(1);
@@ -508,7 +514,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) static int amx_p
         }
     }
     _tile_release();
-    return 0;
 }
 #endif /* GBV_AMX */
 
@@ -524,55 +529,249 @@ static void rows_in_tiles(const tile_fn *tiles, Py_ssize_t max_rows, const float
     }
 }
 
-/* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (kind PANELS_F32), of bfloat16
- * (PANELS_BF16) or of bfloat16 for the AMX products (PANELS_AMX: x rounded to bfloat16). 0 where done,
- * -1 out of memory (the AMX products' rounded copy of x). */
-static int panel_product(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
-                         Py_ssize_t N, int accumulate) {
-    if (kind == PANELS_AMX) return amx_product(x, (const uint16_t *)panels, y, M, K, N, accumulate);
+/* Panels first_panel .. end_panel - 1 of y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32
+ * (kind PANELS_F32) or of bfloat16 (PANELS_BF16): the columns 16 * first_panel .. 16 * end_panel - 1. */
+static void panel_range(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
+                        Py_ssize_t N, int accumulate, Py_ssize_t first_panel, Py_ssize_t end_panel) {
     const int bf16 = kind == PANELS_BF16;
-    const Py_ssize_t num_panels = (N + PANEL - 1) / PANEL;
     const Py_ssize_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
-    if (M == 0) return 0;
-    Py_ssize_t p = 0; /* the first panel the one-panel tiles take */
+    Py_ssize_t p = first_panel; /* the first panel the one-panel tiles take */
     if (use_avx512()) {
         const tile_fn *multi = bf16 ? TILES512P_BF16 : TILES512P_F32;
         if (M < TILE512X2_MIN_ROWS) { /* one tile of M rows by P panels, then the panels left over */
             const int P = TILES512P_PANELS[M];
-            for (; p + P <= num_panels; p += P) {
+            for (; p + P <= end_panel; p += P) {
                 const int width = (int)(N - (p + P - 1) * PANEL < PANEL ? N - (p + P - 1) * PANEL : PANEL);
                 multi[M](x, K, (const char *)panels + p * panel_bytes, K, y + p * PANEL, N, width, accumulate);
             }
         } else if (two_panel_tiles) { /* pairs of panels; a last odd one below */
-            for (; p + 1 < num_panels; p += 2) {
+            for (; p + 1 < end_panel; p += 2) {
                 const int width = (int)(N - (p + 1) * PANEL < PANEL ? N - (p + 1) * PANEL : PANEL);
                 rows_in_tiles(multi, TILE512X2_ROWS, x, M, K, (const char *)panels + p * panel_bytes, y + p * PANEL,
                               N, width, accumulate);
             }
         }
-        for (; p < num_panels; p++) {
+        for (; p < end_panel; p++) {
             const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
             rows_in_tiles(bf16 ? TILES512_BF16 : TILES512_F32, TILE512_ROWS, x, M, K,
                           (const char *)panels + p * panel_bytes, y + p * PANEL, N, width, accumulate);
         }
-        return 0;
+        return;
     }
     if (M < 4) { /* one tile of M rows by P panels, then the panels left over */
         const int P = TILESP_PANELS[M];
         const tile_fn tile = (bf16 ? TILESP_BF16 : TILESP_F32)[M];
-        for (; p + P <= num_panels; p += P) {
+        for (; p + P <= end_panel; p += P) {
             const int width = (int)(N - (p + P - 1) * PANEL < PANEL ? N - (p + P - 1) * PANEL : PANEL);
             tile(x, K, (const char *)panels + p * panel_bytes, K, y + p * PANEL, N, width, accumulate);
         }
     }
-    for (; p < num_panels; p++) {
+    for (; p < end_panel; p++) {
         const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
         rows_in_tiles(bf16 ? TILES_BF16 : TILES_F32, TILE_ROWS, x, M, K, (const char *)panels + p * panel_bytes,
                       y + p * PANEL, N, width, accumulate);
     }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Threads for the products (set_threads; host_kernels.py sets torch's intra-op count).
+ *
+ * Why: a model of hundreds of millions of parameters streams its weights from memory in every step, and
+ * one core reads only part of what the memory delivers (a 360M-parameter bfloat16 step: 48 ms on one
+ * thread against a floor of about half that on two). The products are split by columns: a product's
+ * panels (pairs for AMX) go in chunks to whichever thread takes them next, the calling thread too. A
+ * column's sum is the same whichever thread computes it, so the outputs are the bits of one thread.
+ *
+ * Why not OpenMP: its threads wait for each other at the end of every parallel region, and where another
+ * process holds a core those waits made two threads 80x slower than one (docs/ENGINE.md, "Threads").
+ * Here the caller never waits for a chunk nobody took: a worker that is not running takes none, and
+ * the caller does them all. It waits only for chunks a worker has begun. Workers spin briefly between
+ * products (a step's products follow each other within microseconds), then sleep on a condition
+ * variable.
+ *
+ * Each job sits in one of POOL_SLOTS slots, tagged with its number. A worker that saw job g marks the
+ * slot busy, then checks the tag is still g; the caller clears the tag and waits for no worker to be busy
+ * before it reuses a slot (the two seq_cst pairs make one of them see the other). A late worker thus
+ * never runs a job whose slot is being rewritten.
+ * ------------------------------------------------------------------------------------------- */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+
+#define POOL_SLOTS 4
+/* Spins of a waiting worker (_mm_pause, ~40-140 cycles each) before it sleeps: some tens of microseconds. */
+#define POOL_SPINS 20000
+/* A product is split only where it streams at least this many bytes of weights: below, the threads'
+ * handshakes (~1-5 us) cost more than half the product saves. */
+#define POOL_MIN_BYTES (256 * 1024)
+
+typedef struct {
+    const float *x;
+    const uint16_t *x16; /* (AMX: x rounded, by the caller) */
+    const void *panels;
+    float *y;
+    Py_ssize_t M, K, N, units, chunk; /* units: panels (pairs for AMX), taken chunk at a time */
+    int kind, accumulate;
+} product_job;
+
+typedef struct {
+    atomic_uint tag;    /* the job's number, 0 while the slot is being written */
+    atomic_int busy;    /* workers inside the slot */
+    atomic_long next;   /* the next chunk to take */
+    atomic_long done;   /* chunks finished */
+    long chunks;
+    product_job job;
+} pool_slot;
+
+static pool_slot pool_ring[POOL_SLOTS];
+static atomic_uint pool_latest;   /* the latest job's number */
+static atomic_int pool_sleepers;  /* workers asleep on pool_wake */
+static atomic_int pool_wanted = 1; /* threads a product may use, the caller's included (set_threads) */
+static int pool_started;          /* workers created in this process */
+static unsigned pool_count;       /* jobs posted (the caller's side: under pool_caller) */
+static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+/* One caller at a time posts jobs (two models decoding in two Python threads); the other multiplies on
+ * its own thread meanwhile. */
+static pthread_mutex_t pool_caller = PTHREAD_MUTEX_INITIALIZER;
+
+static void product_chunk(const product_job *job, long chunk) {
+    const Py_ssize_t first = chunk * job->chunk;
+    const Py_ssize_t end = first + job->chunk < job->units ? first + job->chunk : job->units;
+    if (job->kind == PANELS_AMX)
+        amx_pairs(job->x16, (const uint16_t *)job->panels, job->y, job->M, job->K, job->N, job->accumulate, first, end);
+    else
+        panel_range(job->x, job->panels, job->kind, job->y, job->M, job->K, job->N, job->accumulate, first, end);
+}
+
+static void take_chunks(pool_slot *slot) {
+    long chunk;
+    while ((chunk = atomic_fetch_add(&slot->next, 1)) < slot->chunks) {
+        product_chunk(&slot->job, chunk);
+        atomic_fetch_add(&slot->done, 1);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    const int index = (int)(intptr_t)arg; /* workers 1 .. pool_wanted - 1 take chunks */
+    unsigned seen = atomic_load(&pool_latest);
+    for (;;) {
+        unsigned g;
+        int spins = 0;
+        while ((g = atomic_load(&pool_latest)) == seen) {
+            if (++spins < POOL_SPINS) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool_mutex);
+            atomic_fetch_add(&pool_sleepers, 1);
+            while (atomic_load(&pool_latest) == seen) pthread_cond_wait(&pool_wake, &pool_mutex);
+            atomic_fetch_sub(&pool_sleepers, 1);
+            pthread_mutex_unlock(&pool_mutex);
+            spins = 0;
+        }
+        seen = g;
+        if (index >= atomic_load(&pool_wanted)) continue;
+        pool_slot *slot = &pool_ring[g % POOL_SLOTS];
+        atomic_fetch_add(&slot->busy, 1);
+        if (atomic_load(&slot->tag) == g) take_chunks(slot);
+        atomic_fetch_sub(&slot->busy, 1);
+    }
+    return NULL;
+}
+
+/* After a fork, the child has none of the workers. */
+static void pool_after_fork(void) {
+    pool_started = 0;
+    pthread_mutex_init(&pool_mutex, NULL);
+    pthread_cond_init(&pool_wake, NULL);
+    pthread_mutex_init(&pool_caller, NULL);
+    atomic_store(&pool_sleepers, 0);
+}
+
+/* Workers for `threads` threads in all, created once (0 where none could be: one thread then). */
+static int pool_start(int threads) {
+    static int fork_handler;
+    if (!fork_handler) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        fork_handler = 1;
+    }
+    for (; pool_started < threads - 1; pool_started++) {
+        pthread_t worker;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&worker, &attr, pool_worker, (void *)(intptr_t)(pool_started + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) return 0;
+    }
+    return 1;
+}
+
+/* Runs every chunk of `job`: the workers take what they reach, the caller the rest. 0 where it ran; -1
+ * where no job could be posted (another caller posting, or no workers): the caller then runs it alone. */
+static int pool_run(const product_job *job) {
+    const int threads = atomic_load(&pool_wanted);
+    if (threads < 2 || pthread_mutex_trylock(&pool_caller) != 0) return -1;
+    if (!pool_start(threads)) {
+        pthread_mutex_unlock(&pool_caller);
+        return -1;
+    }
+    unsigned g = ++pool_count;
+    if (g == 0) g = ++pool_count; /* (0 marks a slot being written) */
+    pool_slot *slot = &pool_ring[g % POOL_SLOTS];
+    atomic_store(&slot->tag, 0);
+    while (atomic_load(&slot->busy) != 0) _mm_pause(); /* a late worker of the slot's last job */
+    slot->job = *job;
+    slot->chunks = (long)((job->units + job->chunk - 1) / job->chunk);
+    atomic_store(&slot->next, 0);
+    atomic_store(&slot->done, 0);
+    atomic_store(&slot->tag, g);
+    atomic_store(&pool_latest, g);
+    if (atomic_load(&pool_sleepers) > 0) {
+        pthread_mutex_lock(&pool_mutex);
+        pthread_cond_broadcast(&pool_wake);
+        pthread_mutex_unlock(&pool_mutex);
+    }
+    take_chunks(slot);
+    /* chunks a worker has begun: spin, then yield the core (to that worker, where it shares this one) */
+    for (long spins = 0; atomic_load(&slot->done) < slot->chunks; spins++) {
+        if (spins < POOL_SPINS)
+            _mm_pause();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&pool_caller);
     return 0;
 }
 
+/* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (kind PANELS_F32), of bfloat16
+ * (PANELS_BF16) or of bfloat16 for the AMX products (PANELS_AMX: x rounded to bfloat16), on up to
+ * set_threads' threads where W is large enough (POOL_MIN_BYTES). 0 where done, -1 out of memory (the AMX
+ * products' rounded copy of x). */
+static int panel_product(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
+                         Py_ssize_t N, int accumulate) {
+    if (M == 0) return 0;
+    product_job job = {x, NULL, panels, y, M, K, N, 0, 0, kind, accumulate};
+    if (kind == PANELS_AMX) {
+        job.x16 = amx_rounded(x, M, K);
+        if (job.x16 == NULL) return -1;
+        job.units = (N + 2 * PANEL - 1) / (2 * PANEL);
+    } else {
+        job.units = (N + PANEL - 1) / PANEL;
+    }
+    const int threads = atomic_load(&pool_wanted);
+    if (threads > 1 && panels_bytes(kind, K, N) >= POOL_MIN_BYTES) {
+        /* about four chunks a thread, so that one late thread leaves little to the others; whole groups of
+         * four panels, the widest tiles' (a column's sum is the same in any tile) */
+        job.chunk = (job.units + 4 * threads - 1) / (4 * threads);
+        if (kind != PANELS_AMX) job.chunk = (job.chunk + 3) / 4 * 4;
+        if (job.chunk < job.units && pool_run(&job) == 0) return 0;
+    }
+    job.chunk = job.units;
+    product_chunk(&job, 0);
+    return 0;
+}
 /* The cache's keys and values are float32, or bfloat16 (kv_bf16: the upper half of a float32's bits,
  * what a bfloat16 model's cache holds, at half the bytes). Why bfloat16: attention of one query reads
  * every cached key and value once, cold (the weights streamed in between push them out of the cache):
@@ -1732,6 +1931,37 @@ static PyObject *set_prefetch_temporal(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Threads a product may use, the caller's included (1: none beside it; at most 64). */
+static PyObject *set_threads(PyObject *self, PyObject *args) {
+    int threads;
+    if (!PyArg_ParseTuple(args, "i", &threads))
+        return NULL;
+    if (threads < 1 || threads > 64) {
+        PyErr_SetString(PyExc_ValueError, "the products' threads must be 1 to 64");
+        return NULL;
+    }
+#ifdef GBV_PANELS_X86
+    atomic_store(&pool_wanted, threads);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *threads(PyObject *self, PyObject *unused) {
+#ifdef GBV_PANELS_X86
+    return PyLong_FromLong(atomic_load(&pool_wanted));
+#else
+    return PyLong_FromLong(1);
+#endif
+}
+
+static PyObject *split_products(PyObject *self, PyObject *unused) {
+#ifdef GBV_PANELS_X86
+    return PyLong_FromUnsignedLong(pool_count);
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
 static PyObject *set_avx512(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on))
@@ -2634,6 +2864,12 @@ static PyMethodDef METHODS[] = {
      "set_avx512(flag): products of 2 rows or more take the AVX-512 tiles (True; the default where the CPU has "
      "AVX-512F) or the AVX2 ones (False)."},
     {"avx512", avx512, METH_NOARGS, "Whether products of 2 rows or more take the AVX-512 tiles."},
+    {"set_threads", set_threads, METH_VARARGS,
+     "set_threads(n): products of large weights run on up to n threads, the caller's included (1, the default: "
+     "none beside it); the same bits at any n (each output column is summed by one thread)."},
+    {"threads", threads, METH_NOARGS, "The products' threads (set_threads)."},
+    {"split_products", split_products, METH_NOARGS,
+     "How many products this process has split among threads (a count for the tests)."},
     {"amx", amx, METH_NOARGS,
      "Whether AMX panels (kind 2) can be multiplied here: AMX-BF16 and AVX512-BF16, and the kernel's "
      "permission to use the tile data (asked on the first call)."},

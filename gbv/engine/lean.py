@@ -38,7 +38,7 @@ from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import MAX_QUERIES, StaticSteps, steps_mode
 from gbv.engine.static_sampling import plain_loop, sampled_step
 from gbv.verify.common import TorchRandom
-from gbv.engine.lean_host import (HOST, HOST_TEMPORAL, HOST_TORCH_PRODUCTS, PANEL_MAX_PARAMETERS, TORCH, HostForward,
+from gbv.engine.lean_host import (HOST, HOST_TEMPORAL, HOST_TORCH_PRODUCTS, TORCH, HostForward, panels_unfit_reason,
                                   attention_mask, choose_cpu_forward, host_forward_unsupported_reason)
 
 logger = logging.getLogger("gbv")
@@ -568,9 +568,10 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     unavailable = host_kernels_unavailable()
     if unavailable is not None:
         return unavailable
-    if sum(p.numel() for p in parameters) > PANEL_MAX_PARAMETERS:
-        return f"more than {PANEL_MAX_PARAMETERS:,} parameters"
-    return None
+    # (its float32 lean copies and bfloat16 panels beside the model: 6 bytes a parameter more than a bfloat16
+    # lean view, and a float32 copy of the model while they are built)
+    count = sum(p.numel() for p in parameters)
+    return panels_unfit_reason(count, 6 * count)
 
 
 # Rows of W copied at a time into W^T by _transposed_copy, and outputs of W v widened at a time by

@@ -52,7 +52,7 @@ from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
 from gbv.engine.host_kernels import (LLAMA_STYLE, MLP_GELU, MLP_GELU_TANH, MLP_RELU, MLP_SILU_GATED, PANELS_AMX,
                                      PARALLEL, PARALLEL_SHARED_NORM, SEQUENTIAL, PanelWeight, attention_into,
-                                     forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
+                                     follow_torch_threads, forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
                                      prefetch_temporal, rms_into, set_prefetch_temporal)
 
 
@@ -98,10 +98,17 @@ def host_forward_unsupported_reason(lean) -> str | None:
             return f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled kernels ({unavailable})"
         if lean.head_dim % 8:
             return "head_dim not a multiple of 8 (the compiled attention's)"
-        if sum(m.weight_t.numel() for m in lean.matrices()) > PANEL_MAX_PARAMETERS:
-            return f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled products (up to " \
-                   f"{PANEL_MAX_PARAMETERS:,} parameters)"
+        unfit = _panels_unfit(lean)
+        if unfit is not None:
+            return f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled products ({unfit})"
     return None
+
+
+def _panels_unfit(lean) -> str | None:
+    """:func:`panels_unfit_reason` for ``lean``'s matrices: their panels hold float32, or bfloat16 where the
+    model is a bfloat16 one run in float32."""
+    count = sum(m.weight_t.numel() for m in lean.matrices())
+    return panels_unfit_reason(count, count * (2 if lean.bf16_in_float32 else 4))
 
 
 def _layer_mlp(layer) -> int | None:
@@ -292,9 +299,40 @@ BATCH_MAX_ROWS: int | None = None
 # both kernels run; False: a call per product and per sequence's attention, numpy between them (the
 # form before the thirty-second session, for before/after measurements: scripts/bench_batch.py).
 BATCH_LAYERS = True
-# Panel copies are a further copy of the weights: only for models this small (those that run on one
-# thread by default, gbv/engine/threads.py), whose steps the memory traffic of the products bounds.
+# Panel copies are a further copy of the weights (and a bfloat16 model's host forward a float32 copy of
+# it: lean.bf16_weights_in_float32_reason). Models up to this many parameters get them; larger ones where
+# the copies fit in PANEL_MEMORY_SHARE of the memory available at load (panels_unfit_reason). Why larger
+# ones at all: on several threads the compiled products split their columns (host_kernels.follow_torch_threads),
+# and a 360M-parameter bfloat16 step took 48 ms on one thread against torch's 100 ms (57 ms on two).
 PANEL_MAX_PARAMETERS = 100_000_000
+PANEL_MEMORY_SHARE = 0.5
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now (Linux's ``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def panels_unfit_reason(parameters: int, extra_bytes: int) -> str | None:
+    """None where a model of ``parameters`` parameters may take the compiled products' copies, which need
+    ``extra_bytes`` more memory; else why not: above ``PANEL_MAX_PARAMETERS`` only where the copies fit
+    in ``PANEL_MEMORY_SHARE`` of the memory available now (never where that is unknown)."""
+    if parameters <= PANEL_MAX_PARAMETERS:
+        return None
+    available = available_memory()
+    if available is None:
+        return f"more than {PANEL_MAX_PARAMETERS:,} parameters, and the memory available is unknown"
+    if extra_bytes > PANEL_MEMORY_SHARE * available:
+        return (f"more than {PANEL_MAX_PARAMETERS:,} parameters, and the packed copies ({extra_bytes / 2**30:.1f} GiB) "
+                f"do not fit in {PANEL_MEMORY_SHARE:.0%} of the memory available ({available / 2**30:.1f} GiB)")
+    return None
 # Buffer sets kept per model, one per (sequences, queries) shape seen; past this many they are dropped.
 _MAX_SHAPES = 128
 
@@ -401,8 +439,8 @@ class HostForward:
         if self.attention_off is None and self.head_dim % 8:
             self.attention_off = "head_dim not a multiple of 8"
         self.panels_off = unavailable
-        if self.panels_off is None and sum(m.weight_t.numel() for m in lean.matrices()) > PANEL_MAX_PARAMETERS:
-            self.panels_off = f"more than {PANEL_MAX_PARAMETERS:,} parameters"
+        if self.panels_off is None:
+            self.panels_off = _panels_unfit(lean)
         panels = self.panels_off is None
         # A bfloat16 model run in float32 (lean.bf16_in_float32): its panels hold bfloat16, half the bytes.
         bf16 = lean.bf16_in_float32
@@ -501,8 +539,7 @@ class HostForward:
         if batch == 1:
             return self.one_call(n) or (self.llama and n <= HOST_MAX_QUERIES)
         return (n <= KERNEL_MAX_ROWS and (BATCH_MAX_ROWS is None or batch * n <= BATCH_MAX_ROWS)
-                and self.panels_off is None and self.attention_off is None and torch.get_num_threads() == 1
-                and (self.llama or BATCH_LAYERS))
+                and self.panels_off is None and self.attention_off is None and (self.llama or BATCH_LAYERS))
 
     def rows(self, batch: int, n: int) -> _Rows:
         """The work buffers for ``batch`` sequences of ``n`` queries: kept per shape for the decoding
@@ -546,14 +583,14 @@ class HostForward:
                  causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:
         # (no_grad: the products write into buffers, which autograd refuses for weights that need grad)
         with self._lock, torch.no_grad():
+            follow_torch_threads()
             return self._forward(tokens, positions, start, cache, mask, causal, last_only, first_row)
 
     def one_call(self, n: int) -> bool:
         """Whether a sequence of ``n`` queries runs as one compiled call (:meth:`sampled`): wherever the
         compiled kernels run, whatever ``n`` (``panels_off`` and ``attention_off``, which benchmarks set
         to switch the kernels off, switch it off too)."""
-        return (self.layer_panels is not None and self.panels_off is None and self.attention_off is None
-                and torch.get_num_threads() == 1)
+        return self.layer_panels is not None and self.panels_off is None and self.attention_off is None
 
     def sampled(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
                 last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,
@@ -568,6 +605,7 @@ class HostForward:
         cold cache. A bundled-target step spent ~165 us in the Python around its layer calls, and
         ~190 us more in the softmax and the draw on torch."""
         with self._lock:
+            follow_torch_threads()
             return self._one_call(tokens, positions, start, cache, mask, last_only, draw_vocab, temperature, u, probs,
                                   tokens_out)[1]
 
@@ -613,16 +651,14 @@ class HostForward:
         np.take(self.embed, tokens.reshape(-1), axis=0, out=rows.hidden)
         if self.position_rows is not None:
             rows.hidden += self.position_rows[positions.reshape(-1) + self.position_offset]
-        # The kernels run on one thread: with more, torch's GEMM and SDPA are left the work.
-        one_thread = torch.get_num_threads() == 1
-        panels = self.panels_off is None and one_thread and self.lm_head.panel is not None  # (packed at build)
+        panels = self.panels_off is None and self.lm_head.panel is not None  # (packed at build)
         def panels_for(product_rows: int) -> bool:
             # One sequence's products of more than KERNEL_MAX_ROWS rows go to torch's GEMM (where this
             # loop runs a long prompt: without the one-call forward); a batch's stay on the kernels.
             return panels and (batch > 1 or product_rows <= KERNEL_MAX_ROWS)
 
         loop_panels = panels_for(batch * n)
-        if self.attention_off is None and one_thread and n <= KERNEL_MAX_ROWS:
+        if self.attention_off is None and n <= KERNEL_MAX_ROWS:
             if mask is None and not causal and n > 1:
                 raise ValueError("several queries need a mask or causal=True")
             # the kernel's own rule without a mask: query i attends slots 0 .. start + i

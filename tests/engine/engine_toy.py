@@ -556,13 +556,13 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
 
 # Random models of real models' shapes (no download): scripts/bench_family_steps.py, bench_real_sizes.py and
 # bench_lean_build.py.
-REAL_SIZES = ("pythia-70m", "pythia-410m", "distilgpt2", "smollm2-360m")
+REAL_SIZES = ("pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m")
 
 
 def real_size(name: str, seed: int = 0):
     """A random model of ``name``'s shape (``REAL_SIZES``), in eval mode: Pythia-70m and Pythia-410m (GPT-NeoX,
     a quarter of each head rotated, 50k vocabulary), distilgpt2 (GPT-2 small's layers, 6 of them) and
-    SmolLM2-360M (Llama, grouped-query attention, tied embeddings)."""
+    SmolLM2-135M and SmolLM2-360M (Llama, grouped-query attention, tied embeddings)."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -575,6 +575,10 @@ def real_size(name: str, seed: int = 0):
                                                 intermediate_size=4096, **pythia)).eval()
     if name == "distilgpt2":
         return GPT2LMHeadModel(GPT2Config(n_layer=6)).eval()
+    if name == "smollm2-135m":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                                            num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                                            tie_word_embeddings=True, max_position_embeddings=8192)).eval()
     if name == "smollm2-360m":
         return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=960, num_hidden_layers=32,
                                             num_attention_heads=15, num_key_value_heads=5, intermediate_size=2560,

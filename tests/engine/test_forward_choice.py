@@ -164,6 +164,7 @@ def test_no_measurement_without_compiled_products(monkeypatch):
 
     monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
     monkeypatch.setattr(lean_host, "PANEL_MAX_PARAMETERS", 0)
+    monkeypatch.setattr(lean_host, "available_memory", lambda: 0)  # (past the cap: only where the copies fit)
     _slower_host(monkeypatch)  # (would lose a measurement)
     target, _ = hf_pair("llama", vocab=32, seed=2)
     lean = LeanCausalLM(target)

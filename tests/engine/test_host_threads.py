@@ -1,0 +1,190 @@
+"""The compiled products on several threads (_host_kernels.c, "Threads for the products";
+host_kernels.follow_torch_threads): a product of a large weight splits its columns among the threads, so
+every output is summed by one thread in one order, and the products, the host forward's logits and a
+seed's tokens are the same bits at any thread count. Also where the packed copies are built for models
+past PANEL_MAX_PARAMETERS (lean_host.panels_unfit_reason)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import gbv
+import gbv.engine.host_kernels as host_kernels
+import gbv.engine.lean_host as lean_host
+from gbv.engine.host_kernels import PanelWeight, host_kernels_unavailable
+from gbv.engine.lean import LeanCausalLM
+
+from gbv.models.loading import ModelPair
+
+from engine_toy import hf_pair
+
+pytestmark = pytest.mark.skipif(host_kernels_unavailable() is not None,
+                                reason=f"compiled kernels unavailable: {host_kernels_unavailable()}")
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op threads (which the host forward follows) and the products' for a test, and
+    puts both back."""
+    before = torch.get_num_threads()
+
+    def use(count: int) -> None:
+        torch.set_num_threads(count)
+        host_kernels.follow_torch_threads()
+
+    yield use
+    use(before)
+
+
+def _kinds() -> list[tuple[str, bool, bool]]:
+    """(name, bf16, amx) of every panel kind this CPU multiplies."""
+    kinds = [("float32", False, False), ("bfloat16", True, False)]
+    if host_kernels.amx_products() or host_kernels._host_kernels.amx():
+        kinds.append(("amx", True, True))
+    return kinds
+
+
+@pytest.mark.parametrize("tiles", ["avx512", "avx2"])
+def test_products_on_several_threads_give_one_threads_bits(tiles, threads):
+    """Weights of 300-4,096 columns (panels not a multiple of the chunks', nor of four), 1-40 rows, written
+    and accumulated, every kind: the products on 2 and 3 threads equal those on one bit for bit, and the
+    large ones were split (the count of split products grows); a small weight is not split."""
+    had_avx512 = host_kernels.avx512_tiles()
+    if tiles == "avx512" and not had_avx512:
+        pytest.skip("no AVX-512 tiles on this CPU")
+    host_kernels.set_avx512_tiles(tiles == "avx512")
+    rng = np.random.default_rng(3)
+    try:
+        for name, bf16, amx in _kinds():
+            for in_features, out_features in [(512, 300), (1024, 1000), (300, 4096)]:
+                weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
+                if bf16:
+                    weight = torch.from_numpy(weight).bfloat16().float().numpy()
+                panel = PanelWeight(weight, bf16=bf16, amx=amx)
+                for rows in (1, 2, 3, 5, 9, 17, 40):
+                    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+                    start = rng.standard_normal((rows, out_features)).astype(np.float32)
+                    results = {}
+                    for count in (1, 2, 3):
+                        threads(count)
+                        split = host_kernels._host_kernels.split_products()
+                        results[count] = (panel.matmul_into(x, np.empty_like(start)),
+                                          panel.matmul_into(x, start.copy(), accumulate=True))
+                        assert host_kernels._host_kernels.split_products() - split == (0 if count == 1 else 2), \
+                            (name, in_features, out_features, rows, count)
+                    for count in (2, 3):
+                        for got, want in zip(results[count], results[1]):
+                            np.testing.assert_array_equal(got, want, err_msg=f"{name} {in_features}x{out_features} "
+                                                                            f"{rows} rows, {count} threads")
+        threads(2)
+        small = PanelWeight(rng.standard_normal((64, 64)).astype(np.float32))  # (16 KB: under POOL_MIN_BYTES)
+        split = host_kernels._host_kernels.split_products()
+        small.matmul_into(rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 64), dtype=np.float32))
+        assert host_kernels._host_kernels.split_products() == split
+    finally:
+        host_kernels.set_avx512_tiles(had_avx512)
+
+
+def test_two_callers_at_once_each_get_their_products(threads):
+    """Two Python threads multiplying at once (a server decoding two models): one posts its products to
+    the workers, the other multiplies on its own thread meanwhile; both get one thread's bits."""
+    threads(2)
+    rng = np.random.default_rng(4)
+    weights = [PanelWeight(rng.standard_normal((512, 700)).astype(np.float32)) for _ in range(2)]
+    xs = [rng.standard_normal((3, 512)).astype(np.float32) for _ in range(2)]
+    threads(1)
+    want = [w.matmul_into(x, np.empty((3, 700), dtype=np.float32)) for w, x in zip(weights, xs)]
+    threads(2)
+    failures = []
+
+    def work(index: int) -> None:
+        out = np.empty((3, 700), dtype=np.float32)
+        for _ in range(300):
+            weights[index].matmul_into(xs[index], out)
+            if not np.array_equal(out, want[index]):
+                failures.append(index)
+                return
+
+    workers = [threading.Thread(target=work, args=(index,)) for index in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert failures == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gptneox"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_host_forward_on_two_threads_gives_one_threads_logits(arch, bf16, threads):
+    """A toy whose products are split (hidden 256): chains, a tree mask and a batch of two sequences through the
+    one-call forward and the batch's layer calls, at one thread and at two: the same logits and caches, bit
+    for bit."""
+    target, _ = hf_pair(arch, vocab=300, seed=7, target_size=(256, 2))
+    if bf16:
+        target = target.to(torch.bfloat16)
+    threads(1)
+    lean = LeanCausalLM(target)
+    host = lean.host_forward
+    assert host is not None and host.one_call(1)
+    gen = torch.Generator().manual_seed(5)
+    calls = [(torch.randint(0, 300, (1, 9), generator=gen), None, 0), (torch.randint(0, 300, (1, 1), generator=gen), None, 9),
+             (torch.randint(0, 300, (1, 4), generator=gen), torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0],
+                                                                          [1, 0, 1, 1]], dtype=torch.bool), 10)]
+    results = {}
+    for count in (1, 2):
+        threads(count)
+        split = host_kernels._host_kernels.split_products()
+        cache = lean.new_cache(2, 32)
+        logits = []
+        with torch.inference_mode():
+            for tokens, tree, start in calls:
+                n = tokens.shape[1]
+                mask = None
+                if tree is not None:  # (the prefix, then the tree's own mask)
+                    mask = torch.cat([torch.ones(n, start, dtype=torch.bool), tree], dim=1)[None, None]
+                positions = torch.arange(start, start + n)[None]
+                logits.append(host(tokens.numpy(), positions.numpy(), start, cache, mask, causal=mask is None))
+            both = torch.randint(0, 300, (2, 3), generator=torch.Generator().manual_seed(1))
+            logits.append(host(both.numpy(), np.arange(14, 17)[None].repeat(2, 0), 14, cache, None, causal=True))
+        results[count] = (logits, [k.clone() for k in cache.keys], [v.clone() for v in cache.values])
+        assert (host_kernels._host_kernels.split_products() > split) == (count > 1)
+    for got, want in zip(results[2][0], results[1][0]):
+        assert torch.equal(got, want)
+    for part in (1, 2):
+        for got, want in zip(results[2][part], results[1][part]):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("method", ["ar", "block", "gbv"])
+def test_a_seed_gives_the_same_tokens_on_one_thread_and_on_two(method, threads):
+    """End to end: gbv.generate on a pair whose products are split samples the same tokens for a seed at one
+    thread and at two (the logits are the same bits, and so is every draw from them)."""
+    target, draft = hf_pair("llama", vocab=300, seed=8, target_size=(256, 2))
+    pair = ModelPair(target, draft)
+    tokens = {}
+    for count in (1, 2):
+        threads(count)
+        out = gbv.generate(pair, prompt_ids=list(range(5, 25)), method=method, num_paths=2, block_len=4,
+                           temperature=1.0, max_new_tokens=24, seed=11, eos_token_id=[])
+        tokens[count] = out.token_ids
+    assert tokens[1] == tokens[2]
+
+
+def test_packed_copies_past_the_cap_only_where_they_fit(monkeypatch):
+    """Up to PANEL_MAX_PARAMETERS every model gets the packed copies; past it, only where they fit in
+    PANEL_MEMORY_SHARE of the memory available, and never where that is unknown."""
+    cap = lean_host.PANEL_MAX_PARAMETERS
+    monkeypatch.setattr(lean_host, "available_memory", lambda: None)
+    assert lean_host.panels_unfit_reason(cap, 4 * cap) is None
+    assert "unknown" in lean_host.panels_unfit_reason(cap + 1, 4 * (cap + 1))
+    monkeypatch.setattr(lean_host, "available_memory", lambda: 10 * 2**30)
+    assert lean_host.panels_unfit_reason(cap + 1, 4 * 2**30) is None
+    reason = lean_host.panels_unfit_reason(cap + 1, 6 * 2**30)
+    assert "do not fit" in reason and "10.0 GiB" in reason
+    monkeypatch.undo()
+    available = lean_host.available_memory()  # (Linux's /proc/meminfo here)
+    assert available is None or available > 0
