@@ -1,15 +1,19 @@
-"""One-token decode steps of small models of real sizes in the families the compiled host forward computes
-beside Llama's (GPT-NeoX, GPT-2): the host forward against the torch forward, on one thread and on two.
+"""One-token decode steps of models of real sizes: the host forward against the torch forward, on one thread
+and on two.
 
     python scripts/bench_family_steps.py
     python scripts/bench_family_steps.py --models pythia-70m --steps 60
+    python scripts/bench_family_steps.py --models smollm2-360m,pythia-410m --dtype bfloat16
 
 The models are random, built from configurations of these sizes (no download): ``pythia-70m`` (GPT-NeoX:
 hidden 512, 6 layers, 8 heads, a quarter of each head rotated, 50k vocabulary) and ``distilgpt2`` (GPT-2: 6
 layers of GPT-2 small's). Each step is ``LeanCausalLM.forward`` of one token after a 100-token prompt
 (last only), medians over ``--steps`` steps after 10 untimed ones, in one process. At these sizes a step
 reads its weights from memory (280-330 MB in float32), so the compiled forward saves less of it than on the
-bundled shapes (docs/ENGINE.md, "The compiled host forward for the LayerNorm families").
+bundled shapes (docs/ENGINE.md, "The compiled host forward for the LayerNorm families"). Any of
+``engine_toy.REAL_SIZES`` may be named, Llama's SmolLM2 shapes too; past 100M parameters the compiled products
+split their columns among the threads (docs/ENGINE.md, "The compiled forward on several threads").
+``--dtype bfloat16``: the models in bfloat16 (run in float32 over bfloat16 panels where the kernels run).
 """
 
 from __future__ import annotations
@@ -42,27 +46,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="pythia-70m,distilgpt2")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     from gbv.engine.lean import LeanCausalLM
 
-    print("| model | parameters | host forward, 1 thread | torch forward, 1 thread | torch forward, 2 threads |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"{args.dtype}, medians of {args.steps} steps\n")
+    print("| model | parameters | host forward, 1 thread | host forward, 2 threads | torch forward, 1 thread "
+          "| torch forward, 2 threads |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
-        model = real_size(name)
+        model = real_size(name).to(getattr(torch, args.dtype))
         torch.set_num_threads(1)
         lean = LeanCausalLM(model)
         host = lean.host_forward
-        if host is None:
-            raise SystemExit(f"bench_family_steps: {name} has no host forward here (no compiled kernels?)")
-        row = [step_ms(lean, args.steps)]
+        if host is None or not host.one_call(1):
+            raise SystemExit(f"bench_family_steps: {name} has no compiled host forward here "
+                             f"({getattr(host, 'panels_off', None) or 'no host forward'})")
+        row = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            row.append(step_ms(lean, args.steps))
         lean.host_forward = None
-        row.append(step_ms(lean, args.steps))
-        torch.set_num_threads(2)
-        row.append(step_ms(lean, args.steps))
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            row.append(step_ms(lean, args.steps))
         lean.host_forward = host
         torch.set_num_threads(1)
         count = sum(p.numel() for p in model.parameters()) / 1e6
-        print(f"| {name} | {count:.0f}M | " + " | ".join(f"{ms:.2f} ms" for ms in row) + " |")
+        print(f"| {name} | {count:.0f}M | " + " | ".join(f"{ms:.2f} ms" for ms in row) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -89,12 +89,13 @@ def _processor() -> str:
 
 def _machine(target) -> dict:
     from gbv import __version__
-    from gbv.engine.host_kernels import amx_products, avx512_tiles, host_kernels_unavailable
+    from gbv.engine.host_kernels import amx_products, avx512_tiles, host_kernels_unavailable, product_threads
 
     kernels = "off" if host_kernels_unavailable() is not None else (
         ("avx512" if avx512_tiles() else "avx2") + ("+amx" if amx_products() else ""))
     device = next(target.parameters()).device
-    return {"processor": _processor(), "threads": torch.get_num_threads(), "kernels": kernels, "gbv": __version__,
+    return {"processor": _processor(), "threads": torch.get_num_threads(), "product_threads": product_threads(),
+            "kernels": kernels, "gbv": __version__,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 

@@ -13,8 +13,8 @@ numpy ``uint16`` views of the bits (numpy has no bfloat16): see :func:`kv_bf16`.
   every row, so a pass of 5 tokens costs little more than one.
 - **Attention of a few queries** (:func:`attention_into`) over one sequence's cache: torch's SDPA
   costs 50-80 us a call for one query over a few hundred slots, for about 10 us of arithmetic.
-- **Threads** (:func:`follow_torch_threads`): a product of a large weight splits its columns among torch's
-  intra-op thread count, the same bits at any count (each column is summed by one thread).
+- **Threads** (:func:`sync_product_threads`): a product of a large weight splits its columns among torch's
+  intra-op thread count (or :func:`set_product_threads`'), the same bits at any count (each column is summed by one thread).
 - **A whole decoder layer in one call** (:func:`layer_into`): the two above and the norms, the
   rotation, the cache writes and SiLU, for one sequence.
 - **One inverse-CDF draw per row** (:func:`draw_rows_host`), the rule of
@@ -65,22 +65,39 @@ def host_kernels_unavailable() -> str | None:
     return None
 
 
-def follow_torch_threads() -> int:
-    """Runs the compiled products on torch's intra-op thread count (``torch.get_num_threads()``) from now
-    on, and returns it; the host forward calls this before each forward. A product whose weight streams
-    at least 256 KB splits its columns among that many threads (the caller's included); smaller ones stay
-    on one. Each output column is summed by one thread in one order, so the products give the same bits at
-    any count (``tests/engine/test_host_kernels.py``). Why threads: a model of hundreds of millions of
-    parameters streams its weights from memory every step, and one core reads a part of what the memory
-    delivers (docs/ENGINE.md, "The compiled forward on several threads"). 1 without the kernels."""
+def set_product_threads(threads: int | None) -> None:
+    """The compiled products' threads from now on: ``threads`` (1-64), or None to follow torch's intra-op
+    count (``torch.get_num_threads()``, the default). ``gbv.engine.threads.apply_threads`` sets it where
+    torch itself keeps one thread (a model of 30-100M parameters, by default)."""
+    global _product_threads
+    if threads is not None and not 1 <= int(threads) <= 64:
+        raise ValueError(f"the products' threads must be 1 to 64, got {threads}")
+    _product_threads = None if threads is None else int(threads)
+
+
+def product_threads() -> int:
+    """The compiled products' threads in force: :func:`set_product_threads`' count, else torch's."""
+    return min(_product_threads or torch.get_num_threads(), 64)
+
+
+def sync_product_threads() -> int:
+    """Runs the compiled products on :func:`set_product_threads`' count, or on torch's intra-op count where
+    none is set, from now on, and returns it; the host forward calls this before each forward. A product
+    whose weight streams at least 256 KB splits its columns among that many threads (the caller's
+    included); smaller ones stay on one. Each output column is summed by one thread in one order, so the
+    products give the same bits at any count (``tests/engine/test_host_threads.py``). Why threads: a
+    model of tens to hundreds of millions of parameters streams its weights from memory every step, and one
+    core reads a part of what the memory delivers (docs/ENGINE.md, "The compiled forward on several
+    threads"). 1 without the kernels."""
     global _threads
-    threads = torch.get_num_threads()
+    threads = product_threads()
     if threads != _threads and _host_kernels is not None and hasattr(_host_kernels, "set_threads"):
-        _host_kernels.set_threads(min(threads, 64))  # (a module built from an older C file has no threads)
+        _host_kernels.set_threads(threads)  # (a module built from an older C file has no threads)
         _threads = threads
     return _threads
 
 
+_product_threads: int | None = None  # set_product_threads' count; None: torch's
 _threads = 1  # the count set in the extension (its default)
 
 

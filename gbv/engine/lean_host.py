@@ -52,7 +52,7 @@ from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
 from gbv.engine.host_kernels import (LLAMA_STYLE, MLP_GELU, MLP_GELU_TANH, MLP_RELU, MLP_SILU_GATED, PANELS_AMX,
                                      PARALLEL, PARALLEL_SHARED_NORM, SEQUENTIAL, PanelWeight, attention_into,
-                                     follow_torch_threads, forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
+                                     sync_product_threads, forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
                                      prefetch_temporal, rms_into, set_prefetch_temporal)
 
 
@@ -302,7 +302,7 @@ BATCH_LAYERS = True
 # Panel copies are a further copy of the weights (and a bfloat16 model's host forward a float32 copy of
 # it: lean.bf16_weights_in_float32_reason). Models up to this many parameters get them; larger ones where
 # the copies fit in PANEL_MEMORY_SHARE of the memory available at load (panels_unfit_reason). Why larger
-# ones at all: on several threads the compiled products split their columns (host_kernels.follow_torch_threads),
+# ones at all: on several threads the compiled products split their columns (host_kernels.sync_product_threads),
 # and a 360M-parameter bfloat16 step took 48 ms on one thread against torch's 100 ms (57 ms on two).
 PANEL_MAX_PARAMETERS = 100_000_000
 PANEL_MEMORY_SHARE = 0.5
@@ -583,7 +583,7 @@ class HostForward:
                  causal: bool = False, last_only: bool = False, first_row: int = 0) -> Tensor:
         # (no_grad: the products write into buffers, which autograd refuses for weights that need grad)
         with self._lock, torch.no_grad():
-            follow_torch_threads()
+            sync_product_threads()
             return self._forward(tokens, positions, start, cache, mask, causal, last_only, first_row)
 
     def one_call(self, n: int) -> bool:
@@ -605,7 +605,7 @@ class HostForward:
         cold cache. A bundled-target step spent ~165 us in the Python around its layer calls, and
         ~190 us more in the softmax and the draw on torch."""
         with self._lock:
-            follow_torch_threads()
+            sync_product_threads()
             return self._one_call(tokens, positions, start, cache, mask, last_only, draw_vocab, temperature, u, probs,
                                   tokens_out)[1]
 

@@ -556,17 +556,20 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
 
 # Random models of real models' shapes (no download): scripts/bench_family_steps.py, bench_real_sizes.py and
 # bench_lean_build.py.
-REAL_SIZES = ("pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m")
+REAL_SIZES = ("pythia-14m", "pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m")
 
 
 def real_size(name: str, seed: int = 0):
-    """A random model of ``name``'s shape (``REAL_SIZES``), in eval mode: Pythia-70m and Pythia-410m (GPT-NeoX,
+    """A random model of ``name``'s shape (``REAL_SIZES``), in eval mode: Pythia-14m, -70m and -410m (GPT-NeoX,
     a quarter of each head rotated, 50k vocabulary), distilgpt2 (GPT-2 small's layers, 6 of them) and
     SmolLM2-135M and SmolLM2-360M (Llama, grouped-query attention, tied embeddings)."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     pythia = dict(vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
+    if name == "pythia-14m":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+                                                intermediate_size=512, **pythia)).eval()
     if name == "pythia-70m":
         return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                                                 intermediate_size=2048, **pythia)).eval()

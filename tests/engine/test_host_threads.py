@@ -1,5 +1,5 @@
 """The compiled products on several threads (_host_kernels.c, "Threads for the products";
-host_kernels.follow_torch_threads): a product of a large weight splits its columns among the threads, so
+host_kernels.sync_product_threads): a product of a large weight splits its columns among the threads, so
 every output is summed by one thread in one order, and the products, the host forward's logits and a
 seed's tokens are the same bits at any thread count. Also where the packed copies are built for models
 past PANEL_MAX_PARAMETERS (lean_host.panels_unfit_reason)."""
@@ -34,7 +34,7 @@ def threads():
 
     def use(count: int) -> None:
         torch.set_num_threads(count)
-        host_kernels.follow_torch_threads()
+        host_kernels.sync_product_threads()
 
     yield use
     use(before)
@@ -188,3 +188,59 @@ def test_packed_copies_past_the_cap_only_where_they_fit(monkeypatch):
     monkeypatch.undo()
     available = lean_host.available_memory()  # (Linux's /proc/meminfo here)
     assert available is None or available > 0
+
+
+class _Sized:
+    """A stand-in model of ``count`` parameters on the CPU (an expanded tensor: no memory)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def parameters(self):
+        return iter([torch.empty(1).expand(self.count)])
+
+
+def test_default_threads_keep_torch_on_one_and_split_the_products_of_mid_sized_targets(threads):
+    """By default (``--threads`` not given): a target of up to 30M parameters runs on one thread throughout; one
+    of 30-100M keeps torch on one thread (its ops collapse where another process holds a core) and splits its
+    compiled products among every core; a larger one keeps torch's default, which the products follow. An
+    explicit count sets both."""
+    from gbv.engine import threads as engine_threads
+
+    torch.set_num_threads(2)
+    try:
+        assert engine_threads.apply_threads(None, _Sized(8_000_000)) == 1
+        assert host_kernels.product_threads() == 1
+        assert engine_threads.apply_threads("auto", _Sized(70_000_000)) == 1
+        assert host_kernels.product_threads() == min(engine_threads.cores(), 64)
+        torch.set_num_threads(2)
+        assert engine_threads.apply_threads(None, _Sized(400_000_000)) == 2
+        assert host_kernels.product_threads() == 2
+        assert engine_threads.apply_threads(3, _Sized(70_000_000)) == 3
+        assert host_kernels.product_threads() == 3
+        with pytest.raises(ValueError, match="1 to 64"):
+            host_kernels.set_product_threads(0)
+    finally:
+        host_kernels.set_product_threads(None)
+
+
+def test_the_products_run_on_their_own_count_while_torch_keeps_one(threads):
+    """set_product_threads: the host forward splits its products on that count whatever torch's (what the
+    default gives a 30-100M target), and None follows torch's again."""
+    target, _ = hf_pair("llama", vocab=300, seed=7, target_size=(256, 2))
+    threads(1)
+    lean = LeanCausalLM(target)
+    tokens, positions = np.array([[3, 4, 5]]), np.arange(3)[None]
+    try:
+        host_kernels.set_product_threads(2)
+        split = host_kernels._host_kernels.split_products()
+        with torch.inference_mode():
+            lean.host_forward(tokens, positions, 0, lean.new_cache(1, 8), None, causal=True)
+        assert host_kernels._host_kernels.split_products() > split and torch.get_num_threads() == 1
+        host_kernels.set_product_threads(None)
+        split = host_kernels._host_kernels.split_products()
+        with torch.inference_mode():
+            lean.host_forward(tokens, positions, 0, lean.new_cache(1, 8), None, causal=True)
+        assert host_kernels._host_kernels.split_products() == split
+    finally:
+        host_kernels.set_product_threads(None)
