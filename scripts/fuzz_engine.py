@@ -5,6 +5,7 @@
     python scripts/fuzz_engine.py --seed 3 --only 29               # rerun one trial
     python scripts/fuzz_engine.py --mode single --trials 150       # single sequences
     python scripts/fuzz_engine.py --family gemma2                  # the bundled pair in Gemma 2's layout
+    python scripts/fuzz_engine.py --product-threads 2              # the compiled products split on 2 threads
 
 ``--mode batch`` (the default): does a row of a batch commit what it commits alone? Each trial draws
 1-6 requests: a method among every verifier, ``ar`` and ``auto``; K 1-4, L 1-8; a temperature of 0,
@@ -268,8 +269,13 @@ def main() -> int:
                                                               "mistral", "smollm3", *SHAPED_LIKE),
                         help="the bundled pair as is (llama) or rewritten in this family's layout (gptneox, gpt2, "
                              "opt, gpt-bigcode, starcoder2, phi, olmo2, olmo3, gptj: random models of its shapes)")
+    parser.add_argument("--product-threads", type=int, default=1,
+                        help="the compiled products' threads (torch keeps one; the same bits at any count)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from gbv.engine.host_kernels import set_product_threads
+
+    set_product_threads(args.product_threads)
     text = "\n\n".join(load_prompts("gsm8k", 200))
     text_ids = gbv.load_pair("bundled").tokenizer.encode(text)
     trials = [int(t) for t in args.only.split(",")] if args.only else range(args.trials)
