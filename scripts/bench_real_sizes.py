@@ -11,7 +11,9 @@ Llama target of SmolLM2-360M's shape (32 layers, hidden 960, 362M parameters) an
 (30 layers, hidden 576), both with the 49k vocabulary; the pythia-small pair Pythia-70m's and Pythia-14m's
 shapes (``--dtype bfloat16``: both in bfloat16, as such
 checkpoints are published). ``--busy N`` keeps N other processes spinning on the CPU for the whole run (each
-holds a core: a machine shared with other work), ``--rows`` picks rows. Their weights are random, so
+holds a core: a machine shared with other work), ``--rows`` picks rows. With ``--threads auto`` the peers
+(transformers' rows) run on torch's default count, which is what a transformers user gets, and gbv's rows
+on gbv's default for the target. Their weights are random, so
 only ``ar`` against ``hf-plain`` compares the engines alone; BV L = 4 and assisted generation run the same
 pair with whatever agreement random models have. Each round runs every row once on the same 64-token
 prompt (T = 1, 48 new tokens, EOS off); the first round, which builds the lean views (the fused copies of a
@@ -62,12 +64,19 @@ def main() -> None:
     names = PAIRS[args.pair]
     dtype = getattr(torch, args.dtype)
     target, draft = real_size(names[0]).to(dtype), real_size(names[1]).to(dtype)
-    apply_threads(args.threads if args.threads == "auto" else int(args.threads), target)
-    threads = f"{torch.get_num_threads()} torch thread(s), {product_threads()} for the products"
+    count = args.threads if args.threads == "auto" else int(args.threads)
+    torch_default = torch.get_num_threads()  # (the peers run with what a transformers user gets, or --threads N)
+    try:
+        apply_threads(count, target, draft)
+    except TypeError:  # (an older gbv's apply_threads takes no draft)
+        apply_threads(count, target)
+    ours = torch.get_num_threads()
+    peer_threads = torch_default if args.threads == "auto" else ours
+    threads = f"{ours} torch thread(s), {product_threads()} for the products, the peers on {peer_threads}"
     pair = ModelPair(target, draft, tokenizer=gbv.load_pair("bundled").tokenizer)
     ids = list(range(100, 164))
     new = args.max_new_tokens
-    names_of = {"ar": "ar", "block:4": "block L=4", "hf-plain": "hf-plain", "hf-assisted": "hf-assisted"}
+    names_of = {"ar": "ar", "block:4": "block L=4", "auto": "auto", "hf-plain": "hf-plain", "hf-assisted": "hf-assisted"}
     unknown = [row for row in args.rows.split(",") if row not in names_of]
     if unknown:
         raise SystemExit(f"bench_real_sizes: no row {unknown[0]!r}; the rows are: {', '.join(names_of)}")
@@ -78,6 +87,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for row in rows:
                 began = time.perf_counter()
+                torch.set_num_threads(peer_threads if row.startswith("hf") else ours)
                 if row.startswith("hf"):
                     extra = dict(assistant_model=draft) if row == "hf-assisted" else {}
                     with torch.inference_mode():
@@ -85,7 +95,7 @@ def main() -> None:
                                               min_new_tokens=new, pad_token_id=0, **extra)
                     made = out.shape[1] - len(ids)
                 else:
-                    method = "ar" if row == "ar" else "block"
+                    method = row if row in ("ar", "auto") else "block"
                     made = len(gbv.generate(pair, prompt_ids=ids, method=method, block_len=4, temperature=1.0,
                                             max_new_tokens=new, seed=round_, eos_token_id=[]).token_ids)
                 if round_ > 0:

@@ -260,7 +260,7 @@ def _run_models(args: argparse.Namespace, cfg: dict, command: str) -> int:
     if not args.threads:
         from gbv.engine.threads import apply_threads
 
-        apply_threads(None, pair.target)
+        apply_threads(None, pair.target, pair.draft)
     prompts = {d: runner.load_dataset_prompts(d, args.prompts, pair.tokenizer) for d in cfg["datasets"]}
     eos = runner.eos_id(pair)
     seeds = {(d, p.index): runner.prompt_seed(args.seed, d_idx, p.index)

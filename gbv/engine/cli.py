@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise GbvError(f"model {pair.names[0]!r} has no tokenizer files; the CLI needs one to encode the prompt")
     from gbv.engine.threads import apply_threads
 
-    apply_threads(args.threads, pair.target)
+    apply_threads(args.threads, pair.target, pair.draft)
 
     def show(chunk) -> None:
         sys.stdout.write(chunk if isinstance(chunk, str) else " ".join(map(str, chunk)))

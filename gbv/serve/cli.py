@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                      allow_download=args.allow_download)
     from gbv.engine.threads import apply_threads
 
-    apply_threads(args.threads, pair.target)
+    apply_threads(args.threads, pair.target, pair.draft)
     if pair.tokenizer is None:
         raise GbvError(f"model {pair.names[0]!r} has no tokenizer files; gbv serve needs one")
     target_name = "bundled" if target == "bundled" else os.path.basename(pair.names[0].rstrip("/"))

@@ -244,3 +244,25 @@ def test_the_products_run_on_their_own_count_while_torch_keeps_one(threads):
         assert host_kernels._host_kernels.split_products() == split
     finally:
         host_kernels.set_product_threads(None)
+
+
+def test_a_large_target_on_the_compiled_forward_keeps_torch_on_one_thread(threads, monkeypatch):
+    """Past 100M parameters (the cap lowered here to the toys' size), the default keeps torch's own count unless
+    the target runs on the compiled host forward: then torch takes one thread and the products every core.
+    Without a host forward (``GBV_HOST_FORWARD=0``) torch keeps its count."""
+    from gbv.engine import threads as engine_threads
+
+    monkeypatch.setattr(engine_threads, "SMALL_MODEL_PARAMETERS", 0)
+    monkeypatch.setattr(engine_threads, "SPLIT_MODEL_PARAMETERS", 0)
+    try:
+        target, draft = hf_pair("llama", vocab=300, seed=9, target_size=(256, 2))
+        threads(2)
+        assert engine_threads.apply_threads(None, target, draft) == 1
+        assert host_kernels.product_threads() == 2
+        monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+        target, draft = hf_pair("llama", vocab=300, seed=10, target_size=(256, 2))
+        threads(2)
+        assert engine_threads.apply_threads("auto", target, draft) == 2
+        assert host_kernels.product_threads() == 2 and host_kernels._product_threads is None
+    finally:
+        host_kernels.set_product_threads(None)
