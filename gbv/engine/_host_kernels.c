@@ -680,9 +680,14 @@ static void *pool_worker(void *arg) {
     return NULL;
 }
 
-/* After a fork, the child has none of the workers. */
+/* After a fork, the child has none of the workers: none is inside a slot, none is asleep, and no caller
+ * holds the pool. */
 static void pool_after_fork(void) {
     pool_started = 0;
+    for (int i = 0; i < POOL_SLOTS; i++) {
+        atomic_store(&pool_ring[i].busy, 0);
+        atomic_store(&pool_ring[i].tag, 0);
+    }
     pthread_mutex_init(&pool_mutex, NULL);
     pthread_cond_init(&pool_wake, NULL);
     pthread_mutex_init(&pool_caller, NULL);

@@ -266,3 +266,38 @@ def test_a_large_target_on_the_compiled_forward_keeps_torch_on_one_thread(thread
         assert host_kernels.product_threads() == 2 and host_kernels._product_threads is None
     finally:
         host_kernels.set_product_threads(None)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_forked_child_multiplies_on_threads_of_its_own(threads):
+    """A child forked after the pool has run (a server's worker processes, a DataLoader) starts workers of
+    its own: its products on two threads equal one thread's, and it does not wait for the parent's workers."""
+    import os
+
+    threads(2)
+    rng = np.random.default_rng(6)
+    weight = PanelWeight(rng.standard_normal((512, 900)).astype(np.float32))
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    want = weight.matmul_into(x, np.empty((2, 900), dtype=np.float32))  # (the parent's pool runs)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report 1 where its products on two threads equal the parent's
+        try:
+            split = host_kernels._host_kernels.split_products()
+            ok = all(np.array_equal(weight.matmul_into(x, np.empty((2, 900), dtype=np.float32)), want)
+                     for _ in range(50))
+            ok = ok and host_kernels._host_kernels.split_products() == split + 50
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    import select
+    import signal
+
+    ready, _, _ = select.select([read], [], [], 60)  # (a child stuck waiting for workers it has not: killed)
+    answer = os.read(read, 1) if ready else b"timed out"
+    os.close(read)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
