@@ -4,6 +4,7 @@ and on two.
     python scripts/bench_family_steps.py
     python scripts/bench_family_steps.py --models pythia-70m --steps 60
     python scripts/bench_family_steps.py --models smollm2-360m,pythia-410m --dtype bfloat16
+    python scripts/bench_family_steps.py --models pythia-410m --context 2000 --forms host
 
 The models are random, built from configurations of these sizes (no download): ``pythia-70m`` (GPT-NeoX:
 hidden 512, 6 layers, 8 heads, a quarter of each head rotated, 50k vocabulary) and ``distilgpt2`` (GPT-2: 6
@@ -30,14 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine")
 from engine_toy import real_size  # noqa: E402
 
 
-def step_ms(lean, steps: int) -> float:
-    cache = lean.new_cache(1, 128 + steps)
+def step_ms(lean, steps: int, context: int = 100) -> float:
+    cache = lean.new_cache(1, context + 28 + steps)
     times = []
     with torch.inference_mode():
-        lean.forward(torch.arange(100)[None], torch.arange(100)[None], 0, cache, None, causal=True)
+        lean.forward(torch.arange(context)[None] % 1000, torch.arange(context)[None], 0, cache, None, causal=True)
         for i in range(steps + 10):
             began = time.perf_counter()
-            lean.forward(torch.tensor([[5]]), torch.tensor([[100 + i]]), 100 + i, cache, None, last_only=True)
+            lean.forward(torch.tensor([[5]]), torch.tensor([[context + i]]), context + i, cache, None, last_only=True)
             times.append(time.perf_counter() - began)
     return 1e3 * float(np.median(times[10:]))
 
@@ -47,10 +48,15 @@ def main() -> None:
     parser.add_argument("--models", default="pythia-70m,distilgpt2")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--context", type=int, default=100, help="the prompt's tokens before the timed steps")
+    parser.add_argument("--forms", default="host,torch", help="which forwards to time (host, torch or both)")
     args = parser.parse_args()
     from gbv.engine.lean import LeanCausalLM
 
-    print(f"{args.dtype}, medians of {args.steps} steps\n")
+    import gbv
+
+    print(f"{args.dtype}, medians of {args.steps} steps after {args.context} tokens (gbv from "
+          f"{Path(gbv.__file__).parent})\n")
     print("| model | parameters | host forward, 1 thread | host forward, 2 threads | torch forward, 1 thread "
           "| torch forward, 2 threads |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -62,14 +68,15 @@ def main() -> None:
         if host is None or not host.one_call(1):
             raise SystemExit(f"bench_family_steps: {name} has no compiled host forward here "
                              f"({getattr(host, 'panels_off', None) or 'no host forward'})")
+        forms = args.forms.split(",")
         row = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            row.append(step_ms(lean, args.steps))
+            row.append(step_ms(lean, args.steps, args.context) if "host" in forms else float("nan"))
         lean.host_forward = None
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            row.append(step_ms(lean, args.steps))
+            row.append(step_ms(lean, args.steps, args.context) if "torch" in forms else float("nan"))
         lean.host_forward = host
         torch.set_num_threads(1)
         count = sum(p.numel() for p in model.parameters()) / 1e6

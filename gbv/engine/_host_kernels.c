@@ -605,7 +605,11 @@ static void panel_range(const float *x, const void *panels, int kind, float *y, 
  * handshakes (~1-5 us) cost more than half the product saves. */
 #define POOL_MIN_BYTES (256 * 1024)
 
+typedef struct attend_job attend_job; /* (an attention job: attend_batch, below) */
+static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit, int own_scratch);
+
 typedef struct {
+    attend_job *attend;  /* non-NULL: units of attention (attend_units), not of a product */
     const float *x;
     const uint16_t *x16; /* (AMX: x rounded, by the caller) */
     const void *panels;
@@ -638,7 +642,9 @@ static pthread_mutex_t pool_caller = PTHREAD_MUTEX_INITIALIZER;
 static void product_chunk(const product_job *job, long chunk) {
     const Py_ssize_t first = chunk * job->chunk;
     const Py_ssize_t end = first + job->chunk < job->units ? first + job->chunk : job->units;
-    if (job->kind == PANELS_AMX)
+    if (job->attend != NULL)
+        attend_units(job->attend, first, end, 0);
+    else if (job->kind == PANELS_AMX)
         amx_pairs(job->x16, (const uint16_t *)job->panels, job->y, job->M, job->K, job->N, job->accumulate, first, end);
     else
         panel_range(job->x, job->panels, job->kind, job->y, job->M, job->K, job->N, job->accumulate, first, end);
@@ -757,7 +763,7 @@ static int pool_run(const product_job *job) {
 static int panel_product(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
                          Py_ssize_t N, int accumulate) {
     if (M == 0) return 0;
-    product_job job = {x, NULL, panels, y, M, K, N, 0, 0, kind, accumulate};
+    product_job job = {NULL, x, NULL, panels, y, M, K, N, 0, 0, kind, accumulate};
     if (kind == PANELS_AMX) {
         job.x16 = amx_rounded(x, M, K);
         if (job.x16 == NULL) return -1;
@@ -1630,10 +1636,10 @@ DEFINE_PER_QUERY(per_query_prefetching_bf16, bf16, uint16_t, QUERY_PERMUTED, 1)
  * read them. (Widening a kv head's keys and values into a float32 copy first, and then
  * attending as over float32, cost more than it saved: 9 queries over 300 slots 0.96-0.99x the float32
  * cache's forward.) */
-__attribute__((target("avx2,fma"))) static void attend(
+__attribute__((target("avx2,fma"))) static void attend_groups(
     const float *q, Py_ssize_t q_stride, const void *keys, const void *values, int kv_bf16, Py_ssize_t capacity,
     float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
-    Py_ssize_t end, float scale, float *scratch, int prefetch_values) {
+    Py_ssize_t end, float scale, float *scratch, int prefetch_values, int first_group, int end_group) {
     const int group = heads / kv_heads;
     const Py_ssize_t out_stride = (Py_ssize_t)heads * D, head_values = capacity * D;
     const Py_ssize_t slots = (end + 15) / 16 * 16;
@@ -1642,7 +1648,7 @@ __attribute__((target("avx2,fma"))) static void attend(
     attend_lists lists;
     lists.rows = (int32_t *)(scratch + slots * (D + QUERY_TILE));
     lists.partials = scratch + slots * (D + 2 * QUERY_TILE);
-    for (int g = 0; g < kv_heads; g++) {
+    for (int g = first_group; g < end_group; g++) {
         const float *kf = (const float *)keys + g * head_values, *vf = (const float *)values + g * head_values;
         const uint16_t *kb = (const uint16_t *)keys + g * head_values, *vb = (const uint16_t *)values + g * head_values;
         if (n < TILE_MIN_QUERIES) {
@@ -1662,6 +1668,77 @@ __attribute__((target("avx2,fma"))) static void attend(
                      out_stride, mask, n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots,
                      order, lists);
     }
+}
+
+/* Every kv head's group of heads (attend_groups). */
+static void attend(const float *q, Py_ssize_t q_stride, const void *keys, const void *values, int kv_bf16,
+                   Py_ssize_t capacity, float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads,
+                   int D, Py_ssize_t start, Py_ssize_t end, float scale, float *scratch, int prefetch_values) {
+    attend_groups(q, q_stride, keys, values, kv_bf16, capacity, out, mask, n, heads, kv_heads, D, start, end, scale,
+                  scratch, prefetch_values, 0, kv_heads);
+}
+
+/* The attention of a layer's `batch` sequences (each over its own cache row, under its own mask), split
+ * among the products' threads by (sequence, kv head) where it reads enough of the cache
+ * (POOL_MIN_BYTES): a long context, or a batch. Each unit is computed whole by one thread, in the order
+ * attend() computes it, so the outputs are one thread's bits. Workers use scratch of their own. */
+struct attend_job {
+    const float *qkv;
+    const char *keys, *values;
+    float *attn, *scratch; /* scratch: the caller's, for the units it runs alone */
+    const unsigned char *mask;
+    Py_ssize_t width, capacity, sequence, n, start, end;
+    int kv_bf16, heads, kv_heads, D, prefetch_values;
+    float scale;
+    atomic_int failed; /* a worker's scratch could not be allocated */
+};
+
+static __thread float *unit_scratch;
+static __thread size_t unit_scratch_floats;
+
+static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit, int own_scratch) {
+    float *scratch = job->scratch;
+    if (!own_scratch) {
+        const size_t floats = attend_scratch_floats(job->end, job->D);
+        if (floats > unit_scratch_floats) {
+            free(unit_scratch);
+            unit_scratch = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+            unit_scratch_floats = unit_scratch == NULL ? 0 : floats;
+        }
+        if (unit_scratch == NULL) {
+            atomic_store(&job->failed, 1);
+            return;
+        }
+        scratch = unit_scratch;
+    }
+    const Py_ssize_t kv_size = job->kv_bf16 ? 2 : 4;
+    for (Py_ssize_t u = first; u < end_unit; u++) {
+        const Py_ssize_t b = u / job->kv_heads;
+        const int g = (int)(u % job->kv_heads);
+        attend_groups(job->qkv + b * job->n * job->width, job->width, job->keys + b * job->sequence * kv_size,
+                      job->values + b * job->sequence * kv_size, job->kv_bf16, job->capacity,
+                      job->attn + b * job->n * job->heads * job->D, job->mask ? job->mask + b * job->n * job->end : NULL,
+                      job->n, job->heads, job->kv_heads, job->D, job->start, job->end, job->scale, scratch,
+                      job->prefetch_values, g, g + 1);
+    }
+}
+
+/* 0 where done; -1 where a worker's scratch could not be allocated. */
+static int attend_batch(attend_job *job, Py_ssize_t batch) {
+    const Py_ssize_t units = batch * job->kv_heads;
+    const Py_ssize_t cache_bytes = 2 * batch * job->kv_heads * job->end * job->D * (job->kv_bf16 ? 2 : 4);
+    const int threads = atomic_load(&pool_wanted);
+    atomic_store(&job->failed, 0);
+    if (threads > 1 && units > 1 && cache_bytes >= POOL_MIN_BYTES) {
+        product_job pooled;
+        memset(&pooled, 0, sizeof pooled);
+        pooled.attend = job;
+        pooled.units = units;
+        pooled.chunk = 1;
+        if (pool_run(&pooled) == 0) return atomic_load(&job->failed) ? -1 : 0;
+    }
+    attend_units(job, 0, units, 1);
+    return 0;
 }
 
 /* The sum over a row of H values, in eight float64 lanes: of the values (square 0), or of their squares
@@ -1873,11 +1950,10 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
             }
         }
     }
-    const Py_ssize_t kv_size = kv_bf16 ? 2 : 4, end = start + n;
-    for (Py_ssize_t b = 0; b < batch; b++) /* each sequence over its own cache row, under its own mask */
-        attend(qkv + b * n * width, width, (const char *)keys + b * sequence * kv_size,
-               (const char *)values + b * sequence * kv_size, kv_bf16, capacity, attn + b * n * heads * D,
-               mask ? mask + b * n * end : NULL, n, heads, kv_heads, D, start, end, scale, scores, prefetch_values);
+    /* each sequence over its own cache row, under its own mask (on the products' threads where it is long) */
+    attend_job job = {qkv, (const char *)keys, (const char *)values, attn, scores, mask, width, capacity, sequence, n,
+                      start, start + n, kv_bf16, heads, kv_heads, D, prefetch_values, scale};
+    if (attend_batch(&job, batch)) return -1;
     /* In parallel, the MLP reads the layer's input: its own norm of it is taken before attention's output
      * joins the residual (LAYER_PARALLEL_SHARED: `normed` is attention's norm still); in sequence, the norm
      * of the residual with attention's output. */

@@ -301,3 +301,40 @@ def test_a_forked_child_multiplies_on_threads_of_its_own(threads):
         os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     assert answer == b"1"
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_attention_over_a_long_context_on_two_threads_gives_one_threads_bits(bf16, threads):
+    """Attention that reads at least 256 KB of cache (a long context, a batch) is split among the threads by
+    sequence and kv head: a 600-token prompt into each of two cache rows, then steps of one query, a tree
+    and a batch of both rows, give the same logits and caches at one thread and at two, bit for bit (a
+    bfloat16 model: a bfloat16 cache)."""
+    target, _ = hf_pair("llama", vocab=300, seed=12, target_size=(256, 2))
+    if bf16:
+        target = target.to(torch.bfloat16)
+    threads(1)
+    lean = LeanCausalLM(target)
+    host = lean.host_forward
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 300, (1, 600), generator=gen).numpy()
+    step = torch.randint(0, 300, (2, 4), generator=gen).numpy()
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    results = {}
+    for count in (1, 2):
+        threads(count)
+        cache = lean.new_cache(2, 640)
+        logits = []
+        with torch.inference_mode():
+            for row in (0, 1):
+                logits.append(host(prompt, np.arange(600)[None], 0, cache, None, causal=True, last_only=True,
+                                   first_row=row))
+            logits.append(host(step[:1, :1], np.array([[600]]), 600, cache, None))
+            mask = torch.cat([torch.ones(4, 601, dtype=torch.bool), tree], dim=1)[None, None]
+            logits.append(host(step[:1], np.arange(601, 605)[None], 601, cache, mask))
+            logits.append(host(step[:, :1], np.array([[605], [605]]), 605, cache, None))
+        results[count] = (logits, [k.clone() for k in cache.keys], [v.clone() for v in cache.values])
+    for got, want in zip(results[2][0], results[1][0]):
+        assert torch.equal(got, want)
+    for part in (1, 2):
+        for got, want in zip(results[2][part], results[1][part]):
+            assert torch.equal(got, want)
