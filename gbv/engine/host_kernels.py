@@ -13,8 +13,9 @@ numpy ``uint16`` views of the bits (numpy has no bfloat16): see :func:`kv_bf16`.
   every row, so a pass of 5 tokens costs little more than one.
 - **Attention of a few queries** (:func:`attention_into`) over one sequence's cache: torch's SDPA
   costs 50-80 us a call for one query over a few hundred slots, for about 10 us of arithmetic.
-- **Threads** (:func:`sync_product_threads`): a product of a large weight splits its columns among torch's
-  intra-op thread count (or :func:`set_product_threads`'), the same bits at any count (each column is summed by one thread).
+- **Threads** (:func:`sync_product_threads`): a product of a large weight splits its columns, and a long
+  attention its (sequence, kv head) units, among torch's intra-op thread count (or
+  :func:`set_product_threads`'), the same bits at any count (each output is computed by one thread).
 - **A whole decoder layer in one call** (:func:`layer_into`): the two above and the norms, the
   rotation, the cache writes and SiLU, for one sequence.
 - **One inverse-CDF draw per row** (:func:`draw_rows_host`), the rule of
@@ -84,7 +85,8 @@ def sync_product_threads() -> int:
     """Runs the compiled products on :func:`set_product_threads`' count, or on torch's intra-op count where
     none is set, from now on, and returns it; the host forward calls this before each forward. A product
     whose weight streams at least 256 KB splits its columns among that many threads (the caller's
-    included); smaller ones stay on one. Each output column is summed by one thread in one order, so the
+    included), and an attention that reads at least 256 KB of cache its (sequence, kv head) units; smaller
+    ones stay on one. Each output column is summed by one thread in one order, so the
     products give the same bits at any count (``tests/engine/test_host_threads.py``). Why threads: a
     model of tens to hundreds of millions of parameters streams its weights from memory every step, and one
     core reads a part of what the memory delivers (docs/ENGINE.md, "The compiled forward on several

@@ -14,7 +14,7 @@ keys and values; only rounding differs (one row's RMS scale is computed in float
 ``tests/engine/test_lean_host.py`` compares the two forwards; every engine test (the chi-square law
 tests, greedy equality with Hugging Face) runs through this one.
 
-Where the compiled kernels run (``host_kernels.py``: x86-64 with AVX2, one torch thread), the products
+Where the compiled kernels run (``host_kernels.py``: x86-64 with AVX2; on any number of threads), the products
 and the attention go to them instead of torch, and for one sequence the whole forward is a single
 compiled call (``forward_into``: every layer as ``layer_into`` computes it, the final norm and the
 head), which can also sample from its output rows (:meth:`HostForward.sampled`): the same
@@ -52,8 +52,8 @@ from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
 from gbv.engine.host_kernels import (LLAMA_STYLE, MLP_GELU, MLP_GELU_TANH, MLP_RELU, MLP_SILU_GATED, PANELS_AMX,
                                      PARALLEL, PARALLEL_SHARED_NORM, SEQUENTIAL, PanelWeight, attention_into,
-                                     sync_product_threads, forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
-                                     prefetch_temporal, rms_into, set_prefetch_temporal)
+                                     forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
+                                     prefetch_temporal, rms_into, set_prefetch_temporal, sync_product_threads)
 
 
 def host_forward_unsupported_reason(lean) -> str | None:
@@ -192,7 +192,7 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
         return HOST, None
     if forced == "torch-products":  # (the numpy forward between them computes the Llama family's layers only)
         return (HOST_TORCH_PRODUCTS if host.llama else TORCH), None
-    if not host.llama and not host.one_call(1):  # (these layers run as compiled calls only: on one thread)
+    if not host.llama and not host.one_call(1):  # (these layers run as compiled calls only: none here)
         return TORCH, None
     if host.panels_off is not None:  # (its products are torch's already: the AVX2 kernels are not in question,
         return HOST, None            # and a model above PANEL_MAX_PARAMETERS would take seconds to time)
@@ -333,6 +333,8 @@ def panels_unfit_reason(parameters: int, extra_bytes: int) -> str | None:
         return (f"more than {PANEL_MAX_PARAMETERS:,} parameters, and the packed copies ({extra_bytes / 2**30:.1f} GiB) "
                 f"do not fit in {PANEL_MEMORY_SHARE:.0%} of the memory available ({available / 2**30:.1f} GiB)")
     return None
+
+
 # Buffer sets kept per model, one per (sequences, queries) shape seen; past this many they are dropped.
 _MAX_SHAPES = 128
 
@@ -431,7 +433,7 @@ class HostForward:
         self.heads, self.kv_heads, self.head_dim = lean.num_heads, lean.kv_heads, lean.head_dim
         self.hidden = lean.embed.shape[1]
         self.embed = lean.embed.detach().numpy()
-        # Why the compiled kernels are not used (None when they are, on one torch thread; see
+        # Why the compiled kernels are not used (None when they are, at any thread count; see
         # host_kernels.py): the products' (``panels_off``) and the attention's (``attention_off``).
         unavailable = host_kernels_unavailable()
         self.compiled_norm = unavailable is None  # (_rms_into)
