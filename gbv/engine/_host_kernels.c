@@ -573,6 +573,55 @@ static void panel_range(const float *x, const void *panels, int kind, float *y, 
     }
 }
 
+/* Panels (pairs for AMX) first .. end - 1 of a (K, N) float32 weight w packed as `kind` into out
+ * (panels_bytes(kind, K, N) bytes; host_kernels.PanelWeight says the layouts): float32 panels (ceil(N / 16),
+ * K, 16); bfloat16 ones the same, each row in the column order 0-3, 8-11, 4-7, 12-15 (LOAD_BF16's); AMX
+ * ones (pairs, K / 32, 2 panels, 16, 16 columns, 2 values of k). Zeros past N (and past K for AMX). A
+ * bfloat16 value is a float32's upper half (the caller checks the lower halves are zero). */
+#define PACK_ROWS 64
+static void pack_range(const float *w, Py_ssize_t K, Py_ssize_t N, int kind, void *out, Py_ssize_t first,
+                       Py_ssize_t end) {
+    static const int order[PANEL] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    if (kind == PANELS_AMX) {
+        const Py_ssize_t K32 = AMX_K(K);
+        for (Py_ssize_t pair = first; pair < end; pair++) {
+            uint16_t *o = (uint16_t *)out + pair * K32 * 2 * PANEL;
+            for (Py_ssize_t s = 0; s < K32 / AMX_STEP; s++)
+                for (int pp = 0; pp < 2; pp++)
+                    for (int i = 0; i < AMX_ROWS; i++)
+                        for (int c = 0; c < PANEL; c++)
+                            for (int t = 0; t < 2; t++) {
+                                const Py_ssize_t k = s * AMX_STEP + 2 * i + t, col = (2 * pair + pp) * PANEL + c;
+                                uint32_t bits = 0;
+                                if (k < K && col < N) memcpy(&bits, w + k * N + col, sizeof bits);
+                                *o++ = (uint16_t)(bits >> 16);
+                            }
+        }
+        return;
+    }
+    /* Blocks of PACK_ROWS rows of k: within one, each panel's rows are written in order (a page of them), and
+     * the block's rows of w (PACK_ROWS x N values) stay in the cache while every panel reads its columns.
+     * (Panel by panel, or row by row, one side went strided across the whole matrix: 2.4 s for a 405M pair.) */
+    for (Py_ssize_t k0 = 0; k0 < K; k0 += PACK_ROWS)
+        for (Py_ssize_t p = first; p < end; p++)
+            for (Py_ssize_t k = k0; k < K && k < k0 + PACK_ROWS; k++) {
+            const float *row = w + k * N;
+            const Py_ssize_t c0 = p * PANEL, width = N - c0 < PANEL ? N - c0 : PANEL;
+            if (kind == PANELS_F32) {
+                float *o = (float *)out + (p * K + k) * PANEL;
+                memcpy(o, row + c0, (size_t)width * sizeof(float));
+                if (width < PANEL) memset(o + width, 0, (size_t)(PANEL - width) * sizeof(float));
+                continue;
+            }
+            uint16_t *o = (uint16_t *)out + (p * K + k) * PANEL;
+            for (int j = 0; j < PANEL; j++) {
+                uint32_t bits = 0;
+                if (order[j] < width) memcpy(&bits, row + c0 + order[j], sizeof bits);
+                o[j] = (uint16_t)(bits >> 16);
+            }
+            }
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Threads for the products (set_threads; host_kernels.py sets torch's intra-op count).
  *
@@ -610,6 +659,7 @@ static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit,
 
 typedef struct {
     attend_job *attend;  /* non-NULL: units of attention (attend_units), not of a product */
+    void *packed;        /* non-NULL: a weight x (K, N) packed into this (pack_range), not a product */
     const float *x;
     const uint16_t *x16; /* (AMX: x rounded, by the caller) */
     const void *panels;
@@ -644,6 +694,8 @@ static void product_chunk(const product_job *job, long chunk) {
     const Py_ssize_t end = first + job->chunk < job->units ? first + job->chunk : job->units;
     if (job->attend != NULL)
         attend_units(job->attend, first, end, 0);
+    else if (job->packed != NULL)
+        pack_range(job->x, job->K, job->N, job->kind, job->packed, first, end);
     else if (job->kind == PANELS_AMX)
         amx_pairs(job->x16, (const uint16_t *)job->panels, job->y, job->M, job->K, job->N, job->accumulate, first, end);
     else
@@ -763,7 +815,7 @@ static int pool_run(const product_job *job) {
 static int panel_product(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
                          Py_ssize_t N, int accumulate) {
     if (M == 0) return 0;
-    product_job job = {NULL, x, NULL, panels, y, M, K, N, 0, 0, kind, accumulate};
+    product_job job = {NULL, NULL, x, NULL, panels, y, M, K, N, 0, 0, kind, accumulate};
     if (kind == PANELS_AMX) {
         job.x16 = amx_rounded(x, M, K);
         if (job.x16 == NULL) return -1;
@@ -782,6 +834,25 @@ static int panel_product(const float *x, const void *panels, int kind, float *y,
     job.chunk = job.units;
     product_chunk(&job, 0);
     return 0;
+}
+
+/* Packs the (K, N) float32 weight w as `kind` into out (pack_range), on the products' threads where it is
+ * large (a 405M-parameter model's packing took 4.5 s of numpy copies on one thread). */
+static void pack_panels(const float *w, Py_ssize_t K, Py_ssize_t N, int kind, void *out) {
+    product_job job;
+    memset(&job, 0, sizeof job);
+    job.x = w;
+    job.packed = out;
+    job.K = K;
+    job.N = N;
+    job.kind = kind;
+    job.units = kind == PANELS_AMX ? (N + 2 * PANEL - 1) / (2 * PANEL) : (N + PANEL - 1) / PANEL;
+    const int threads = atomic_load(&pool_wanted);
+    if (threads > 1 && panels_bytes(kind, K, N) >= POOL_MIN_BYTES) {
+        job.chunk = (job.units + 4 * threads - 1) / (4 * threads);
+        if (job.chunk < job.units && pool_run(&job) == 0) return;
+    }
+    pack_range(w, K, N, kind, out, 0, job.units);
 }
 /* The cache's keys and values are float32, or bfloat16 (kv_bf16: the upper half of a float32's bits,
  * what a bfloat16 model's cache holds, at half the bytes). Why bfloat16: attention of one query reads
@@ -2123,6 +2194,39 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *pack(PyObject *self, PyObject *args) {
+    Py_buffer w, out;
+    Py_ssize_t K, N;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*w*nni", &w, &out, &K, &N, &kind))
+        return NULL;
+    const char *error = NULL;
+    if (!cpu_supported())
+        error = "packing panels needs an x86-64 CPU with AVX2 and FMA";
+    else if (kind < PANELS_F32 || kind > PANELS_AMX)
+        error = "the panels' kind must be 0 (float32), 1 (bfloat16) or 2 (bfloat16 for the AMX products)";
+    else if (K < 1 || N < 1)
+        error = "shapes must be K >= 1, N >= 1";
+    else if (w.len != K * N * (Py_ssize_t)sizeof(float))
+        error = "w must hold K * N float32 values";
+    else if (out.len != panels_bytes(kind, K, N))
+        error = "out must hold the panels' bytes";
+    if (error == NULL) {
+#ifdef GBV_PANELS_X86
+        Py_BEGIN_ALLOW_THREADS
+        pack_panels((const float *)w.buf, K, N, kind, out.buf);
+        Py_END_ALLOW_THREADS
+#endif
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&out);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *amx(PyObject *self, PyObject *unused) { return PyBool_FromLong(amx_runs()); }
 
 static PyObject *attention(PyObject *self, PyObject *args) {
@@ -2958,6 +3062,9 @@ static PyMethodDef METHODS[] = {
      "matmul(x, panels, y, M, K, N, accumulate, kind): y (M, N) = [y +] x (M, K) @ W (K, N), W packed as "
      "(ceil(N/16), K, 16) panels of float32 (kind 0) or bfloat16 (1), or for the AMX products (2: x rounded "
      "to bfloat16; host_kernels.PanelWeight); x and y C-contiguous float32."},
+    {"pack", pack, METH_VARARGS,
+     "pack(w, out, K, N, kind): the (K, N) C-contiguous float32 weight w packed into out as panels of kind (as "
+     "matmul takes them; host_kernels.PanelWeight), on the products' threads where it is large."},
     {"attention", attention, METH_VARARGS,
      "attention(q, q_stride, keys, values, out, mask, n, heads, kv_heads, head_dim, start, end, scale): "
      "out (n, heads * head_dim) = softmax(scale * q k^T) v over one sequence's (kv_heads, capacity, "

@@ -151,6 +151,11 @@ def _llama_layers(lean) -> bool:
 # target measured 2.57 ms that way, 1.23 ms in decoding).
 _CHOICE_ROUNDS = 5
 _CHOICE_RUN = 3
+# Where every form's step took more than this (a model of hundreds of millions of parameters) in the first
+# round, one more round decides: the forms differ by far more than the noise there (a 405M step 45 ms on the
+# compiled forward against 90 ms on torch's), and five rounds cost about 3 s at load.
+_SLOW_STEP_S = 0.02
+_SLOW_ROUNDS = 2
 # Another forward replaces the host forward with its compiled products only when its step takes less
 # than this fraction of that one's. Why: a one-token step is not all of decoding (a draft depth of K
 # tips, a tree pass), and where two are within a few percent the choice flipped between runs; with the
@@ -186,7 +191,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     products (1.5 ms in the host forward) and even torch's forward (2.0 ms) beat the compiled ones
     (docs/ENGINE.md, "Which forward runs on the CPU, and how its kernels prefetch"). Which wins depends
     on the CPU, so it is measured, once per model, in 15 steps of each form (0.04-0.23 s for the bundled
-    pair)."""
+    pair; 6 where every form's first timed step took over ``_SLOW_STEP_S``: a model of hundreds of
+    millions of parameters)."""
     forced = os.environ.get("GBV_HOST_FORWARD")
     if forced == "1":
         return HOST, None
@@ -240,12 +246,17 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
                          last_only=True)
             times: dict = {name: [] for name in steps}
             names = list(steps)
+            rounds = _CHOICE_ROUNDS
             for repeat in range(_CHOICE_ROUNDS):
+                if repeat == rounds:
+                    break
                 for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                     for step in range(_CHOICE_RUN):  # (a run of steps, as decoding takes them: the last timed)
                         began = time.perf_counter()
                         steps[name]()
                     times[name].append(time.perf_counter() - began)
+                if repeat == 0 and min(values[0] for values in times.values()) > _SLOW_STEP_S:
+                    rounds = _SLOW_ROUNDS
     finally:
         lean.host_forward, host.panels_off = saved, None  # (its compiled products: measured only with them)
         if hint is not None:

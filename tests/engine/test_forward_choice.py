@@ -208,3 +208,34 @@ def test_a_model_of_amx_products_leaves_the_prefetch_hint_to_the_next(monkeypatc
     assert HOST_TEMPORAL not in amx.forward_times and host_kernels.prefetch_temporal() is None
     plain = LeanCausalLM(draft)
     assert HOST_TEMPORAL in plain.forward_times and host_kernels.prefetch_temporal() is not None
+
+
+def test_slow_steps_are_timed_in_fewer_rounds(monkeypatch):
+    """Where every form's first timed step takes over _SLOW_STEP_S (a model of hundreds of millions of
+    parameters), the choice stops after _SLOW_ROUNDS rounds instead of _CHOICE_ROUNDS: the clock is read as many
+    times fewer (counted where choose_cpu_forward reads it)."""
+    import sys
+    import time as real_time
+
+    import gbv.engine.lean_host as lean_host
+
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)
+    reads = []
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            if sys._getframe(1).f_code.co_name == "choose_cpu_forward":
+                reads.append(1)
+            return real_time.perf_counter()
+
+    monkeypatch.setattr(lean_host, "time", Clock)
+    counts = {}
+    for name, slow in (("fast", 1e9), ("slow", 0.0)):
+        monkeypatch.setattr(lean_host, "_SLOW_STEP_S", slow)
+        del reads[:]
+        lean = LeanCausalLM(hf_pair("llama", vocab=32, seed=3)[0])
+        assert lean.forward_times is not None
+        counts[name] = len(reads) / len(lean.forward_times)  # (clock reads per form)
+    assert counts["fast"] == lean_host._CHOICE_ROUNDS * (lean_host._CHOICE_RUN + 1)
+    assert counts["slow"] == lean_host._SLOW_ROUNDS * (lean_host._CHOICE_RUN + 1)

@@ -338,3 +338,24 @@ def test_attention_over_a_long_context_on_two_threads_gives_one_threads_bits(bf1
     for part in (1, 2):
         for got, want in zip(results[2][part], results[1][part]):
             assert torch.equal(got, want)
+
+
+def test_panels_packed_in_c_equal_numpys_packing(threads):
+    """PanelWeight packs in one compiled pass, on the products' threads for large weights: the same panels,
+    bit for bit, as numpy's padded and transposed copies (the packing a module without ``pack`` uses), for
+    every kind, shapes not a multiple of 16, 32 or the chunks', at one thread and at two."""
+    rng = np.random.default_rng(8)
+    for count in (1, 2):
+        threads(count)
+        for name, bf16, amx in _kinds():
+            for in_features, out_features in [(1, 1), (7, 33), (40, 17), (512, 300), (300, 1000), (1024, 4096)]:
+                weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
+                if bf16:
+                    weight = torch.from_numpy(weight).bfloat16().float().numpy()
+                packed = PanelWeight(weight, bf16=bf16, amx=amx)
+                width = 32 if amx else 16
+                num_panels = -(-out_features // width) * width // 16
+                depth = -(-in_features // 32) * 32 if amx else in_features
+                want = PanelWeight._packed_by_numpy(weight, amx, bf16, num_panels, depth)
+                assert packed.panels.shape == want.shape and packed.panels.dtype == want.dtype
+                assert np.array_equal(packed.panels, want), (name, in_features, out_features, count)
