@@ -655,7 +655,7 @@ static void pack_range(const float *w, Py_ssize_t K, Py_ssize_t N, int kind, voi
 #define POOL_MIN_BYTES (256 * 1024)
 
 typedef struct attend_job attend_job; /* (an attention job: attend_batch, below) */
-static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit, int own_scratch);
+static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit);
 
 typedef struct {
     attend_job *attend;  /* non-NULL: units of attention (attend_units), not of a product */
@@ -693,7 +693,7 @@ static void product_chunk(const product_job *job, long chunk) {
     const Py_ssize_t first = chunk * job->chunk;
     const Py_ssize_t end = first + job->chunk < job->units ? first + job->chunk : job->units;
     if (job->attend != NULL)
-        attend_units(job->attend, first, end, 0);
+        attend_units(job->attend, first, end);
     else if (job->packed != NULL)
         pack_range(job->x, job->K, job->N, job->kind, job->packed, first, end);
     else if (job->kind == PANELS_AMX)
@@ -1756,7 +1756,7 @@ static void attend(const float *q, Py_ssize_t q_stride, const void *keys, const 
 struct attend_job {
     const float *qkv;
     const char *keys, *values;
-    float *attn, *scratch; /* scratch: the caller's, for the units it runs alone */
+    float *attn, *scratch; /* scratch: the caller's, where it runs the whole job alone */
     const unsigned char *mask;
     Py_ssize_t width, capacity, sequence, n, start, end;
     int kv_bf16, heads, kv_heads, D, prefetch_values;
@@ -1767,21 +1767,20 @@ struct attend_job {
 static __thread float *unit_scratch;
 static __thread size_t unit_scratch_floats;
 
-static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit, int own_scratch) {
-    float *scratch = job->scratch;
-    if (!own_scratch) {
-        const size_t floats = attend_scratch_floats(job->end, job->D);
-        if (floats > unit_scratch_floats) {
-            free(unit_scratch);
-            unit_scratch = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-            unit_scratch_floats = unit_scratch == NULL ? 0 : floats;
-        }
-        if (unit_scratch == NULL) {
-            atomic_store(&job->failed, 1);
-            return;
-        }
-        scratch = unit_scratch;
+/* Units first .. end_unit - 1 of a pooled job (unit u: sequence u / kv_heads, kv head u % kv_heads), on this
+ * thread's scratch. */
+static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit) {
+    const size_t floats = attend_scratch_floats(job->end, job->D);
+    if (floats > unit_scratch_floats) {
+        free(unit_scratch);
+        unit_scratch = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        unit_scratch_floats = unit_scratch == NULL ? 0 : floats;
     }
+    if (unit_scratch == NULL) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    float *scratch = unit_scratch;
     const Py_ssize_t kv_size = job->kv_bf16 ? 2 : 4;
     for (Py_ssize_t u = first; u < end_unit; u++) {
         const Py_ssize_t b = u / job->kv_heads;
@@ -1808,7 +1807,14 @@ static int attend_batch(attend_job *job, Py_ssize_t batch) {
         pooled.chunk = 1;
         if (pool_run(&pooled) == 0) return atomic_load(&job->failed) ? -1 : 0;
     }
-    attend_units(job, 0, units, 1);
+    /* alone: each sequence's kv heads in one call, on the caller's scratch (as before the threads) */
+    const Py_ssize_t kv_size = job->kv_bf16 ? 2 : 4;
+    for (Py_ssize_t b = 0; b < batch; b++)
+        attend(job->qkv + b * job->n * job->width, job->width, job->keys + b * job->sequence * kv_size,
+               job->values + b * job->sequence * kv_size, job->kv_bf16, job->capacity,
+               job->attn + b * job->n * job->heads * job->D, job->mask ? job->mask + b * job->n * job->end : NULL,
+               job->n, job->heads, job->kv_heads, job->D, job->start, job->end, job->scale, job->scratch,
+               job->prefetch_values);
     return 0;
 }
 
