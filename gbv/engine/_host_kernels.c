@@ -808,51 +808,40 @@ static int pool_run(const product_job *job) {
     return 0;
 }
 
+/* Runs every unit of a job on a (K, N) weight of job->kind (its panels; pairs for AMX): on the pool where the
+ * weight streams at least POOL_MIN_BYTES, in about four chunks a thread (so that one late thread leaves
+ * little to the others) of whole groups of four panels (the widest tiles': a column's sum is the same in any
+ * tile), else alone. */
+static void run_on_panels(product_job *job) {
+    job->units = job->kind == PANELS_AMX ? (job->N + 2 * PANEL - 1) / (2 * PANEL) : (job->N + PANEL - 1) / PANEL;
+    const int threads = atomic_load(&pool_wanted);
+    if (threads > 1 && panels_bytes(job->kind, job->K, job->N) >= POOL_MIN_BYTES) {
+        job->chunk = (job->units + 4 * threads - 1) / (4 * threads);
+        if (job->kind != PANELS_AMX) job->chunk = (job->chunk + 3) / 4 * 4;
+        if (job->chunk < job->units && pool_run(job) == 0) return;
+    }
+    job->chunk = job->units;
+    product_chunk(job, 0);
+}
+
 /* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (kind PANELS_F32), of bfloat16
  * (PANELS_BF16) or of bfloat16 for the AMX products (PANELS_AMX: x rounded to bfloat16), on up to
- * set_threads' threads where W is large enough (POOL_MIN_BYTES). 0 where done, -1 out of memory (the AMX
+ * set_threads' threads where W is large enough (run_on_panels). 0 where done, -1 out of memory (the AMX
  * products' rounded copy of x). */
 static int panel_product(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
                          Py_ssize_t N, int accumulate) {
     if (M == 0) return 0;
     product_job job = {NULL, NULL, x, NULL, panels, y, M, K, N, 0, 0, kind, accumulate};
-    if (kind == PANELS_AMX) {
-        job.x16 = amx_rounded(x, M, K);
-        if (job.x16 == NULL) return -1;
-        job.units = (N + 2 * PANEL - 1) / (2 * PANEL);
-    } else {
-        job.units = (N + PANEL - 1) / PANEL;
-    }
-    const int threads = atomic_load(&pool_wanted);
-    if (threads > 1 && panels_bytes(kind, K, N) >= POOL_MIN_BYTES) {
-        /* about four chunks a thread, so that one late thread leaves little to the others; whole groups of
-         * four panels, the widest tiles' (a column's sum is the same in any tile) */
-        job.chunk = (job.units + 4 * threads - 1) / (4 * threads);
-        if (kind != PANELS_AMX) job.chunk = (job.chunk + 3) / 4 * 4;
-        if (job.chunk < job.units && pool_run(&job) == 0) return 0;
-    }
-    job.chunk = job.units;
-    product_chunk(&job, 0);
+    if (kind == PANELS_AMX && (job.x16 = amx_rounded(x, M, K)) == NULL) return -1;
+    run_on_panels(&job);
     return 0;
 }
 
 /* Packs the (K, N) float32 weight w as `kind` into out (pack_range), on the products' threads where it is
  * large (a 405M-parameter model's packing took 4.5 s of numpy copies on one thread). */
 static void pack_panels(const float *w, Py_ssize_t K, Py_ssize_t N, int kind, void *out) {
-    product_job job;
-    memset(&job, 0, sizeof job);
-    job.x = w;
-    job.packed = out;
-    job.K = K;
-    job.N = N;
-    job.kind = kind;
-    job.units = kind == PANELS_AMX ? (N + 2 * PANEL - 1) / (2 * PANEL) : (N + PANEL - 1) / PANEL;
-    const int threads = atomic_load(&pool_wanted);
-    if (threads > 1 && panels_bytes(kind, K, N) >= POOL_MIN_BYTES) {
-        job.chunk = (job.units + 4 * threads - 1) / (4 * threads);
-        if (job.chunk < job.units && pool_run(&job) == 0) return;
-    }
-    pack_range(w, K, N, kind, out, 0, job.units);
+    product_job job = {NULL, out, w, NULL, NULL, NULL, 0, K, N, 0, 0, kind, 0};
+    run_on_panels(&job);
 }
 /* The cache's keys and values are float32, or bfloat16 (kv_bf16: the upper half of a float32's bits,
  * what a bfloat16 model's cache holds, at half the bytes). Why bfloat16: attention of one query reads
@@ -1767,6 +1756,16 @@ struct attend_job {
 static __thread float *unit_scratch;
 static __thread size_t unit_scratch_floats;
 
+/* Kv heads first_group .. end_group - 1 of sequence b of the job (attend_groups over its cache row and mask). */
+static void attend_sequence(const attend_job *job, Py_ssize_t b, float *scratch, int first_group, int end_group) {
+    const Py_ssize_t kv_size = job->kv_bf16 ? 2 : 4;
+    attend_groups(job->qkv + b * job->n * job->width, job->width, job->keys + b * job->sequence * kv_size,
+                  job->values + b * job->sequence * kv_size, job->kv_bf16, job->capacity,
+                  job->attn + b * job->n * job->heads * job->D, job->mask ? job->mask + b * job->n * job->end : NULL,
+                  job->n, job->heads, job->kv_heads, job->D, job->start, job->end, job->scale, scratch,
+                  job->prefetch_values, first_group, end_group);
+}
+
 /* Units first .. end_unit - 1 of a pooled job (unit u: sequence u / kv_heads, kv head u % kv_heads), on this
  * thread's scratch. */
 static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit) {
@@ -1780,16 +1779,9 @@ static void attend_units(attend_job *job, Py_ssize_t first, Py_ssize_t end_unit)
         atomic_store(&job->failed, 1);
         return;
     }
-    float *scratch = unit_scratch;
-    const Py_ssize_t kv_size = job->kv_bf16 ? 2 : 4;
     for (Py_ssize_t u = first; u < end_unit; u++) {
-        const Py_ssize_t b = u / job->kv_heads;
         const int g = (int)(u % job->kv_heads);
-        attend_groups(job->qkv + b * job->n * job->width, job->width, job->keys + b * job->sequence * kv_size,
-                      job->values + b * job->sequence * kv_size, job->kv_bf16, job->capacity,
-                      job->attn + b * job->n * job->heads * job->D, job->mask ? job->mask + b * job->n * job->end : NULL,
-                      job->n, job->heads, job->kv_heads, job->D, job->start, job->end, job->scale, scratch,
-                      job->prefetch_values, g, g + 1);
+        attend_sequence(job, u / job->kv_heads, unit_scratch, g, g + 1);
     }
 }
 
@@ -1808,13 +1800,7 @@ static int attend_batch(attend_job *job, Py_ssize_t batch) {
         if (pool_run(&pooled) == 0) return atomic_load(&job->failed) ? -1 : 0;
     }
     /* alone: each sequence's kv heads in one call, on the caller's scratch (as before the threads) */
-    const Py_ssize_t kv_size = job->kv_bf16 ? 2 : 4;
-    for (Py_ssize_t b = 0; b < batch; b++)
-        attend(job->qkv + b * job->n * job->width, job->width, job->keys + b * job->sequence * kv_size,
-               job->values + b * job->sequence * kv_size, job->kv_bf16, job->capacity,
-               job->attn + b * job->n * job->heads * job->D, job->mask ? job->mask + b * job->n * job->end : NULL,
-               job->n, job->heads, job->kv_heads, job->D, job->start, job->end, job->scale, job->scratch,
-               job->prefetch_values);
+    for (Py_ssize_t b = 0; b < batch; b++) attend_sequence(job, b, job->scratch, 0, job->kv_heads);
     return 0;
 }
 
