@@ -4,7 +4,7 @@
     python scripts/bench_first_call.py --pair smollm2 --dtype bfloat16
     PYTHONPATH=/path/to/an/older/checkout python scripts/bench_first_call.py   # the same for another revision
 
-Random models of real shapes (``engine_toy.real_size``, no download; the pairs of ``bench_real_sizes.py``),
+Random models of real shapes (``engine_toy.real_size``, no download; the pairs ``engine_toy.REAL_PAIRS``),
 built before the clock starts. Timed: ``apply_threads`` at the default threads (what ``gbv generate`` calls
 after loading; past 100M parameters it builds the target's lean view to choose the threads), then the first
 ``generate`` (BV L = 4, one 64-token prompt, 16 new tokens: the draft's lean views, the forward choices and
@@ -22,10 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-from engine_toy import real_size  # noqa: E402
+from engine_toy import REAL_PAIRS as PAIRS, real_size  # noqa: E402
 
-PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m", "smollm2-135m"),
-         "pythia-small": ("pythia-70m", "pythia-14m")}
 
 
 def main() -> None:

@@ -34,10 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-from engine_toy import real_size  # noqa: E402
+from engine_toy import REAL_PAIRS as PAIRS, real_size  # noqa: E402
 
-PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m", "smollm2-135m"),
-         "pythia-small": ("pythia-70m", "pythia-14m")}
 
 
 def main() -> None:

@@ -557,6 +557,9 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
 # Random models of real models' shapes (no download): scripts/bench_family_steps.py, bench_real_sizes.py and
 # bench_lean_build.py.
 REAL_SIZES = ("pythia-14m", "pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m")
+# Target / draft pairs of those shapes (scripts/bench_real_sizes.py, scripts/bench_first_call.py).
+REAL_PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m", "smollm2-135m"),
+              "pythia-small": ("pythia-70m", "pythia-14m")}
 
 
 def real_size(name: str, seed: int = 0):
