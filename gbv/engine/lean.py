@@ -853,6 +853,9 @@ class LeanCausalLM:
     Hugging Face tensors in place.
     """
 
+    # (no_grad: the copies, folds and reorders of the model's parameters would otherwise be recorded by
+    # autograd, each op with its graph: 9.7 s against 5.1 s for the lean view of a Pythia-410m-shaped model)
+    @torch.no_grad()
     def __init__(self, model) -> None:
         reason = lean_unsupported_reason(model)
         if reason is not None:

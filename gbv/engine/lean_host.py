@@ -151,11 +151,15 @@ def _llama_layers(lean) -> bool:
 # target measured 2.57 ms that way, 1.23 ms in decoding).
 _CHOICE_ROUNDS = 5
 _CHOICE_RUN = 3
-# Where every form's step took more than this (a model of hundreds of millions of parameters) in the first
-# round, one more round decides: the forms differ by far more than the noise there (a 405M step 45 ms on the
-# compiled forward against 90 ms on torch's), and five rounds cost about 3 s at load.
-_SLOW_STEP_S = 0.02
+# Where every form's step took more than this (a model of tens of millions of parameters or more) in the
+# first round, one more round decides: the forms differ by far more than the noise there (a 405M step 45 ms
+# on the compiled forward against 90 ms on torch's; Pythia-70m's and SmolLM2-135M's shapes 5.5 and 10 ms
+# against 13 and 38-43 ms), and five rounds cost seconds at load (1.4 s of the SmolLM2-135M draft's).
+_SLOW_STEP_S = 0.005
 _SLOW_ROUNDS = 2
+# There, a form whose first-round step took this many times the fastest one's is not run again: the second
+# round would not rank it first (torch's forms of those models took 1.5-4x the compiled one's step).
+_CLEAR_LOSS = 1.25
 # Another forward replaces the host forward with its compiled products only when its step takes less
 # than this fraction of that one's. Why: a one-token step is not all of decoding (a draft depth of K
 # tips, a tree pass), and where two are within a few percent the choice flipped between runs; with the
@@ -191,8 +195,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     products (1.5 ms in the host forward) and even torch's forward (2.0 ms) beat the compiled ones
     (docs/ENGINE.md, "Which forward runs on the CPU, and how its kernels prefetch"). Which wins depends
     on the CPU, so it is measured, once per model, in 15 steps of each form (0.04-0.23 s for the bundled
-    pair; 6 where every form's first timed step took over ``_SLOW_STEP_S``: a model of hundreds of
-    millions of parameters)."""
+    pair; 6 where every form's first timed step took over ``_SLOW_STEP_S``: a model of tens of millions
+    of parameters or more, the second round without the forms that lost the first by ``_CLEAR_LOSS``)."""
     forced = os.environ.get("GBV_HOST_FORWARD")
     if forced == "1":
         return HOST, None
@@ -255,8 +259,10 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
                         began = time.perf_counter()
                         steps[name]()
                     times[name].append(time.perf_counter() - began)
-                if repeat == 0 and min(values[0] for values in times.values()) > _SLOW_STEP_S:
+                fastest = min(values[0] for values in times.values())
+                if repeat == 0 and fastest > _SLOW_STEP_S:
                     rounds = _SLOW_ROUNDS
+                    names = [name for name in names if times[name][0] <= _CLEAR_LOSS * fastest]
     finally:
         lean.host_forward, host.panels_off = saved, None  # (its compiled products: measured only with them)
         if hint is not None:

@@ -213,7 +213,8 @@ def test_a_model_of_amx_products_leaves_the_prefetch_hint_to_the_next(monkeypatc
 def test_slow_steps_are_timed_in_fewer_rounds(monkeypatch):
     """Where every form's first timed step takes over _SLOW_STEP_S (a model of hundreds of millions of
     parameters), the choice stops after _SLOW_ROUNDS rounds instead of _CHOICE_ROUNDS: the clock is read as many
-    times fewer (counted where choose_cpu_forward reads it)."""
+    times fewer (counted where choose_cpu_forward reads it). A form that lost the first round by _CLEAR_LOSS is
+    not run again (at 1.0, every form but the fastest)."""
     import sys
     import time as real_time
 
@@ -231,11 +232,16 @@ def test_slow_steps_are_timed_in_fewer_rounds(monkeypatch):
 
     monkeypatch.setattr(lean_host, "time", Clock)
     counts = {}
-    for name, slow in (("fast", 1e9), ("slow", 0.0)):
+    for name, slow, clear_loss in (("fast", 1e9, 1e9), ("slow", 0.0, 1e9), ("pruned", 0.0, 1.0)):
         monkeypatch.setattr(lean_host, "_SLOW_STEP_S", slow)
+        monkeypatch.setattr(lean_host, "_CLEAR_LOSS", clear_loss)
         del reads[:]
         lean = LeanCausalLM(hf_pair("llama", vocab=32, seed=3)[0])
         assert lean.forward_times is not None
-        counts[name] = len(reads) / len(lean.forward_times)  # (clock reads per form)
-    assert counts["fast"] == lean_host._CHOICE_ROUNDS * (lean_host._CHOICE_RUN + 1)
-    assert counts["slow"] == lean_host._SLOW_ROUNDS * (lean_host._CHOICE_RUN + 1)
+        counts[name] = (len(reads), len(lean.forward_times))  # (the hint's form in the process's first only)
+    run_reads = lean_host._CHOICE_RUN + 1  # (a clock read per step, and one at the run's end)
+    (fast, forms), (slow, slow_forms), (pruned, pruned_forms) = counts["fast"], counts["slow"], counts["pruned"]
+    assert min(forms, slow_forms, pruned_forms) >= 3
+    assert fast == forms * lean_host._CHOICE_ROUNDS * run_reads
+    assert slow == slow_forms * lean_host._SLOW_ROUNDS * run_reads
+    assert pruned == (pruned_forms + lean_host._SLOW_ROUNDS - 1) * run_reads

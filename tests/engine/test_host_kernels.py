@@ -126,6 +126,11 @@ def test_bf16_panels_hold_the_values_in_the_kernels_column_order():
     assert not widened[1][:, [order.index(c) for c in range(4, 16)]].any()  # padding
     with pytest.raises(ValueError, match="bfloat16 values"):
         PanelWeight(weight + np.float32(1e-3), bf16=True)
+    one_bit_off = weight.copy()
+    one_bit_off.view(np.uint32)[-1, -1] |= 1  # (the last value only: the whole matrix is checked)
+    for amx in (False, True) if host_kernels.amx_products() else (False,):
+        with pytest.raises(ValueError, match="bfloat16 values"):
+            PanelWeight(one_bit_off, bf16=True, amx=amx)
 
 
 needs_amx = pytest.mark.skipif(host_kernels_unavailable() is not None or not host_kernels._host_kernels.amx(),
