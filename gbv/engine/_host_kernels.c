@@ -646,6 +646,7 @@ static void pack_range(const float *w, Py_ssize_t K, Py_ssize_t N, int kind, voi
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #define POOL_SLOTS 4
 /* Spins of a waiting worker (_mm_pause, ~40-140 cycles each) before it sleeps: some tens of microseconds. */
@@ -702,12 +703,61 @@ static void product_chunk(const product_job *job, long chunk) {
         panel_range(job->x, job->panels, job->kind, job->y, job->M, job->K, job->N, job->accumulate, first, end);
 }
 
-static void take_chunks(pool_slot *slot) {
-    long chunk;
+/* Runs chunks of the slot's job until none is left to take; returns how many this thread ran. */
+static long take_chunks(pool_slot *slot) {
+    long chunk, taken = 0;
     while ((chunk = atomic_fetch_add(&slot->next, 1)) < slot->chunks) {
         product_chunk(&slot->job, chunk);
         atomic_fetch_add(&slot->done, 1);
+        taken++;
     }
+    return taken;
+}
+
+/* Whether the threads pay, judged by the caller (under pool_caller) over windows of pooled jobs.
+ *
+ * Why: where another process holds a core, a worker loses it now and then inside a chunk, and the caller
+ * waits for that chunk (a scheduler's time slice, milliseconds, against tens to hundreds of microseconds a
+ * product): a 360M-parameter bfloat16 pair decoded at 0.87-0.92x of its speed on one thread, with a process
+ * spinning on one of the two cores.
+ *
+ * How: per pooled job, its time from posting to the last chunk's end, against the caller's estimate of
+ * running it alone: its own time per chunk times the job's chunks (a little high, since two threads share
+ * the memory's rate: a step on two threads takes 0.50-0.55x one thread's). Where a window's jobs took more
+ * than pool_worth of their estimate, the next pool_backoff jobs run alone (workers asleep); the backoff
+ * doubles at each verdict against the threads, up to POOL_BACKOFF_MAX, and is reset by one for them. An idle
+ * machine's windows take about half their estimate, so there the threads run throughout. The bits are the
+ * same either way. */
+#define POOL_WINDOW 64
+#define POOL_WORTH 0.9
+#define POOL_BACKOFF_MIN 256
+#define POOL_BACKOFF_MAX 16384
+static double pool_worth = POOL_WORTH;
+static int pool_window = POOL_WINDOW;
+static int pool_window_jobs;
+static double pool_window_ns, pool_window_alone_ns;
+static long pool_alone_left, pool_backoff = POOL_BACKOFF_MIN;
+static unsigned long pool_verdicts_against;
+
+static double now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return 1e9 * (double)t.tv_sec + (double)t.tv_nsec;
+}
+
+static void pool_judge(double job_ns, double alone_ns) {
+    pool_window_ns += job_ns;
+    pool_window_alone_ns += alone_ns;
+    if (++pool_window_jobs < pool_window) return;
+    if (pool_window_ns > pool_worth * pool_window_alone_ns) {
+        pool_alone_left = pool_backoff;
+        pool_backoff = 2 * pool_backoff < POOL_BACKOFF_MAX ? 2 * pool_backoff : POOL_BACKOFF_MAX;
+        pool_verdicts_against++;
+    } else {
+        pool_backoff = POOL_BACKOFF_MIN;
+    }
+    pool_window_jobs = 0;
+    pool_window_ns = pool_window_alone_ns = 0.0;
 }
 
 static void *pool_worker(void *arg) {
@@ -750,6 +800,10 @@ static void pool_after_fork(void) {
     pthread_cond_init(&pool_wake, NULL);
     pthread_mutex_init(&pool_caller, NULL);
     atomic_store(&pool_sleepers, 0);
+    pool_window_jobs = 0;
+    pool_window_ns = pool_window_alone_ns = 0.0;
+    pool_alone_left = 0;
+    pool_backoff = POOL_BACKOFF_MIN;
 }
 
 /* Workers for `threads` threads in all, created once (0 where none could be: one thread then). */
@@ -772,11 +826,13 @@ static int pool_start(int threads) {
 }
 
 /* Runs every chunk of `job`: the workers take what they reach, the caller the rest. 0 where it ran; -1
- * where no job could be posted (another caller posting, or no workers): the caller then runs it alone. */
+ * where no job could be posted (another caller posting, no workers, or the threads judged not to pay just
+ * now: pool_judge): the caller then runs it alone. */
 static int pool_run(const product_job *job) {
     const int threads = atomic_load(&pool_wanted);
     if (threads < 2 || pthread_mutex_trylock(&pool_caller) != 0) return -1;
-    if (!pool_start(threads)) {
+    if (pool_alone_left > 0 || !pool_start(threads)) {
+        if (pool_alone_left > 0) pool_alone_left--;
         pthread_mutex_unlock(&pool_caller);
         return -1;
     }
@@ -796,7 +852,9 @@ static int pool_run(const product_job *job) {
         pthread_cond_broadcast(&pool_wake);
         pthread_mutex_unlock(&pool_mutex);
     }
-    take_chunks(slot);
+    const double began = now_ns();
+    const long mine = take_chunks(slot);
+    const double own_ns = now_ns() - began;
     /* chunks a worker has begun: spin, then yield the core (to that worker, where it shares this one) */
     for (long spins = 0; atomic_load(&slot->done) < slot->chunks; spins++) {
         if (spins < POOL_SPINS)
@@ -804,6 +862,7 @@ static int pool_run(const product_job *job) {
         else
             sched_yield();
     }
+    if (mine > 0) pool_judge(now_ns() - began, own_ns / (double)mine * (double)slot->chunks);
     pthread_mutex_unlock(&pool_caller);
     return 0;
 }
@@ -2106,6 +2165,40 @@ static PyObject *split_products(PyObject *self, PyObject *unused) {
 #endif
 }
 
+/* (worth, window): pool_judge's share and window (the tests make a verdict certain with 0 or a large share). */
+static PyObject *set_pool_verdict(PyObject *self, PyObject *args) {
+    double worth;
+    int window;
+    if (!PyArg_ParseTuple(args, "di", &worth, &window))
+        return NULL;
+    if (!(worth >= 0.0) || window < 1) {
+        PyErr_SetString(PyExc_ValueError, "the verdict's share must be >= 0 and its window >= 1 job");
+        return NULL;
+    }
+#ifdef GBV_PANELS_X86
+    pthread_mutex_lock(&pool_caller);
+    pool_worth = worth;
+    pool_window = window;
+    pool_window_jobs = 0;
+    pool_window_ns = pool_window_alone_ns = 0.0;
+    pool_alone_left = 0;
+    pool_backoff = POOL_BACKOFF_MIN;
+    pthread_mutex_unlock(&pool_caller);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_verdicts(PyObject *self, PyObject *unused) {
+#ifdef GBV_PANELS_X86
+    pthread_mutex_lock(&pool_caller);
+    PyObject *result = Py_BuildValue("(kl)", pool_verdicts_against, pool_alone_left);
+    pthread_mutex_unlock(&pool_caller);
+    return result;
+#else
+    return Py_BuildValue("(kl)", 0UL, 0L);
+#endif
+}
+
 static PyObject *set_avx512(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on))
@@ -3060,6 +3153,12 @@ static PyMethodDef METHODS[] = {
     {"threads", threads, METH_NOARGS, "The products' threads (set_threads)."},
     {"split_products", split_products, METH_NOARGS,
      "How many products this process has split among threads (a count for the tests)."},
+    {"set_pool_verdict", set_pool_verdict, METH_VARARGS,
+     "set_pool_verdict(worth, window): the split products run alone for a while where a window of `window` "
+     "of them took more than `worth` of the caller's estimate of running them alone (defaults 0.9 and 64); "
+     "resets the verdicts' state."},
+    {"pool_verdicts", pool_verdicts, METH_NOARGS,
+     "(verdicts against the threads so far, products left to run alone now): a count for the tests."},
     {"amx", amx, METH_NOARGS,
      "Whether AMX panels (kind 2) can be multiplied here: AMX-BF16 and AVX512-BF16, and the kernel's "
      "permission to use the tile data (asked on the first call)."},

@@ -40,6 +40,15 @@ def threads():
     use(before)
 
 
+@pytest.fixture(autouse=True)
+def threads_always_pay():
+    """No verdict against the threads in these tests (pool_judge), which count the products split: two test
+    processes on two cores may make the threads not pay. Puts the defaults back after."""
+    host_kernels._host_kernels.set_pool_verdict(1e9, 64)
+    yield
+    host_kernels._host_kernels.set_pool_verdict(0.9, 64)
+
+
 def _kinds() -> list[tuple[str, bool, bool]]:
     """(name, bf16, amx) of every panel kind this CPU multiplies."""
     kinds = [("float32", False, False), ("bfloat16", True, False)]
@@ -359,3 +368,42 @@ def test_panels_packed_in_c_equal_numpys_packing(threads):
                 want = PanelWeight._packed_by_numpy(weight, amx, bf16, num_panels, depth)
                 assert packed.panels.shape == want.shape and packed.panels.dtype == want.dtype
                 assert np.array_equal(packed.panels, want), (name, in_features, out_features, count)
+
+
+def test_products_run_alone_for_a_while_where_the_threads_do_not_pay(threads):
+    """A window of split products that took more than the verdict's share of the caller's estimate alone
+    (a share of 0: any window) makes the next ones run alone, with the same bits, for a backoff that doubles
+    at each verdict against the threads; a share no window reaches never does. Bad settings are refused."""
+    kernels = host_kernels._host_kernels
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((512, 1024)).astype(np.float32)
+    panel = PanelWeight(weight)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    threads(1)
+    want = panel.matmul_into(x, np.empty((3, 1024), np.float32))
+    threads(2)
+    window = 4
+    kernels.set_pool_verdict(0.0, window)
+    against, _ = kernels.pool_verdicts()
+    split = kernels.split_products()
+    for _ in range(window):  # (the window: split, then the verdict)
+        np.testing.assert_array_equal(panel.matmul_into(x, np.empty_like(want)), want)
+    assert kernels.split_products() - split == window
+    verdicts, alone_left = kernels.pool_verdicts()
+    assert verdicts == against + 1 and alone_left > 0
+    for _ in range(alone_left):  # (the backoff: alone)
+        np.testing.assert_array_equal(panel.matmul_into(x, np.empty_like(want)), want)
+    assert kernels.split_products() - split == window and kernels.pool_verdicts() == (verdicts, 0)
+    for _ in range(window):  # (split again, and a second verdict with a backoff twice as long)
+        panel.matmul_into(x, np.empty_like(want))
+    assert kernels.split_products() - split == 2 * window
+    assert kernels.pool_verdicts() == (verdicts + 1, 2 * alone_left)
+
+    kernels.set_pool_verdict(1e9, window)
+    split = kernels.split_products()
+    for _ in range(5 * window):
+        np.testing.assert_array_equal(panel.matmul_into(x, np.empty_like(want)), want)
+    assert kernels.split_products() - split == 5 * window and kernels.pool_verdicts() == (verdicts + 1, 0)
+    for worth, size in ((-1.0, 64), (float("nan"), 64), (0.9, 0)):
+        with pytest.raises(ValueError, match="verdict"):
+            kernels.set_pool_verdict(worth, size)
