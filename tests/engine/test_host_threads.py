@@ -46,7 +46,7 @@ def threads_always_pay():
     processes on two cores may make the threads not pay. Puts the defaults back after."""
     host_kernels._host_kernels.set_pool_verdict(1e9, 64)
     yield
-    host_kernels._host_kernels.set_pool_verdict(0.9, 64)
+    host_kernels._host_kernels.set_pool_verdict(1.0, 64)
 
 
 def _kinds() -> list[tuple[str, bool, bool]]:
