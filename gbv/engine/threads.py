@@ -20,8 +20,6 @@ Measured on the 2-core machines (docs/ENGINE.md, "Threads" and "The compiled for
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from gbv.engine import host_kernels
@@ -38,12 +36,18 @@ def _on_cpu(target) -> bool:
     return all(p.device.type == "cpu" for p in target.parameters())
 
 
-def cores() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # (not Linux)
-        return os.cpu_count() or 1
+# torch's intra-op threads as gbv found them (this module's import, before apply_threads changes them): one
+# per physical core by default, OMP_NUM_THREADS where set. "Every core" for the products (:func:`every_core`),
+# for both defaults that give them every core. (Before, a 30-100M target's counted the CPUs of the affinity
+# mask, hyperthreads included and OMP_NUM_THREADS ignored, and a larger one's read torch's count at the
+# call, which a first apply_threads had set to one.)
+_TORCH_THREADS_FOUND = torch.get_num_threads()
+
+
+def every_core() -> int:
+    """The compiled products' threads where they take every core: torch's intra-op count as gbv found it
+    (at most 64, the products' limit)."""
+    return min(_TORCH_THREADS_FOUND, 64)
 
 
 def default_threads(target) -> int | None:
@@ -57,7 +61,7 @@ def default_product_threads(target) -> int | None:
     count: one thread for smaller targets, torch's default for larger ones)."""
     count = parameter_count(target)
     if _on_cpu(target) and SPLIT_MODEL_PARAMETERS <= count <= SMALL_MODEL_PARAMETERS:
-        return min(cores(), 64)
+        return every_core()
     return None
 
 
@@ -90,7 +94,7 @@ def apply_threads(threads: int | str | None, target, draft=None) -> int:
         threads = default_threads(target)
         products = default_product_threads(target)
         if threads is None and _on_cpu(target) and _compiled_target(target, draft):
-            threads, products = 1, min(torch.get_num_threads(), 64)
+            threads, products = 1, every_core()
     if threads is not None:
         torch.set_num_threads(int(threads))
     host_kernels.set_product_threads(products)

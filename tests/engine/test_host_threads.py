@@ -209,19 +209,24 @@ class _Sized:
         return iter([torch.empty(1).expand(self.count)])
 
 
-def test_default_threads_keep_torch_on_one_and_split_the_products_of_mid_sized_targets(threads):
+def test_default_threads_keep_torch_on_one_and_split_the_products_of_mid_sized_targets(threads, monkeypatch):
     """By default (``--threads`` not given): a target of up to 30M parameters runs on one thread throughout; one
     of 30-100M keeps torch on one thread (its ops collapse where another process holds a core) and splits its
-    compiled products among every core; a larger one keeps torch's default, which the products follow. An
+    compiled products among every core (torch's count as gbv found it, here 3, whatever torch's count at the
+    call, and again at a second call); a larger one keeps torch's default, which the products follow. An
     explicit count sets both."""
     from gbv.engine import threads as engine_threads
 
+    monkeypatch.setattr(engine_threads, "_TORCH_THREADS_FOUND", 3)
     torch.set_num_threads(2)
     try:
         assert engine_threads.apply_threads(None, _Sized(8_000_000)) == 1
         assert host_kernels.product_threads() == 1
-        assert engine_threads.apply_threads("auto", _Sized(70_000_000)) == 1
-        assert host_kernels.product_threads() == min(engine_threads.cores(), 64)
+        for _ in range(2):
+            assert engine_threads.apply_threads("auto", _Sized(70_000_000)) == 1
+            assert host_kernels.product_threads() == engine_threads.every_core() == 3
+        monkeypatch.setattr(engine_threads, "_TORCH_THREADS_FOUND", 100)
+        assert engine_threads.every_core() == 64  # (the products' limit)
         torch.set_num_threads(2)
         assert engine_threads.apply_threads(None, _Sized(400_000_000)) == 2
         assert host_kernels.product_threads() == 2
@@ -263,10 +268,13 @@ def test_a_large_target_on_the_compiled_forward_keeps_torch_on_one_thread(thread
 
     monkeypatch.setattr(engine_threads, "SMALL_MODEL_PARAMETERS", 0)
     monkeypatch.setattr(engine_threads, "SPLIT_MODEL_PARAMETERS", 0)
+    monkeypatch.setattr(engine_threads, "_TORCH_THREADS_FOUND", 2)
     try:
         target, draft = hf_pair("llama", vocab=300, seed=9, target_size=(256, 2))
         threads(2)
         assert engine_threads.apply_threads(None, target, draft) == 1
+        assert host_kernels.product_threads() == 2
+        assert engine_threads.apply_threads(None, target, draft) == 1  # (a second call: torch on one already)
         assert host_kernels.product_threads() == 2
         monkeypatch.setenv("GBV_HOST_FORWARD", "0")
         target, draft = hf_pair("llama", vocab=300, seed=10, target_size=(256, 2))
