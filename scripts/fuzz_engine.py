@@ -124,9 +124,9 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
 def exact_rows(args) -> bool:
     """Whether rows must equal their references bit for bit: on the CPU where the compiled kernels run
     (``main`` sets one thread), for a family they run (the bundled Llama pair, Phi-3, and since the
-    thirty-ninth session GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and GPT-J)."""
+    thirty-ninth session GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and GPT-J; since the forty-first Qwen3)."""
     return (args.device == "cpu" and host_kernels_unavailable() is None and torch.get_num_threads() == 1
-            and args.family in ("llama", "phi3", "gptneox", "gpt2", "opt", "gpt-bigcode", "phi", "gptj"))
+            and args.family in ("llama", "phi3", "gptneox", "gpt2", "opt", "gpt-bigcode", "phi", "gptj", "qwen3"))
 
 
 def load(args):
@@ -268,7 +268,8 @@ def main() -> int:
     parser.add_argument("--family", default="llama", choices=("llama", "phi3", "granite", "gemma", "gemma2", "gemma3",
                                                               "mistral", "smollm3", *SHAPED_LIKE),
                         help="the bundled pair as is (llama) or rewritten in this family's layout (gptneox, gpt2, "
-                             "opt, gpt-bigcode, starcoder2, phi, olmo2, olmo3, gptj: random models of its shapes)")
+                             "opt, gpt-bigcode, starcoder2, phi, olmo2, olmo3, gptj, qwen3: random models of its "
+                             "shapes)")
     parser.add_argument("--product-threads", type=int, default=1,
                         help="the compiled products' threads (torch keeps one; the same bits at any count)")
     args = parser.parse_args()

@@ -1993,6 +1993,9 @@ typedef struct {
     int parallel;   /* LAYER_SEQUENTIAL, LAYER_PARALLEL (attention and the MLP each norm the layer's input:
                      * GPT-NeoX) or LAYER_PARALLEL_SHARED (the MLP reads attention's norm: Phi, GPT-J) */
     const float *b_o, *b_up, *b_down; /* the products' biases (NULL: none) */
+    const float *qk_norm; /* Qwen3's q and k norms, each head's D values: the q weights, then the k weights
+                           * (each in the rows' interleaved order; NULL: none) */
+    double qk_eps;
 } layer_style;
 enum { LAYER_SEQUENTIAL = 0, LAYER_PARALLEL = 1, LAYER_PARALLEL_SHARED = 2 };
 /* A style's bits as Python packs them (host_kernels.layer_style): norm, parallel, MLP. */
@@ -2005,6 +2008,15 @@ static const char *style_error(int bits) {
     if (bits < 0 || bits >= 64 || STYLE_PARALLEL(bits) > LAYER_PARALLEL_SHARED || STYLE_MLP(bits) > MLP_RELU)
         return "a layer's style must be norm | parallel << 1 | mlp << 3 (host_kernels.layer_style)";
     return NULL;
+}
+
+/* v = w * (v / sqrt(mean(v^2) + eps)) over one head's D values, as the lean view's _rms_norm computes a q or k
+ * norm (Qwen3's, over the head dimension) to float32 rounding: the sum of squares in float64. */
+static void rms_head(float *v, int D, const float *w, double eps) {
+    double sum = 0.0;
+    for (int d = 0; d < D; d++) sum += (double)v[d] * (double)v[d];
+    const float scale = (float)(1.0 / sqrt(sum / D + eps));
+    for (int d = 0; d < D; d++) v[d] = w[d] * (v[d] * scale);
 }
 
 /* One decoder layer for n rows of each of `batch` sequences, in place on `hidden` (batch * n, H): what
@@ -2027,7 +2039,8 @@ static const char *style_error(int bits) {
  * after the o, up and down products, an MLP of the up projection alone (act(x W_up + b_up): GELU, its tanh
  * form or ReLU; gate_up then (rows, I), w_gate_up (H, I)), attention and the MLP both reading the layer's
  * input (hidden += attn @ W_o + mlp(norm'(hidden)), norm' the MLP's own norm or attention's), and rotation
- * NULL for models without one (learned positions, added to the embedding rows by the caller).
+ * NULL for models without one (learned positions, added to the embedding rows by the caller); and, where
+ * style->qk_norm is given (Qwen3), each q and k head RMS-normed and scaled before the rotation (rms_head).
  * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are packed as one kind
  * (bf16: PANELS_F32, PANELS_BF16 or PANELS_AMX, see panel_product); the cache's keys and values are
  * float32 (kv_bf16 = 0) or bfloat16, rounded to nearest even as they are written (bf16_bits);
@@ -2048,6 +2061,9 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
         const Py_ssize_t i = r % n, first = (r / n) * sequence; /* query i of sequence r / n */
         float *row = qkv + r * width;
         add_bias_rows(row, b_qkv, 1, width);
+        if (style->qk_norm) /* (each q and k head RMS-normed over its D values, then scaled: Qwen3) */
+            for (int head = 0; head < heads + kv_heads; head++)
+                rms_head(row + (Py_ssize_t)head * D, D, style->qk_norm + (head < heads ? 0 : D), style->qk_eps);
         if (rotation) { /* (NULL: no rotation) */
             const float *rot = rotation + r * D; /* D/2 (cos, sin) pairs */
             for (int head = 0; head < heads + kv_heads; head++) {
@@ -2515,16 +2531,17 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 }
 
 static PyObject *layer(PyObject *self, PyObject *args) {
-    PyObject *objects[18];
+    PyObject *objects[19];
     Py_ssize_t n, start, batch = 1;
     int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0, style_bits = 0;
-    double eps_in, eps_post, scale;
-    objects[15] = objects[16] = objects[17] = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOi", &objects[0], &objects[1], &objects[2],
+    double eps_in, eps_post, scale, qk_eps = 0.0;
+    objects[15] = objects[16] = objects[17] = objects[18] = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOd", &objects[0], &objects[1], &objects[2],
                           &objects[3], &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads,
                           &kv_heads, &D, &I, &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch,
-                          &prefetch_values, &objects[15], &objects[16], &objects[17], &style_bits))
+                          &prefetch_values, &objects[15], &objects[16], &objects[17], &style_bits, &objects[18],
+                          &qk_eps))
         return NULL;
     if (style_error(style_bits) != NULL) {
         PyErr_SetString(PyExc_ValueError, style_error(style_bits));
@@ -2547,21 +2564,23 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t end = start + n, rows = batch * n; /* (batch sequences of n queries each) */
 #define PANELS(K, N) panels_bytes(bf16, K, N)
-    /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask b_o b_up b_down */
-    const Py_ssize_t sizes[18] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
+    /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask b_o b_up b_down
+     * qk_norm */
+    const Py_ssize_t sizes[19] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
                                   rows * up_width * f, rows * I * f, PANELS(H, width), width * f,
                                   PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width), PANELS((Py_ssize_t)I, H),
-                                  rows * D * f, -1, -1, rows * end, H * f, up_width * f, H * f};
+                                  rows * D * f, -1, -1, rows * end, H * f, up_width * f, H * f, 2 * D * f};
 #undef PANELS
-    static const char *names[18] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv", "w_o",
+    static const char *names[19] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv", "w_o",
                                     "w_gate_up", "w_down", "rotation", "keys", "values", "mask", "b_o", "b_up",
-                                    "b_down"};
-    static const int writable[18] = {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0};
-    Py_buffer views[18];
-    int given[18] = {0};
+                                    "b_down", "qk_norm"};
+    static const int writable[19] = {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0};
+    Py_buffer views[19];
+    int given[19] = {0};
     int failed = 0;
-    for (int b = 0; b < 18 && !failed; b++) {
-        /* the biases, the rotation (none: a model without one) and the mask may be None; the rest must be there */
+    for (int b = 0; b < 19 && !failed; b++) {
+        /* the biases, the rotation (none: a model without one), the mask and the q/k norms may be None; the rest
+         * must be there */
         const int optional = b == 7 || b == 11 || b >= 14;
         const Py_ssize_t bytes = optional && objects[b] == Py_None ? -1 : sizes[b];
         failed = get_buffer(objects[b], &views[b], writable[b], bytes, names[b], &given[b]) != 0;
@@ -2594,7 +2613,8 @@ static PyObject *layer(PyObject *self, PyObject *args) {
         const layer_style style = {STYLE_LAYER_NORM(style_bits), STYLE_MLP(style_bits), STYLE_PARALLEL(style_bits),
                                    given[15] ? (const float *)views[15].buf : NULL,
                                    given[16] ? (const float *)views[16].buf : NULL,
-                                   given[17] ? (const float *)views[17].buf : NULL};
+                                   given[17] ? (const float *)views[17].buf : NULL,
+                                   given[18] ? (const float *)views[18].buf : NULL, qk_eps};
         Py_BEGIN_ALLOW_THREADS
         out_of_memory = layer_forward(
             (float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
@@ -2607,7 +2627,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
 #endif
     }
     PyMem_RawFree(scores);
-    for (int b = 0; b < 18; b++)
+    for (int b = 0; b < 19; b++)
         if (given[b]) PyBuffer_Release(&views[b]);
     if (out_of_memory) PyErr_NoMemory();
     if (failed || out_of_memory) return NULL;
@@ -2819,17 +2839,18 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
     const Py_ssize_t num_layers = PyTuple_GET_SIZE(layers), f = (Py_ssize_t)sizeof(float);
     /* a layer's entry: w_qkv b_qkv w_o w_gate_up w_down eps_in eps_post scale, then for layers other than the
-     * Llama family's b_o b_up b_down style (STYLED) */
-    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12 };
+     * Llama family's b_o b_up b_down style (STYLED), and for Qwen3's qk_norm qk_eps (QK) */
+    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12, QK_ENTRY = 14 };
     for (Py_ssize_t l = 0; l < num_layers; l++) {
         PyObject *entry = PyTuple_GET_ITEM(layers, l);
-        if (!PyTuple_Check(entry) || (PyTuple_GET_SIZE(entry) != LLAMA_ENTRY && PyTuple_GET_SIZE(entry) != STYLED_ENTRY) ||
-            (PyTuple_GET_SIZE(entry) == STYLED_ENTRY && !PyLong_Check(PyTuple_GET_ITEM(entry, 11)))) {
+        const Py_ssize_t size = PyTuple_Check(entry) ? PyTuple_GET_SIZE(entry) : 0;
+        if ((size != LLAMA_ENTRY && size != STYLED_ENTRY && size != QK_ENTRY) ||
+            (size >= STYLED_ENTRY && !PyLong_Check(PyTuple_GET_ITEM(entry, 11)))) {
             PyErr_SetString(PyExc_ValueError, "each layer must be (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, "
-                                              "eps_post, scale[, b_o, b_up, b_down, style])");
+                                              "eps_post, scale[, b_o, b_up, b_down, style[, qk_norm, qk_eps]])");
             return NULL;
         }
-        if (PyTuple_GET_SIZE(entry) == STYLED_ENTRY) {
+        if (size >= STYLED_ENTRY) {
             const long bits = PyLong_AsLong(PyTuple_GET_ITEM(entry, 11));
             if (style_error(bits < 0 || bits > 63 ? -1 : (int)bits) != NULL) {
                 PyErr_SetString(PyExc_ValueError, style_error(-1));
@@ -2837,8 +2858,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             }
         }
     }
-#define ENTRY_STYLE(entry) (PyTuple_GET_SIZE(entry) == STYLED_ENTRY ? PyLong_AsLong(PyTuple_GET_ITEM(entry, 11)) : 0)
-#define ENTRY_BIAS(entry, index) (PyTuple_GET_SIZE(entry) == STYLED_ENTRY ? PyTuple_GET_ITEM(entry, index) : Py_None)
+#define ENTRY_STYLE(entry) (PyTuple_GET_SIZE(entry) >= STYLED_ENTRY ? PyLong_AsLong(PyTuple_GET_ITEM(entry, 11)) : 0)
+#define ENTRY_BIAS(entry, index) (PyTuple_GET_SIZE(entry) > (index) ? PyTuple_GET_ITEM(entry, index) : Py_None)
     /* every layer's MLP gated or none (the gate_up buffer's width) */
     const long first_style = num_layers ? ENTRY_STYLE(PyTuple_GET_ITEM(layers, 0)) : 0;
     const int gated = STYLE_MLP(first_style) == MLP_SILU_GATED;
@@ -2855,11 +2876,12 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     static const int writable[13] = {0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 0};
     Py_buffer fixed[13];
     int fixed_given[13] = {0};
-    /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values b_o b_up b_down, then eps_in eps_post scale */
-    enum { PER_LAYER = 10 };
+    /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values b_o b_up b_down qk_norm, then eps_in eps_post scale
+     * qk_eps */
+    enum { PER_LAYER = 11, CONSTANTS = 4 };
     Py_buffer *views = (Py_buffer *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(Py_buffer));
     int *given = (int *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(int));
-    double *constants = (double *)PyMem_Calloc((size_t)(3 * num_layers) + 1, sizeof(double));
+    double *constants = (double *)PyMem_Calloc((size_t)(CONSTANTS * num_layers) + 1, sizeof(double));
     layer_style *styles = (layer_style *)PyMem_Calloc((size_t)num_layers + 1, sizeof(layer_style));
     float *rotation = (float *)PyMem_RawMalloc((size_t)(n * D) * sizeof(float));
     float *scores = (float *)PyMem_RawMalloc(attend_scratch_floats(end, D) * sizeof(float));
@@ -2922,16 +2944,16 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                                       PyTuple_GET_ITEM(entry, 2), PyTuple_GET_ITEM(entry, 3),
                                       PyTuple_GET_ITEM(entry, 4), PyTuple_GET_ITEM(keys_list, l),
                                       PyTuple_GET_ITEM(values_list, l), ENTRY_BIAS(entry, 8),
-                                      ENTRY_BIAS(entry, 9), ENTRY_BIAS(entry, 10)};
+                                      ENTRY_BIAS(entry, 9), ENTRY_BIAS(entry, 10), ENTRY_BIAS(entry, 12)};
 #define OPTIONAL(index, bytes) (ENTRY_BIAS(entry, index) == Py_None ? -1 : (bytes))
         const Py_ssize_t part_sizes[PER_LAYER] = {PANELS(H, width), OPTIONAL(1, width * f),
                                                   PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width),
                                                   PANELS((Py_ssize_t)I, H), -1, -1, OPTIONAL(8, H * f),
-                                                  OPTIONAL(9, up_width * f), OPTIONAL(10, H * f)};
+                                                  OPTIONAL(9, up_width * f), OPTIONAL(10, H * f),
+                                                  OPTIONAL(12, 2 * D * f)};
 #undef OPTIONAL
-#undef ENTRY_BIAS
         static const char *part_names[PER_LAYER] = {"w_qkv", "b_qkv", "w_o", "w_gate_up", "w_down", "keys", "values",
-                                                    "b_o", "b_up", "b_down"};
+                                                    "b_o", "b_up", "b_down", "qk_norm"};
         for (int b = 0; b < PER_LAYER && !failed; b++)
             failed = get_buffer(parts[b], &views[l * PER_LAYER + b], b == 5 || b == 6, part_sizes[b], part_names[b],
                                 &given[l * PER_LAYER + b]) != 0;
@@ -2940,7 +2962,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         const int *g = given + l * PER_LAYER;
         styles[l] = (layer_style){STYLE_LAYER_NORM(bits), STYLE_MLP(bits), STYLE_PARALLEL(bits),
                                   g[7] ? (const float *)v[7].buf : NULL, g[8] ? (const float *)v[8].buf : NULL,
-                                  g[9] ? (const float *)v[9].buf : NULL};
+                                  g[9] ? (const float *)v[9].buf : NULL, g[10] ? (const float *)v[10].buf : NULL,
+                                  0.0};
 #undef ENTRY_STYLE
         if (views[l * PER_LAYER + 5].len < (first_row + 1) * sequence * kv ||
             views[l * PER_LAYER + 6].len != views[l * PER_LAYER + 5].len) {
@@ -2951,10 +2974,13 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             failed = 1;
             break;
         }
-        for (int c = 0; c < 3 && !failed; c++) {
-            constants[3 * l + c] = PyFloat_AsDouble(PyTuple_GET_ITEM(entry, 5 + c));
-            failed = constants[3 * l + c] == -1.0 && PyErr_Occurred() != NULL;
+        for (int c = 0; c < CONSTANTS && !failed; c++) { /* (eps_in eps_post scale at 5-7; qk_eps at 13, or 0) */
+            PyObject *value = c < 3 ? PyTuple_GET_ITEM(entry, 5 + c) : ENTRY_BIAS(entry, 13);
+            constants[CONSTANTS * l + c] = value == Py_None ? 0.0 : PyFloat_AsDouble(value);
+            failed = constants[CONSTANTS * l + c] == -1.0 && PyErr_Occurred() != NULL;
         }
+        styles[l].qk_eps = constants[CONSTANTS * l + 3];
+#undef ENTRY_BIAS
     }
     /* the draw: uniforms, probabilities (or a scratch row) and tokens of the output rows; one output
      * row may take its uniform as a float and give its token back as the result */
@@ -2994,10 +3020,12 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             out_of_memory = layer_forward(
                 hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
                 (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL, v[2].buf,
-                v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[3 * l], constants[3 * l + 1],
+                v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[CONSTANTS * l],
+                constants[CONSTANTS * l + 1],
                 fixed_given[3] ? rotation : NULL, (char *)v[5].buf + first_row * sequence * kv,
                 (char *)v[6].buf + first_row * sequence * kv, kv_bf16, capacity,
-                fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start, (float)constants[3 * l + 2],
+                fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start,
+                (float)constants[CONSTANTS * l + 2],
                 scores, 1, 0, styles + l);
         }
         const float *last = hidden + (n - rows_out) * H;
@@ -3177,9 +3205,10 @@ static PyMethodDef METHODS[] = {
     {"layer", layer, METH_VARARGS,
      "layer(hidden, normed, qkv, attn, gate_up, act, w_qkv, b_qkv, w_o, w_gate_up, w_down, rotation, keys, "
      "values, mask, n, H, heads, kv_heads, head_dim, intermediate, start, eps_in, eps_post, scale, bf16[, kv_bf16, "
-     "batch, prefetch_values, b_o, b_up, b_down, style]): one decoder layer of the host forward for n rows of one "
-     "sequence (or of batch sequences), in place on hidden (bf16: the weights' kind, as matmul's; prefetch_values: "
-     "see prefetch_lines; rotation None: none; style: host_kernels.layer_style)."},
+     "batch, prefetch_values, b_o, b_up, b_down, style, qk_norm, qk_eps]): one decoder layer of the host forward for "
+     "n rows of one sequence (or of batch sequences), in place on hidden (bf16: the weights' kind, as matmul's; "
+     "prefetch_values: see prefetch_lines; rotation None: none; style: host_kernels.layer_style; qk_norm: Qwen3's "
+     "q and k norm weights, 2 * head_dim float32, or None)."},
     {"activation", activation, METH_VARARGS,
      "activation(x, out, count, mlp): out = act(x) over count float32 values, act the compiled layers' MLP "
      "activation mlp (host_kernels.MLP_GELU, MLP_GELU_TANH or MLP_RELU)."},

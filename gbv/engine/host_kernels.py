@@ -365,7 +365,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                w_down: PanelWeight, rotation: np.ndarray | None, keys: np.ndarray, values: np.ndarray,
                mask: np.ndarray | None, start: int, eps_in: float, eps_post: float, scale: float,
                batch: int = 1, prefetch_values: bool = False, b_o: np.ndarray | None = None,
-               b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, style: int = LLAMA_STYLE) -> None:
+               b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, style: int = LLAMA_STYLE,
+               qk_norm: np.ndarray | None = None, qk_eps: float = 0.0) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
     ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
     with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
@@ -388,7 +389,9 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     alone (``w_gate_up`` then holds it; ``rows.gate_up`` (rows, I)), attention and the MLP in parallel
     (``h + attn(norm(h)) + mlp(norm'(h))``; the sums in another order than the model's modules: float
     rounding). ``b_o``, ``b_up``, ``b_down``: the products' biases, or None. ``rotation`` None: no
-    rotation (GPT-2, OPT, GPT-BigCode: learned positions, added to the embedding rows).
+    rotation (GPT-2, OPT, GPT-BigCode: learned positions, added to the embedding rows). ``qk_norm``
+    (Qwen3): the q and k norms' weights, a (2 * D,) float32 array in the rows' interleaved order (q's, then
+    k's): each q and k head is RMS-normed over its D values (eps ``qk_eps``) and scaled before the rotation.
     """
     total, hidden = rows.hidden.shape
     n = total // batch
@@ -400,7 +403,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                         w_o.panels, w_gate_up.panels, w_down.panels, rotation, keys, values, mask, n, hidden,
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
                         eps_post, scale, kind, *_trailing((kv_bf16(keys), False), (batch, 1), (prefetch_values, False),
-                                                          (b_o, None), (b_up, None), (b_down, None), (style, LLAMA_STYLE)))
+                                                          (b_o, None), (b_up, None), (b_down, None), (style, LLAMA_STYLE),
+                                                          (qk_norm, None), (qk_eps, 0.0)))
 
 
 def _trailing(*given: tuple) -> tuple:
@@ -491,9 +495,10 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     tokens, positions: (n,) int64. embed: (V, H) float32. rotary: (P, D/2) complex64, the rotation
     of each position, or None (no rotation). position_rows: (P', H) float32, the learned rows added at
     ``position + position_offset`` (GPT-2, OPT), or None. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up,
-    w_down, eps_in, eps_post, scale, b_o, b_up, b_down, style)`` per layer, the weights as panel arrays
-    (``PanelWeight.panels``, all of one kind like ``head``), the biases float32 arrays or None, ``style``
-    :func:`layer_style`'s (every layer's MLP gated, or none). final_layer_norm: the final norm is a
+    w_down, eps_in, eps_post, scale, b_o, b_up, b_down, style[, qk_norm, qk_eps])`` per layer, the weights as
+    panel arrays (``PanelWeight.panels``, all of one kind like ``head``), the biases float32 arrays or None,
+    ``style`` :func:`layer_style`'s (every layer's MLP gated, or none), ``qk_norm`` and ``qk_eps`` Qwen3's q/k
+    norms as :func:`layer_into` takes them. final_layer_norm: the final norm is a
     LayerNorm; head_bias: (V_head,) float32 or None. keys, values: per layer the cache's
     (rows, kv_heads, capacity, D) arrays, float32 or bfloat16 (:func:`kv_bf16`); this sequence is row
     ``first_row``. mask: (n, start + n)

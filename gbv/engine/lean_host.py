@@ -70,8 +70,8 @@ def host_forward_unsupported_reason(lean) -> str | None:
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
     for layer in lean.layers:
-        if layer.q_norm is not None:
-            return "q/k norms (Qwen3, OLMo 2)"
+        if layer.q_norm is not None and (layer.qk_norm_all_heads or layer.q_norm_eps != layer.k_norm_eps):
+            return "q/k norms over all heads, or of two eps (OLMo 2)"
         if layer.input_eps is None or layer.input_norm is not None or layer.post_norm is not None:
             return "norm weights not folded, or no norm before a block (OLMo 2)"
         parts = layer.qkv.parts
@@ -95,12 +95,14 @@ def host_forward_unsupported_reason(lean) -> str | None:
         # (the numpy forward between torch's products computes the Llama family's layers only)
         unavailable = host_kernels_unavailable()
         if unavailable is not None:
-            return f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled kernels ({unavailable})"
+            return (f"LayerNorms, biases, learned positions, MLPs without a gate or q/k norms need the compiled "
+                    f"kernels ({unavailable})")
         if lean.head_dim % 8:
             return "head_dim not a multiple of 8 (the compiled attention's)"
         unfit = _panels_unfit(lean)
         if unfit is not None:
-            return f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled products ({unfit})"
+            return (f"LayerNorms, biases, learned positions, MLPs without a gate or q/k norms need the compiled "
+                    f"products ({unfit})")
     return None
 
 
@@ -139,7 +141,7 @@ def _llama_layers(lean) -> bool:
     up, no biases but q/k/v's, rotary positions, no head bias): what the numpy forward between torch's products
     computes. The compiled layers compute the rest too (GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J)."""
     return (lean.position_embed is None and not lean.layer_norm and lean.lm_head.bias is None
-            and lean.rope_kinds is None
+            and lean.rope_kinds is None and all(layer.q_norm is None for layer in lean.layers)
             and all(_layer_style(layer) == LLAMA_STYLE and layer.o.bias is None and layer.down.bias is None
                     and layer.gate_up.parts[0].bias is None for layer in lean.layers))
 
@@ -470,16 +472,24 @@ class HostForward:
         def array(bias: Tensor | None) -> np.ndarray | None:
             return None if bias is None else bias.detach().numpy()
 
-        # per layer: (qkv, b_qkv, o, gate_up, down, eps_in, eps_post, scaling, b_o, b_up, b_down, style)
+        # per layer: (qkv, b_qkv, o, gate_up, down, eps_in, eps_post, scaling, b_o, b_up, b_down, style, qk_norm,
+        # qk_eps); qk_norm: Qwen3's q and k norm weights, one (2 * head_dim,) array in the rows' interleaved order
+        # (None: none)
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
+            qk_norm, qk_eps = None, 0.0
+            if layer.q_norm is not None:
+                qk_norm = np.ascontiguousarray(torch.cat([layer.q_norm_weight, layer.k_norm_weight]).detach().float()
+                                               .numpy())
+                qk_eps = float(layer.q_norm_eps)
             self.layers.append((_Product(qkv.weight_t, panels, bf16), array(qkv.bias),
                                 _Product(layer.o.weight_t, panels, bf16),
                                 _Product(layer.gate_up.parts[0].weight_t, panels, bf16),
                                 _Product(layer.down.weight_t, panels, bf16), float(layer.input_eps),
                                 float(layer.post_eps), float(layer.scaling), array(layer.o.bias),
-                                array(layer.gate_up.parts[0].bias), array(layer.down.bias), _layer_style(layer)))
+                                array(layer.gate_up.parts[0].bias), array(layer.down.bias), _layer_style(layer),
+                                qk_norm, qk_eps))
         # the MLP's width, and the up projection's (gate and up: twice it)
         gated = not self.layers or lean.layers[0].gated
         self.up_width = self.layers[0][3].weight_t.shape[1] if self.layers else 0
@@ -502,11 +512,13 @@ class HostForward:
 
     def _layer_panels(self) -> tuple:
         """What forward_into takes per layer: (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale),
-        and (b_o, b_up, b_down, style) after it for layers other than the Llama family's."""
+        and (b_o, b_up, b_down, style) after it for layers other than the Llama family's, and (qk_norm, qk_eps)
+        after those for Qwen3's."""
         return tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels, w_down.panel.panels,
-                      eps_in, eps_post, scaling, *(() if self.llama else (b_o, b_up, b_down, style)))
-                     for w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down, style
-                     in self.layers)
+                      eps_in, eps_post, scaling, *(() if self.llama else (b_o, b_up, b_down, style)),
+                      *(() if qk_norm is None else (qk_norm, qk_eps)))
+                     for (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down, style,
+                          qk_norm, qk_eps) in self.layers)
 
     def products(self) -> list[_Product]:
         """Every product of a forward, in order: each layer's q/k/v, o, gate/up and down, then the head."""
@@ -690,11 +702,11 @@ class HostForward:
         if panels and attend and batch == 1:
             # Both kernels on one sequence: each layer is one compiled call (host_kernels.layer_into).
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
-                        style) in enumerate(self.layers):
+                        style, qk_norm, qk_eps) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
                            all_keys[index][first_row], all_values[index][first_row],
                            None if kernel_masks is None else kernel_masks[0], start, eps_in, eps_post, scaling,
-                           b_o=b_o, b_up=b_up, b_down=b_down, style=style)
+                           b_o=b_o, b_up=b_up, b_down=b_down, style=style, qk_norm=qk_norm, qk_eps=qk_eps)
             layers = ()
         elif panels and attend and BATCH_LAYERS:
             # Several sequences (a batch): each layer is one compiled call too, the products over all
@@ -708,10 +720,10 @@ class HostForward:
                                                   all_keys[0].itemsize)
             prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
-                        style) in enumerate(self.layers):
+                        style, qk_norm, qk_eps) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
                            all_keys[index][sequences], all_values[index][sequences], kernel_masks, start, eps_in,
-                           eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style)
+                           eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style, qk_norm, qk_eps)
             layers = ()
         else:
             # (the Llama family's layers, numpy between the products: takes() gives the others no call here)

@@ -495,7 +495,7 @@ def as_family(model, family: str, window: int = 128):
 
 
 # Families whose layers cannot compute a Llama model's function: their pairs are random models of its shapes.
-SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj")
+SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj", "qwen3")
 
 
 def family_models(target, draft, family: str):
@@ -513,7 +513,7 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
     whose layers cannot compute a Llama model's function (LayerNorms, MLPs without a gate; see
     ``as_family``): ``"gptneox"``, ``"gpt2"``, ``"opt"``, ``"gpt-bigcode"`` (multi-query), ``"starcoder2"``
     (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo2"``, ``"olmo3"`` (a sliding
-    ``window`` on three layers of four) and ``"gptj"``."""
+    ``window`` on three layers of four), ``"gptj"`` and ``"qwen3"`` (q/k norms, random weights about 1)."""
     from transformers import (GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, GPTNeoXConfig,
                               GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM)
@@ -551,12 +551,23 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
             return Olmo2ForCausalLM(Olmo2Config(**settings)).eval()
         kinds = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(like.num_hidden_layers)]
         return Olmo3ForCausalLM(Olmo3Config(**settings, sliding_window=window, layer_types=kinds)).eval()
+    if family == "qwen3":  # (its q/k norms' weights random too: ones would hide their order)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, intermediate_size=like.intermediate_size,
+                                             num_key_value_heads=like.num_key_value_heads,
+                                             head_dim=like.hidden_size // like.num_attention_heads)).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 1.5)
+        return model
     raise ValueError(f"no random model of family {family!r}")
 
 
 # Random models of real models' shapes (no download): scripts/bench_family_steps.py, bench_real_sizes.py and
 # bench_lean_build.py.
-REAL_SIZES = ("pythia-14m", "pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m")
+REAL_SIZES = ("pythia-14m", "pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m", "qwen3-0.6b")
 # Target / draft pairs of those shapes (scripts/bench_real_sizes.py, scripts/bench_first_call.py).
 REAL_PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m", "smollm2-135m"),
               "pythia-small": ("pythia-70m", "pythia-14m")}
@@ -565,7 +576,8 @@ REAL_PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m
 def real_size(name: str, seed: int = 0):
     """A random model of ``name``'s shape (``REAL_SIZES``), in eval mode: Pythia-14m, -70m and -410m (GPT-NeoX,
     a quarter of each head rotated, 50k vocabulary), distilgpt2 (GPT-2 small's layers, 6 of them) and
-    SmolLM2-135M and SmolLM2-360M (Llama, grouped-query attention, tied embeddings)."""
+    SmolLM2-135M and SmolLM2-360M (Llama, grouped-query attention, tied embeddings), and Qwen3-0.6B (q/k norms,
+    head_dim 128, 152k vocabulary, tied embeddings; its norms' weights random about 1)."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -589,4 +601,16 @@ def real_size(name: str, seed: int = 0):
         return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=960, num_hidden_layers=32,
                                             num_attention_heads=15, num_key_value_heads=5, intermediate_size=2560,
                                             tie_word_embeddings=True, max_position_embeddings=8192)).eval()
+    if name == "qwen3-0.6b":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                                             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                             intermediate_size=3072, tie_word_embeddings=True,
+                                             max_position_embeddings=40960)).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 1.5)
+        return model
     raise ValueError(f"no real size {name!r}; the sizes are: {', '.join(REAL_SIZES)}")

@@ -133,20 +133,21 @@ def test_which_forward_runs_each_family():
     """float32 on the CPU: Phi-3 (SiLU, no scales; its partial rotation is a table of ones past the
     turned pairs) runs on the compiled host forward, and so do GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and
     GPT-J (LayerNorms, biases, MLPs without a gate, parallel blocks, learned positions: the compiled layers
-    only, so where the kernels run); the others (Gemma's gated GELU, multipliers, windows, q/k norms) on
-    torch."""
+    only, so where the kernels run); the others (Gemma's gated GELU, multipliers, windows, OLMo 2's q/k norms
+    over all heads) on torch."""
     reasons = {arch: lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair(arch, vocab=32)[0]))
                for arch in NEW_FAMILIES}
     unavailable = host_kernels_unavailable()
     compiled = None if unavailable is None else (
-        f"LayerNorms, biases, learned positions or MLPs without a gate need the compiled kernels ({unavailable})")
+        f"LayerNorms, biases, learned positions, MLPs without a gate or q/k norms need the compiled kernels "
+        f"({unavailable})")
     assert reasons == {"gemma": "an activation the compiled layers lack", "granite": "residual multipliers (Granite)",
                        "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
                        "gemma3mm": "sliding-window attention", "starcoder2": "sliding-window attention",
                        "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",
                        "gptneox": compiled, "gptneox-sequential": compiled, "phi": compiled,
                        "gpt2": compiled, "opt": compiled, "gpt-bigcode": compiled, "gpt-bigcode-heads": compiled,
-                       "olmo2": "q/k norms (Qwen3, OLMo 2)", "olmo3": "sliding-window attention", "gptj": compiled,
+                       "olmo2": "q/k norms over all heads, or of two eps (OLMo 2)", "olmo3": "sliding-window attention", "gptj": compiled,
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh

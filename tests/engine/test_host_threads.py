@@ -393,18 +393,28 @@ def test_products_run_alone_for_a_while_where_the_threads_do_not_pay(threads):
     window = 4
     kernels.set_pool_verdict(0.0, window)
     against, _ = kernels.pool_verdicts()
-    split = kernels.split_products()
-    for _ in range(window):  # (the window: split, then the verdict)
-        np.testing.assert_array_equal(panel.matmul_into(x, np.empty_like(want)), want)
-    assert kernels.split_products() - split == window
+
+    def split_until_a_verdict() -> int:
+        """Products until the window's verdict, each split; how many. (A product whose chunks the worker took
+        every one of is not judged: the caller has no time of its own to estimate from, so this may take more
+        than ``window``, on a busy machine.)"""
+        split, verdicts = kernels.split_products(), kernels.pool_verdicts()[0]
+        for count in range(1, 50 * window):
+            np.testing.assert_array_equal(panel.matmul_into(x, np.empty_like(want)), want)
+            assert kernels.split_products() - split == count
+            if kernels.pool_verdicts()[0] > verdicts:
+                assert count >= window
+                return count
+        raise AssertionError("no verdict against the threads at a share of 0")
+
+    split_until_a_verdict()
     verdicts, alone_left = kernels.pool_verdicts()
     assert verdicts == against + 1 and alone_left > 0
+    split = kernels.split_products()
     for _ in range(alone_left):  # (the backoff: alone)
         np.testing.assert_array_equal(panel.matmul_into(x, np.empty_like(want)), want)
-    assert kernels.split_products() - split == window and kernels.pool_verdicts() == (verdicts, 0)
-    for _ in range(window):  # (split again, and a second verdict with a backoff twice as long)
-        panel.matmul_into(x, np.empty_like(want))
-    assert kernels.split_products() - split == 2 * window
+    assert kernels.split_products() == split and kernels.pool_verdicts() == (verdicts, 0)
+    split_until_a_verdict()  # (split again, and a second verdict with a backoff twice as long)
     assert kernels.pool_verdicts() == (verdicts + 1, 2 * alone_left)
 
     kernels.set_pool_verdict(1e9, window)

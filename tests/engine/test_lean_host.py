@@ -52,8 +52,10 @@ def amx_products(request):
 
 
 # The families whose layers only the compiled kernels compute (LayerNorms, biases, MLPs without a gate,
-# parallel blocks, learned positions, multi-query attention, partial and adjacent-pair rotations).
-OTHER_FAMILIES = ("gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "phi", "gptj")
+# parallel blocks, learned positions, multi-query attention, partial and adjacent-pair rotations, Qwen3's
+# q/k norms).
+OTHER_FAMILIES = ("gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "phi", "gptj",
+                  *(("qwen3",) if "qwen3" in ARCHITECTURES else ()))
 
 
 def _skip_without_kernels(arch: str) -> None:
@@ -237,14 +239,16 @@ def _largest_gap(host, plain, vocab: int = 48) -> float:
 @pytest.mark.parametrize("arch,broken", [
     ("gptneox", "parallel"), ("gptneox", "mlp"), ("gptneox", "b_down"), ("gptneox", "final norm"),
     ("gptneox-sequential", "b_o"), ("gpt2", "positions"), ("gpt2", "mlp"), ("opt", "position offset"),
-    ("opt", "b_up"), ("phi", "shared norm"), ("phi", "head bias"), ("gptj", "layer norm")])
+    ("opt", "b_up"), ("phi", "shared norm"), ("phi", "head bias"), ("gptj", "layer norm"),
+    *((("qwen3", "qk norm"),) if "qwen3" in ARCHITECTURES else ())])
 def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
     """The comparison of the host forward with the torch forward catches each part the compiled layers add
     for the other families, broken one at a time (a control per part): GPT-NeoX's parallel blocks, its
     activation (made ReLU) and the down projection's bias, the final LayerNorm (made an RMSNorm), the
     attention output's bias (sequential GPT-NeoX), GPT-2's learned positions and its activation (made ReLU),
     OPT's position offset and the up projection's bias, Phi's shared norm (made sequential) and head
-    bias, GPT-J's LayerNorms (made RMSNorms). Unbroken, the same gap is within float32 rounding."""
+    bias, GPT-J's LayerNorms (made RMSNorms), Qwen3's q/k norms (left out). Unbroken, the same gap is within
+    float32 rounding."""
     from gbv.engine import host_kernels
 
     _skip_without_kernels(arch)
@@ -263,8 +267,8 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
             entry[11] = host_kernels.layer_style(layer_norm, parallel, host_kernels.MLP_RELU)
         elif broken == "layer norm":
             entry[11] = host_kernels.layer_style(False, parallel, mlp)
-        elif broken in ("b_o", "b_up", "b_down"):
-            index = {"b_o": 8, "b_up": 9, "b_down": 10}[broken]
+        elif broken in ("b_o", "b_up", "b_down", "qk norm"):
+            index = {"b_o": 8, "b_up": 9, "b_down": 10, "qk norm": 12}[broken]
             assert entry[index] is not None
             entry[index] = None
     forward.layers = [tuple(entry) for entry in entries]
@@ -283,7 +287,8 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
 
 
 def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
-    """fp32 Llama / Qwen2 on the CPU: yes. bfloat16, Qwen3's q/k norms, or GBV_HOST_FORWARD=0: no.
+    """fp32 Llama / Qwen2 on the CPU: yes; Qwen3 (q/k norms) where the compiled kernels run. bfloat16 without
+    them, or GBV_HOST_FORWARD=0: no.
     One sequence in any cache row takes the host forward: of any length where the compiled kernels
     run (one compiled call), of up to HOST_MAX_QUERIES queries elsewhere; several sequences only where
     the compiled kernels run, each of at most KERNEL_MAX_ROWS queries, whatever their rows in all
@@ -296,8 +301,12 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
         assert lean_host.host_forward_unsupported_reason(
             LeanCausalLM(hf_pair("llama", vocab=48)[0].to(torch.bfloat16))) == "not float32 on the CPU"
     if "qwen3" in ARCHITECTURES:
-        assert lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("qwen3", vocab=48)[0])) \
-            == "q/k norms (Qwen3, OLMo 2)"
+        qwen3 = LeanCausalLM(hf_pair("qwen3", vocab=48)[0])
+        assert (lean_host.host_forward_unsupported_reason(qwen3) is None) == (host_kernels_unavailable() is None)
+        with monkeypatch.context() as patch:
+            patch.setenv("GBV_HOST_KERNELS", "0")
+            assert "q/k norms need the compiled kernels" in lean_host.host_forward_unsupported_reason(
+                LeanCausalLM(hf_pair("qwen3", vocab=48)[0]))
     # The other families' layers: on the compiled kernels only (the numpy forward computes the Llama family's),
     # so never with torch's products; at any thread count (the products split their columns among the threads).
     gpt2 = LeanCausalLM(hf_pair("gpt2", vocab=48)[0])
@@ -326,7 +335,7 @@ def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setenv("GBV_HOST_KERNELS", "0")
         assert lean_host.host_forward_unsupported_reason(gpt2).startswith(
-            "LayerNorms, biases, learned positions or MLPs without a gate need the compiled kernels")
+            "LayerNorms, biases, learned positions, MLPs without a gate or q/k norms need the compiled kernels")
         assert lean_host.host_forward_unsupported_reason(lean) is None
     monkeypatch.setenv("GBV_HOST_FORWARD", "0")
     assert LeanCausalLM(target).host_forward is None
@@ -483,3 +492,41 @@ def test_a_float32_draft_drafts_with_bf16_rounded_weights(monkeypatch):
     assert 1e-6 < gap < 0.05  # (rounded, and by no more than bfloat16's rounding of the weights)
     monkeypatch.setenv("GBV_DRAFT_BF16", "0")
     assert tree_decoder.draft_lean_model(draft, target) is plain
+
+
+@pytest.mark.skipif("qwen3" not in ARCHITECTURES, reason="no Qwen3 in this transformers")
+def test_qwen3_qk_norms_on_the_compiled_forward_with_random_weights():
+    """Qwen3's q and k norms on the compiled layers, with random norm weights (the toys' are ones, which hide
+    their order): the host forward's logits equal Hugging Face's to float32 rounding, and the torch forward's
+    over a prompt, a step, a tree pass and a batch. Controls: the q and k weights swapped, or each head's
+    weights in Hugging Face's order rather than the rows' interleaved one, are caught by the same gap."""
+    _skip_without_kernels("qwen3")
+    target, _ = hf_pair("qwen3", vocab=48, seed=11, target_size=(64, 2))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=gen))
+            layer.self_attn.q_proj.weight.mul_(3.0)  # (sharper attention: the norms weigh in the logits)
+    host, plain = _both(target)
+    assert host.forward_choice == lean_host.HOST and len(host.host_forward.layers[0][12]) == 2 * host.head_dim
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    with torch.inference_mode():
+        reference = target(input_ids=torch.tensor([tokens])).logits
+        ours = host.forward(torch.tensor([tokens]), torch.arange(len(tokens))[None], 0, host.new_cache(1, 16), None,
+                            causal=True)
+    torch.testing.assert_close(ours, reference, atol=2e-5, rtol=0)
+    assert _largest_gap(host, plain) < 2e-5
+    forward, dim = host.host_forward, host.head_dim
+    unbroken = list(forward.layers)
+    for broken in ("swapped", "hf order"):
+        entries = [list(entry) for entry in unbroken]
+        for entry, layer in zip(entries, host.layers):
+            if broken == "swapped":
+                entry[12] = np.ascontiguousarray(np.concatenate([entry[12][dim:], entry[12][:dim]]))
+            else:
+                hf = (layer.q_norm.weight, layer.k_norm.weight)
+                entry[12] = np.ascontiguousarray(torch.cat(hf).detach().float().numpy())
+        forward.layers = [tuple(entry) for entry in entries]
+        forward.layer_panels = forward._layer_panels()
+        assert _largest_gap(host, plain) > 1e-4, broken
