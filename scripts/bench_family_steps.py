@@ -43,6 +43,31 @@ def step_ms(lean, steps: int, context: int = 100) -> float:
     return 1e3 * float(np.median(times[10:]))
 
 
+def as_built(args) -> None:
+    """``--as-built``: each model's lean view as gbv builds it (its own forward choice) at gbv's default threads."""
+    import gbv
+    from gbv.engine.threads import apply_threads
+    from gbv.engine.tree_decoder import lean_model
+
+    print(f"{args.dtype}, medians of {args.steps} steps after {args.context} tokens, as built at gbv's default "
+          f"threads (gbv from {Path(gbv.__file__).parent})\n")
+    print("| model | parameters | forward | torch's threads | lean view built in | step |")
+    print("|---|---:|---|---:|---:|---:|")
+    for name in args.models.split(","):
+        model = real_size(name).to(getattr(torch, args.dtype))
+        began = time.perf_counter()
+        apply_threads(None, model)
+        lean = lean_model(model)
+        built = time.perf_counter() - began
+        form = "compiled" if lean.host_forward is not None and lean.host_forward.one_call(1) else (
+            "host" if lean.host_forward is not None else "torch")
+        ms = step_ms(lean, args.steps, args.context)
+        count = sum(p.numel() for p in model.parameters()) / 1e6
+        print(f"| {name} | {count:.0f}M | {form} | {torch.get_num_threads()} | {built:.1f} s | {ms:.2f} ms |",
+              flush=True)
+        del lean, model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="pythia-70m,distilgpt2")
@@ -50,7 +75,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--context", type=int, default=100, help="the prompt's tokens before the timed steps")
     parser.add_argument("--forms", default="host,torch", help="which forwards to time (host, torch or both)")
+    parser.add_argument("--as-built", action="store_true",
+                        help="time the forward the lean view chose, at gbv's default threads for the model (what "
+                             "a user gets; any gbv on PYTHONPATH, for a before/after run)")
     args = parser.parse_args()
+    if args.as_built:
+        as_built(args)
+        return
     from gbv.engine.lean import LeanCausalLM
 
     import gbv

@@ -46,6 +46,12 @@ logger = logging.getLogger("gbv")
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
 FUSE_MAX_PARAMETERS = 1_000_000_000
+# Past it, up to this size, a model computed in float32 on the CPU (a bfloat16 one too, run in float32) gets
+# them where they and the compiled products' panels fit in memory (large_copies_fit). Why: Llama-3.2-1B,
+# TinyLlama-1.1B or Qwen3-1.7B otherwise ran torch's forward over the Hugging Face tensors (a bfloat16 one
+# over a float32 copy of them), at a step 2.3-2.6x the compiled forward's in bfloat16 on two threads
+# (docs/ENGINE.md, "The first call, a shared machine, Qwen3 and models past 1B").
+FUSE_MEMORY_MAX_PARAMETERS = 4_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
@@ -574,6 +580,40 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     return panels_unfit_reason(count, 6 * count)
 
 
+def _float32_copy(model):
+    """A copy of ``model`` with float32 parameters and buffers, each converted once from the model's own (not a
+    copy in the model's dtype first, then converted: for a bfloat16 model of 1.2B parameters, 2.5 GB of memory
+    touched fewer, at about 0.7 GB/s of fresh memory on these machines)."""
+    memo = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            wide = tensor.detach().to(torch.float32) if tensor.is_floating_point() else tensor.detach().clone()
+            memo[id(tensor)] = torch.nn.Parameter(wide, requires_grad=False) \
+                if isinstance(tensor, torch.nn.Parameter) else wide
+    return copy.deepcopy(model, memo)
+
+
+def _round_to_bf16_values(weight: Tensor, rows: int = 256) -> None:
+    """Round a float32 ``weight`` to bfloat16 values in place (nearest even, as ``.to(torch.bfloat16)``),
+    ``rows`` rows at a time: a whole bfloat16 temporary was 2.5 GB of fresh memory for a 1.2B model."""
+    for row in range(0, weight.shape[0], rows):
+        block = weight[row:row + rows]
+        block.copy_(block.to(torch.bfloat16))
+
+
+def large_copies_fit(model, count: int, bf16_in_float32: bool) -> bool:
+    """Whether a model of ``count`` parameters past ``FUSE_MAX_PARAMETERS`` (``model``: float32, the copy of a
+    bfloat16 one where ``bf16_in_float32``) should get the lean view's fused and transposed copies: up to
+    ``FUSE_MEMORY_MAX_PARAMETERS``, on the CPU, unless ``GBV_HOST_FORWARD=0``, where they and the compiled
+    products' panels (4 + 4 bytes a parameter; 4 + 2 for a bfloat16 model's panels) fit in
+    ``PANEL_MEMORY_SHARE`` of the memory available (:func:`panels_unfit_reason`)."""
+    first = next(iter(model.parameters()), None)
+    if (first is None or count > FUSE_MEMORY_MAX_PARAMETERS or first.device.type != "cpu"
+            or first.dtype != torch.float32 or os.environ.get("GBV_HOST_FORWARD", "1") == "0"):
+        return False
+    return panels_unfit_reason(count, count * (6 if bf16_in_float32 else 8)) is None
+
+
 # Rows of W copied at a time into W^T by _transposed_copy, and outputs of W v widened at a time by
 # _widened_product: blocks that stay in the CPU's caches.
 _COPY_BLOCK = 64
@@ -850,7 +890,7 @@ class LeanCausalLM:
     usable as it was. Models up to ``FUSE_MAX_PARAMETERS`` get fused (and, where
     :func:`transposed_weights_pay`, transposed) copies of their matrices, taken when this view is
     built: later in-place changes to the Hugging Face weights are not seen. Larger models use the
-    Hugging Face tensors in place.
+    Hugging Face tensors in place, unless the copies fit in memory (:func:`large_copies_fit`).
     """
 
     # (no_grad: the copies, folds and reorders of the model's parameters would otherwise be recorded by
@@ -867,13 +907,15 @@ class LeanCausalLM:
         self.weight_dtype = _embedding_module(text_decoder(model)).weight.dtype
         self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
         if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after
-            model = copy.deepcopy(model).to(torch.float32)
+            model = _float32_copy(model)
         inner = text_decoder(model)
         embedding = _embedding_module(inner)
         self.embed = embedding.weight
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
-        # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory).
-        fuse = sum(p.numel() for p in model.parameters()) <= FUSE_MAX_PARAMETERS
+        # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory)
+        # unless the copies fit (large_copies_fit).
+        count = sum(p.numel() for p in model.parameters())
+        fuse = count <= FUSE_MAX_PARAMETERS or large_copies_fit(model, count, self.bf16_in_float32)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype, device = embedding.weight.dtype, embedding.weight.device
         # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.
@@ -942,7 +984,7 @@ class LeanCausalLM:
             with torch.no_grad():
                 for matrix in self.matrices():
                     held = matrix.weight_t if matrix.weight is None else matrix.weight
-                    held.copy_(held.to(torch.bfloat16))
+                    _round_to_bf16_values(held)
         self.num_heads = config.num_attention_heads
         self.kv_heads = _kv_heads(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -1006,7 +1048,7 @@ class LeanCausalLM:
             return False
         with torch.no_grad():
             for matrix in self.matrices():
-                matrix.weight_t.copy_(matrix.weight_t.to(torch.bfloat16))  # (the view's own copies)
+                _round_to_bf16_values(matrix.weight_t)  # (the view's own copies)
         return self.host_forward.pack_bf16_panels()
 
     def can_round_to_bf16_weights(self) -> bool:

@@ -567,7 +567,8 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
 
 # Random models of real models' shapes (no download): scripts/bench_family_steps.py, bench_real_sizes.py and
 # bench_lean_build.py.
-REAL_SIZES = ("pythia-14m", "pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m", "qwen3-0.6b")
+REAL_SIZES = ("pythia-14m", "pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m", "qwen3-0.6b",
+              "llama-3.2-1b")
 # Target / draft pairs of those shapes (scripts/bench_real_sizes.py, scripts/bench_first_call.py).
 REAL_PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m", "smollm2-135m"),
               "pythia-small": ("pythia-70m", "pythia-14m")}
@@ -577,7 +578,8 @@ def real_size(name: str, seed: int = 0):
     """A random model of ``name``'s shape (``REAL_SIZES``), in eval mode: Pythia-14m, -70m and -410m (GPT-NeoX,
     a quarter of each head rotated, 50k vocabulary), distilgpt2 (GPT-2 small's layers, 6 of them) and
     SmolLM2-135M and SmolLM2-360M (Llama, grouped-query attention, tied embeddings), and Qwen3-0.6B (q/k norms,
-    head_dim 128, 152k vocabulary, tied embeddings; its norms' weights random about 1)."""
+    head_dim 128, 152k vocabulary, tied embeddings; its norms' weights random about 1), and Llama-3.2-1B (1.24B
+    parameters, 128k vocabulary, tied embeddings)."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -601,6 +603,11 @@ def real_size(name: str, seed: int = 0):
         return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=960, num_hidden_layers=32,
                                             num_attention_heads=15, num_key_value_heads=5, intermediate_size=2560,
                                             tie_word_embeddings=True, max_position_embeddings=8192)).eval()
+    if name == "llama-3.2-1b":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128256, hidden_size=2048, num_hidden_layers=16,
+                                            num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
+                                            tie_word_embeddings=True, max_position_embeddings=131072,
+                                            rope_theta=500000.0)).eval()
     if name == "qwen3-0.6b":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 

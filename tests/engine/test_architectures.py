@@ -200,12 +200,14 @@ def test_layer_norms_without_affine_parameters(dtype, monkeypatch):
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_models_past_the_fuse_limit_run_the_hugging_face_tensors_in_place(arch, monkeypatch):
-    """A model past FUSE_MAX_PARAMETERS (every real Gemma, Granite and Phi-3) keeps its own tensors:
+    """A model past FUSE_MAX_PARAMETERS whose copies do not fit (past FUSE_MEMORY_MAX_PARAMETERS here; on a GPU;
+    a real Gemma 2, Granite or Phi-3 in float32 on most machines) keeps its own tensors:
     Phi-3's q/k/v and gate/up matrices each one product, split after it; the rotation in Hugging Face's
     layout (``_rotate``, partial for Phi-3). A control rotating the whole head is caught."""
     target, _ = hf_pair(arch, vocab=32, seed=5)
     _sharpen_attention(target)
     monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS", 0)
+    monkeypatch.setattr(lean_module, "FUSE_MEMORY_MAX_PARAMETERS", 0)
     lean = LeanCausalLM(target)
     assert not lean.interleaved and lean.host_forward is None
     if arch == "phi3":

@@ -530,3 +530,69 @@ def test_qwen3_qk_norms_on_the_compiled_forward_with_random_weights():
         forward.layers = [tuple(entry) for entry in entries]
         forward.layer_panels = forward._layer_panels()
         assert _largest_gap(host, plain) > 1e-4, broken
+
+
+def test_models_past_the_fuse_cap_get_the_copies_only_where_they_fit(monkeypatch):
+    """Past FUSE_MAX_PARAMETERS (lowered here to 0, with PANEL_MAX_PARAMETERS, so the toys stand for models of
+    billions of parameters), a float32 model on the CPU gets the fused transposed copies, and so the compiled
+    forward, where they and the panels (8 bytes a parameter) fit in PANEL_MEMORY_SHARE of the memory available;
+    not where they do not, nor past FUSE_MEMORY_MAX_PARAMETERS, nor with GBV_HOST_FORWARD=0. A bfloat16 model
+    run in float32 counts 6 bytes a parameter. The logits are Hugging Face's either way."""
+    import gbv.engine.lean as lean_module
+
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    count = sum(p.numel() for p in target.parameters())
+    monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS", 0)
+    monkeypatch.setattr(lean_host, "PANEL_MAX_PARAMETERS", 0)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        reference = target(input_ids=torch.tensor([tokens])).logits
+
+    def built(available: int | None) -> LeanCausalLM:
+        monkeypatch.setattr(lean_host, "available_memory", lambda: available)
+        lean = LeanCausalLM(target)
+        with torch.inference_mode():
+            logits = lean.forward(torch.tensor([tokens]), torch.arange(len(tokens))[None], 0, lean.new_cache(1, 16),
+                                  None, causal=True)
+        torch.testing.assert_close(logits, reference, atol=2e-5, rtol=0)
+        return lean
+
+    assert built(16 * count).transposed  # (8 bytes a parameter in half of 16)
+    unfused = built(16 * count - 16)
+    assert not unfused.transposed and unfused.host_forward is None
+    assert not built(None).transposed  # (the memory available unknown)
+    monkeypatch.setattr(lean_module, "FUSE_MEMORY_MAX_PARAMETERS", count - 1)
+    assert not built(100 * count).transposed
+    monkeypatch.setattr(lean_module, "FUSE_MEMORY_MAX_PARAMETERS", count)
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
+    assert not built(100 * count).transposed
+    monkeypatch.setenv("GBV_HOST_FORWARD", "1")
+    if host_kernels_unavailable() is None:  # (a bfloat16 model runs in float32 only with the kernels)
+        bf16 = copy.deepcopy(target).to(torch.bfloat16)
+        for available, fused in ((12 * count, True), (12 * count - 12, False)):
+            monkeypatch.setattr(lean_host, "available_memory", lambda: available)
+            assert LeanCausalLM(bf16).transposed == fused
+
+
+def test_float32_copy_and_bf16_rounding_in_place():
+    """The float32 copy a bfloat16 model runs from: every parameter and buffer converted once, the tied head
+    still tied, the model untouched; and the in-place rounding to bfloat16 values, block by block, rounds as
+    ``.to(torch.bfloat16)`` does (nearest even), whatever the block size."""
+    from gbv.engine.lean import _float32_copy, _round_to_bf16_values
+
+    model = hf_pair("llama", vocab=48, seed=6)[0]
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(torch.bfloat16)
+    wide = _float32_copy(model)
+    assert wide.lm_head.weight is wide.model.embed_tokens.weight
+    for (name, mine), (_, theirs) in zip(wide.state_dict().items(), model.state_dict().items()):
+        assert mine.dtype == (torch.float32 if theirs.is_floating_point() else theirs.dtype), name
+        torch.testing.assert_close(mine, theirs.float() if theirs.is_floating_point() else theirs, atol=0, rtol=0)
+        assert mine.data_ptr() != theirs.data_ptr()
+    assert next(model.parameters()).dtype == torch.bfloat16 and not next(wide.parameters()).requires_grad
+    weight = torch.randn(300, 70, generator=torch.Generator().manual_seed(1))
+    for rows in (1, 7, 256, 1000):
+        rounded = weight.clone()
+        _round_to_bf16_values(rounded, rows)
+        torch.testing.assert_close(rounded, weight.to(torch.bfloat16).float(), atol=0, rtol=0)
