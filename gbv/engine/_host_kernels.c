@@ -2324,8 +2324,8 @@ static PyObject *pack(PyObject *self, PyObject *args) {
 #ifdef GBV_PANELS_X86
         Py_BEGIN_ALLOW_THREADS
         /* bfloat16 panels hold each value's upper half: refused, before anything is written, where a lower
-         * half is not zero (numpy's check, a masked copy of the whole matrix, took 1.3 s of a 360M-parameter
-         * bfloat16 model's first call; this one pass reads it once) */
+         * half is not zero (numpy's check, a masked copy of the whole matrix, took 1.8 s of a 360M-parameter
+         * bfloat16 pair's first call: scripts/bench_first_call.py --profile; this one pass reads it once) */
         if (kind != PANELS_F32 && !upper_halves_only((const uint32_t *)w.buf, K * N))
             error = "bf16 panels need weights that are bfloat16 values (round them first)";
         else

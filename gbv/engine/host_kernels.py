@@ -90,7 +90,9 @@ def sync_product_threads() -> int:
     products give the same bits at any count (``tests/engine/test_host_threads.py``). Why threads: a
     model of tens to hundreds of millions of parameters streams its weights from memory every step, and one
     core reads a part of what the memory delivers (docs/ENGINE.md, "The compiled forward on several
-    threads"). 1 without the kernels."""
+    threads"). Where another process takes cores and the threads stop paying, the products run alone for a
+    while (``_host_kernels.c``, ``pool_judge``; docs/ENGINE.md, "The first call, a shared machine, Qwen3 and
+    models past 1B"). 1 without the kernels."""
     global _threads
     threads = product_threads()
     if threads != _threads and _host_kernels is not None and hasattr(_host_kernels, "set_threads"):

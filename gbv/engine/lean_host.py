@@ -156,7 +156,8 @@ _CHOICE_RUN = 3
 # Where every form's step took more than this (a model of tens of millions of parameters or more) in the
 # first round, one more round decides: the forms differ by far more than the noise there (a 405M step 45 ms
 # on the compiled forward against 90 ms on torch's; Pythia-70m's and SmolLM2-135M's shapes 5.5 and 10 ms
-# against 13 and 38-43 ms), and five rounds cost seconds at load (1.4 s of the SmolLM2-135M draft's).
+# against 13 and 38-43 ms), and five rounds cost seconds at load (the SmolLM2-360M / 135M pair's two choices
+# took 2.64 s against 1.21 s now: scripts/bench_first_call.py --profile).
 _SLOW_STEP_S = 0.005
 _SLOW_ROUNDS = 2
 # There, a form whose first-round step took this many times the fastest one's is not run again: the second

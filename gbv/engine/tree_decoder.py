@@ -64,8 +64,8 @@ def draft_lean_model(model, target) -> LeanCausalLM:
     draft = _DRAFT_LEAN.get(model)
     if draft is None:
         # One view built, not two: the shared view where it was built already, or where this one has
-        # nothing to round (it becomes the shared view); else this one, rounded, the draft's own. (Both
-        # views, the second a copy to round, were 2.8 s of a Pythia-70m-shaped draft's first call.)
+        # nothing to round (it becomes the shared view); else this one, rounded, the draft's own. (Before,
+        # the shared view and then a copy to round: two builds, two forward choices.)
         shared = _LEAN.get(model)
         draft = shared if shared is not None else LeanCausalLM(model)
         if draft.can_round_to_bf16_weights():
