@@ -49,9 +49,9 @@ FUSE_MAX_PARAMETERS = 1_000_000_000
 # Past it, up to this size, a model computed in float32 on the CPU (a bfloat16 one too, run in float32) gets
 # them where they and the compiled products' panels fit in memory (large_copies_fit). Why: Llama-3.2-1B,
 # TinyLlama-1.1B or Qwen3-1.7B otherwise ran torch's forward over the Hugging Face tensors (a bfloat16 one
-# over a float32 copy of them): a Llama-3.2-1B-shaped bfloat16 step took 170 ms there against 87 ms on the
+# over a float32 copy of them): a Llama-3.2-1B-shaped bfloat16 step took 170 ms there against 85 ms on the
 # compiled forward, on two threads (docs/ENGINE.md, "The first call, a shared machine, Qwen3 and models past
-# 1B"; its first build 23 s against 8 s).
+# 1B"; its first build 21 s against 8 s).
 FUSE_MEMORY_MAX_PARAMETERS = 4_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -638,22 +638,45 @@ def _transposed_copy(weight: Tensor) -> Tensor:
     return out
 
 
+def _fused_transposed_copy(parts: Sequence[Tensor], order: Tensor) -> Tensor:
+    """``W^T`` as a new contiguous (in, out) tensor, W the (out, in) matrices ``parts`` stacked and then their rows
+    put in ``order`` (row i of W is row ``order[i]`` of the stack): the values of
+    ``_transposed_copy(torch.cat(parts)[order])``, written from the parts, ``_COPY_BLOCK`` rows at a time."""
+    total, width = int(order.numel()), parts[0].shape[1]
+    where = torch.empty(total, dtype=torch.long)  # (the column of W^T each row of the stack goes to)
+    where[order] = torch.arange(total)
+    out = torch.empty(width, total, dtype=parts[0].dtype, device=parts[0].device)
+    first = 0
+    for part in parts:
+        for row in range(0, part.shape[0], _COPY_BLOCK):
+            block = part[row:row + _COPY_BLOCK]
+            columns = where[first + row:first + row + block.shape[0]]
+            start = int(columns[0])
+            if bool((columns == torch.arange(start, start + len(columns))).all()):  # (a run: a plain slice)
+                out[:, start:start + len(columns)] = block.t()
+            else:
+                out.index_copy_(1, columns, block.t())
+        first += part.shape[0]
+    return out
+
+
 class _Linear:
     """``y = x W^T + b`` for one weight ``W`` of shape (out, in); ``x`` is (..., in).
 
     ``transpose``: hold ``W^T`` as a contiguous (in, out) copy (see :func:`transposed_weights_pay`);
     else the given tensor is used in place (no copy). ``owned``: the given weight is already this
     module's copy (a fused concatenation); with ``transpose`` the copy is always owned. ``upcast``: products of at least
-    ``_UPCAST_MIN_ROWS`` rows run in float32 (see :func:`bf16_products_upcast`).
+    ``_UPCAST_MIN_ROWS`` rows run in float32 (see :func:`bf16_products_upcast`). ``weight_t``: that copy,
+    made already (``weight`` None; :func:`_fused_transposed_copy`).
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, transpose: bool, upcast: bool = False,
-                 owned: bool = False) -> None:
+    def __init__(self, weight: Tensor | None, bias: Tensor | None, transpose: bool, upcast: bool = False,
+                 owned: bool = False, weight_t: Tensor | None = None) -> None:
         self.bias = bias
         self.owned = owned or transpose  # (only owned weights may be changed, e.g. by _fold_norm_weight)
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = weight.shape if weight_t is None else weight_t.shape[::-1]
         self.weight = None if transpose else weight
-        self.weight_t = _transposed_copy(weight) if transpose else None
+        self.weight_t = weight_t if weight_t is not None else _transposed_copy(weight) if transpose else None
         self.upcast = upcast  # (only in-place weights are ever upcast: no dtype is both)
         # x rounded to bfloat16 first: set where the host forward's AMX products (which do so) hold this
         # weight, so that every path of the model computes the same products (HostForward.rounds_inputs)
@@ -701,11 +724,20 @@ class _Projections:
         if sizes is not None and not fuse:  # (in place: one product, as the model runs it)
             self.parts = [_Linear(linears[0].weight, linears[0].bias, transpose, upcast)]
         elif fuse:
-            weight = torch.cat([lin.weight for lin in linears])  # (a copy, also of a single matrix)
             bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
-            if reorder_rows is not None:
-                weight, bias = reorder_rows(weight, bias)
-            self.parts = [_Linear(weight, bias, transpose, upcast, owned=True)]
+            if transpose and linears[0].weight.device.type == "cpu":
+                # (W^T of the fused, reordered matrix written straight from the parts: the concatenation and the
+                # reordered copies were two to four more copies of the matrix, 4.2 s of a 1.2B model's view)
+                rows = torch.arange(sum(lin.weight.shape[0] for lin in linears), dtype=torch.float64)[:, None]
+                if reorder_rows is not None:
+                    rows, bias = reorder_rows(rows, bias)
+                weight_t = _fused_transposed_copy([lin.weight for lin in linears], rows[:, 0].long())
+                self.parts = [_Linear(None, bias, True, upcast, owned=True, weight_t=weight_t)]
+            else:
+                weight = torch.cat([lin.weight for lin in linears])  # (a copy, also of a single matrix)
+                if reorder_rows is not None:
+                    weight, bias = reorder_rows(weight, bias)
+                self.parts = [_Linear(weight, bias, transpose, upcast, owned=True)]
         else:
             self.parts = [_Linear(lin.weight, lin.bias, transpose, upcast) for lin in linears]
 

@@ -596,3 +596,25 @@ def test_float32_copy_and_bf16_rounding_in_place():
         rounded = weight.clone()
         _round_to_bf16_values(rounded, rows)
         torch.testing.assert_close(rounded, weight.to(torch.bfloat16).float(), atol=0, rtol=0)
+
+
+def test_fused_transposed_copy_equals_the_concatenation_reordered_and_transposed():
+    """W^T of stacked parts in a row order, written from the parts (lean._fused_transposed_copy): the same values
+    as the concatenation, reordered, then transposed, for the orders the lean view makes (none, a rotation's
+    interleaving, GPT-NeoX's heads) and a random one, parts of uneven rows, and a part that is a transposed view
+    (GPT-2's Conv1D). A control order is caught."""
+    from gbv.engine.lean import _fused_transposed_copy, _interleave_rotary_rows, _head_major_rows
+
+    gen = torch.Generator().manual_seed(2)
+    parts = [torch.randn(rows, 40, generator=gen) for rows in (128, 32, 32)]
+    total = 192
+    identity = torch.arange(total)
+    interleaved = torch.cat([_interleave_rotary_rows(identity[:160].double()[:, None], 16)[:, 0].long(),
+                             identity[160:]])
+    heads = _head_major_rows(identity.double()[:, None], None, 4, 16)[0][:, 0].long()
+    for order in (identity, interleaved, heads, torch.randperm(total, generator=gen)):
+        want = torch.cat(parts)[order].t().contiguous()
+        assert torch.equal(_fused_transposed_copy(parts, order), want)
+    conv = torch.randn(40, 96, generator=gen)  # (a Conv1D's (in, out) tensor: its weight is the view conv.t())
+    assert torch.equal(_fused_transposed_copy([conv.t()], identity[:96]), conv)
+    assert not torch.equal(_fused_transposed_copy(parts, interleaved), torch.cat(parts).t().contiguous())
