@@ -49,9 +49,9 @@ FUSE_MAX_PARAMETERS = 1_000_000_000
 # Past it, up to this size, a model computed in float32 on the CPU (a bfloat16 one too, run in float32) gets
 # them where they and the compiled products' panels fit in memory (large_copies_fit). Why: Llama-3.2-1B,
 # TinyLlama-1.1B or Qwen3-1.7B otherwise ran torch's forward over the Hugging Face tensors (a bfloat16 one
-# over a float32 copy of them): a Llama-3.2-1B-shaped bfloat16 step took 170 ms there against 85 ms on the
+# over a float32 copy of them): a Llama-3.2-1B-shaped bfloat16 step took 170 ms there against 87 ms on the
 # compiled forward, on two threads (docs/ENGINE.md, "The first call, a shared machine, Qwen3 and models past
-# 1B"; its first build 21 s against 8 s).
+# 1B"; its first build 15 s against 8 s).
 FUSE_MEMORY_MAX_PARAMETERS = 4_000_000_000
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -581,11 +581,19 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     return panels_unfit_reason(count, 6 * count)
 
 
-def _float32_copy(model):
+def _float32_copy(model, matrices: bool = True):
     """A copy of ``model`` with float32 parameters and buffers, each converted once from the model's own (not a
     copy in the model's dtype first, then converted: for a bfloat16 model of 1.2B parameters, 2.5 GB of new
-    memory fewer; the tied head stays tied)."""
+    memory fewer; the tied head stays tied). ``matrices=False``: the weights of its ``nn.Linear`` and ``Conv1D``
+    modules (but an embedding tied to one) stay the model's own, for a view whose transposed copies widen them as
+    they are made (:func:`_transposed_copy`): no float32 copy of them at all (5 GB for 1.2B parameters)."""
     memo = {}
+    if not matrices:
+        embeddings = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if (isinstance(module, torch.nn.Linear) or _is_conv1d(module)) and id(weight) not in embeddings:
+                memo[id(weight)] = weight
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) not in memo:
             wide = tensor.detach().to(torch.float32) if tensor.is_floating_point() else tensor.detach().clone()
@@ -603,14 +611,15 @@ def _round_to_bf16_values(weight: Tensor, rows: int = 256) -> None:
 
 
 def large_copies_fit(model, count: int, bf16_in_float32: bool) -> bool:
-    """Whether a model of ``count`` parameters past ``FUSE_MAX_PARAMETERS`` (``model``: float32, the copy of a
-    bfloat16 one where ``bf16_in_float32``) should get the lean view's fused and transposed copies: up to
-    ``FUSE_MEMORY_MAX_PARAMETERS``, on the CPU, unless ``GBV_HOST_FORWARD=0``, where they and the compiled
+    """Whether a model of ``count`` parameters past ``FUSE_MAX_PARAMETERS`` (``model``: float32, or a bfloat16
+    one to run in float32 where ``bf16_in_float32``) should get the lean view's fused and transposed copies: up
+    to ``FUSE_MEMORY_MAX_PARAMETERS``, on the CPU, unless ``GBV_HOST_FORWARD=0``, where they and the compiled
     products' panels (4 + 4 bytes a parameter; 4 + 2 for a bfloat16 model's panels) fit in
     ``PANEL_MEMORY_SHARE`` of the memory available (:func:`panels_unfit_reason`)."""
     first = next(iter(model.parameters()), None)
     if (first is None or count > FUSE_MEMORY_MAX_PARAMETERS or first.device.type != "cpu"
-            or first.dtype != torch.float32 or os.environ.get("GBV_HOST_FORWARD", "1") == "0"):
+            or first.dtype != (torch.bfloat16 if bf16_in_float32 else torch.float32)
+            or os.environ.get("GBV_HOST_FORWARD", "1") == "0"):
         return False
     return panels_unfit_reason(count, count * (6 if bf16_in_float32 else 8)) is None
 
@@ -621,17 +630,25 @@ _COPY_BLOCK = 64
 _WIDEN_BLOCK = 256
 
 
+def _transposed_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype of a transposed copy of ``weight``: float32 for bfloat16 (see :func:`_transposed_copy`)."""
+    return torch.float32 if weight.dtype == torch.bfloat16 else weight.dtype
+
+
 def _transposed_copy(weight: Tensor) -> Tensor:
     """``W^T`` of an (out, in) ``weight`` as a new contiguous (in, out) tensor: a block of ``_COPY_BLOCK`` rows
     at a time on the CPU (the same values as ``weight.t().contiguous()``, which walked W column by column:
     9.5 ms against 2.3 ms for a 4096 x 1024 float32 matrix here, 3.4 s of the 9.5 s a lean view of a
     405M-parameter model took to build). A GPT-2 ``Conv1D``'s (in, out) tensor (``weight`` its transposed
-    view) is cloned: ours to change."""
+    view) is cloned: ours to change. A bfloat16 ``weight`` is widened to float32, exactly: only a float32 view
+    transposes (:func:`transposed_weights_pay`), and a bfloat16 model's view run in float32 leaves its matrices
+    in bfloat16 (:func:`_float32_copy`)."""
+    dtype = _transposed_dtype(weight)
     if weight.t().is_contiguous():
-        return weight.t().clone()
+        return weight.t().to(dtype, copy=True)
     if weight.device.type != "cpu" or weight.numel() < (1 << 20):
-        return weight.t().contiguous()
-    out = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+        return weight.t().contiguous().to(dtype)
+    out = torch.empty(weight.shape[1], weight.shape[0], dtype=dtype, device=weight.device)
     with torch.no_grad():
         for row in range(0, weight.shape[0], _COPY_BLOCK):
             out[:, row:row + _COPY_BLOCK] = weight[row:row + _COPY_BLOCK].t()
@@ -641,22 +658,26 @@ def _transposed_copy(weight: Tensor) -> Tensor:
 def _fused_transposed_copy(parts: Sequence[Tensor], order: Tensor) -> Tensor:
     """``W^T`` as a new contiguous (in, out) tensor, W the (out, in) matrices ``parts`` stacked and then their rows
     put in ``order`` (row i of W is row ``order[i]`` of the stack): the values of
-    ``_transposed_copy(torch.cat(parts)[order])``, written from the parts, ``_COPY_BLOCK`` rows at a time."""
+    ``_transposed_copy(torch.cat(parts)[order])`` (bfloat16 widened as there), written from the parts,
+    ``_COPY_BLOCK`` columns of ``W^T`` at a time (their rows of W gathered, where not a run of one part)."""
     total, width = int(order.numel()), parts[0].shape[1]
-    where = torch.empty(total, dtype=torch.long)  # (the column of W^T each row of the stack goes to)
-    where[order] = torch.arange(total)
-    out = torch.empty(width, total, dtype=parts[0].dtype, device=parts[0].device)
-    first = 0
-    for part in parts:
-        for row in range(0, part.shape[0], _COPY_BLOCK):
-            block = part[row:row + _COPY_BLOCK]
-            columns = where[first + row:first + row + block.shape[0]]
-            start = int(columns[0])
-            if bool((columns == torch.arange(start, start + len(columns))).all()):  # (a run: a plain slice)
-                out[:, start:start + len(columns)] = block.t()
+    starts = np.cumsum([0] + [part.shape[0] for part in parts])
+    rows = order.numpy()
+    which = np.searchsorted(starts, rows, side="right") - 1  # (the part of each row of W, and its row there)
+    local = rows - starts[which]
+    out = torch.empty(width, total, dtype=_transposed_dtype(parts[0]), device=parts[0].device)
+    for column in range(0, total, _COPY_BLOCK):
+        end = min(column + _COPY_BLOCK, total)
+        part, at = which[column:end], local[column:end]
+        if part[0] == part[-1] and (part == part[0]).all():
+            source = parts[int(part[0])]
+            if at[-1] - at[0] == end - column - 1 and (np.diff(at) == 1).all():  # (a run: a plain slice)
+                block = source[int(at[0]):int(at[-1]) + 1]
             else:
-                out.index_copy_(1, columns, block.t())
-        first += part.shape[0]
+                block = source.index_select(0, torch.from_numpy(at))
+        else:  # (rows of two parts: a block across their boundary)
+            block = torch.cat([parts[int(p)][int(a)][None] for p, a in zip(part, at)])
+        out[:, column:end] = block.t()
     return out
 
 
@@ -940,16 +961,16 @@ class LeanCausalLM:
         # bf16_weights_in_float32_reason); ``self.dtype`` is the one the forward computes in.
         self.weight_dtype = _embedding_module(text_decoder(model)).weight.dtype
         self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
-        if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after
-            model = _float32_copy(model)
-        inner = text_decoder(model)
-        embedding = _embedding_module(inner)
-        self.embed = embedding.weight
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
         # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory)
         # unless the copies fit (large_copies_fit).
         count = sum(p.numel() for p in model.parameters())
         fuse = count <= FUSE_MAX_PARAMETERS or large_copies_fit(model, count, self.bf16_in_float32)
+        if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after. (Fused, its
+            model = _float32_copy(model, matrices=not fuse)  # matrices are widened as they are transposed.)
+        inner = text_decoder(model)
+        embedding = _embedding_module(inner)
+        self.embed = embedding.weight
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype, device = embedding.weight.dtype, embedding.weight.device
         # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.

@@ -591,6 +591,12 @@ def test_float32_copy_and_bf16_rounding_in_place():
         torch.testing.assert_close(mine, theirs.float() if theirs.is_floating_point() else theirs, atol=0, rtol=0)
         assert mine.data_ptr() != theirs.data_ptr()
     assert next(model.parameters()).dtype == torch.bfloat16 and not next(wide.parameters()).requires_grad
+    narrow = _float32_copy(model, matrices=False)  # (the matrices left to the transposed copies to widen)
+    attention = narrow.model.layers[0].self_attn
+    assert attention.q_proj.weight is model.model.layers[0].self_attn.q_proj.weight
+    assert attention.q_proj.weight.dtype == torch.bfloat16
+    assert narrow.lm_head.weight is narrow.model.embed_tokens.weight  # (tied: an embedding, widened)
+    assert narrow.model.embed_tokens.weight.dtype == narrow.model.norm.weight.dtype == torch.float32
     weight = torch.randn(300, 70, generator=torch.Generator().manual_seed(1))
     for rows in (1, 7, 256, 1000):
         rounded = weight.clone()
@@ -615,6 +621,10 @@ def test_fused_transposed_copy_equals_the_concatenation_reordered_and_transposed
     for order in (identity, interleaved, heads, torch.randperm(total, generator=gen)):
         want = torch.cat(parts)[order].t().contiguous()
         assert torch.equal(_fused_transposed_copy(parts, order), want)
+    narrow = [part.bfloat16() for part in parts]  # (a bfloat16 model's matrices: widened, exactly)
+    widened = _fused_transposed_copy(narrow, interleaved)
+    assert widened.dtype == torch.float32
+    assert torch.equal(widened, torch.cat(narrow).float()[interleaved].t().contiguous())
     conv = torch.randn(40, 96, generator=gen)  # (a Conv1D's (in, out) tensor: its weight is the view conv.t())
     assert torch.equal(_fused_transposed_copy([conv.t()], identity[:96]), conv)
     assert not torch.equal(_fused_transposed_copy(parts, interleaved), torch.cat(parts).t().contiguous())
