@@ -124,9 +124,11 @@ def run_batch(pair, requests, max_rows: int, rnd: random.Random) -> tuple[dict[i
 def exact_rows(args) -> bool:
     """Whether rows must equal their references bit for bit: on the CPU where the compiled kernels run
     (``main`` sets one thread), for a family they run (the bundled Llama pair, Phi-3, and since the
-    thirty-ninth session GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and GPT-J; since the forty-first Qwen3)."""
+    thirty-ninth session GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and GPT-J; since the forty-first Qwen3 and
+    Granite)."""
     return (args.device == "cpu" and host_kernels_unavailable() is None and torch.get_num_threads() == 1
-            and args.family in ("llama", "phi3", "gptneox", "gpt2", "opt", "gpt-bigcode", "phi", "gptj", "qwen3"))
+            and args.family in ("llama", "phi3", "gptneox", "gpt2", "opt", "gpt-bigcode", "phi", "gptj", "qwen3",
+                                "granite"))
 
 
 def load(args):

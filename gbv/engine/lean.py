@@ -420,6 +420,21 @@ def _fold_norm_weight(projections: "_Projections | _Linear", weight: Tensor, bia
     return True
 
 
+def _fold_scale(linears: Sequence["_Linear"], factor: float) -> bool:
+    """Multiply matrices this module owns (float32 transposed copies) and their biases by ``factor``, so that
+    ``factor * (x W^T + b) = x (factor W)^T + factor b``: Granite's residual multiplier and its logits' divisor
+    taken into the copies, for the compiled forward, which has neither. Returns whether it did (not where a
+    matrix is the model's own, or not float32: the forward then scales as before)."""
+    if not all(linear.owned and linear.weight is None and linear.weight_t.dtype == torch.float32
+               for linear in linears):
+        return False
+    for linear in linears:
+        linear.weight_t.mul_(factor)
+        if linear.bias is not None:
+            linear.bias = linear.bias * factor  # (a new tensor: not the model's)
+    return True
+
+
 def _gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -922,6 +937,10 @@ class _Layer:
         if self.gated:
             down = mlp.down_proj
         self.down = _Linear(down.weight, down.bias, transpose, upcast)
+        # Granite's residual multiplier goes into the o and down copies where they are ours, as the norms' weights
+        # do (the forward then adds their outputs as they are)
+        if self.residual_multiplier is not None and _fold_scale([self.o, self.down], self.residual_multiplier):
+            self.residual_multiplier = None
         self.act = _functional(_first_attribute(mlp, "act_fn", "activation_fn", "act"))
 
     def matrices(self) -> list[_Linear]:
@@ -1033,6 +1052,8 @@ class LeanCausalLM:
         # Granite divides its logits by ``logits_scaling`` (None: no division).
         divisor = getattr(config, "logits_scaling", None) if type(self.model).__name__ == "GraniteForCausalLM" else None
         self.logits_divisor = None if divisor in (None, 1, 1.0) else float(divisor)
+        if self.logits_divisor is not None and _fold_scale([self.lm_head], 1.0 / self.logits_divisor):
+            self.logits_divisor = None  # (in the head's copy, as the residual multiplier in o's and down's)
         # Gemma 2 soft-caps its logits, c * tanh(logits / c) (None: not capped).
         self.logits_softcap = getattr(config, "final_logit_softcapping", None)
         if self.bf16_in_float32:  # folded weights back to bfloat16 values (one rounding, at load)

@@ -80,7 +80,7 @@ def host_forward_unsupported_reason(lean) -> str | None:
         if _layer_mlp(layer) is None:
             return "an activation the compiled layers lack"
         if layer.residual_multiplier is not None:
-            return "residual multipliers (Granite)"
+            return "residual multipliers not folded (Granite)"
         if layer.attn_out_norm is not None or layer.softcap is not None:
             return "norms after each block or soft-capped attention (Gemma 2 / 3)"
     if lean.norm is not None or lean.lm_head.weight_t is None:
@@ -89,8 +89,8 @@ def host_forward_unsupported_reason(lean) -> str | None:
 
     if lean.rope_kinds is not None and set(lean.rope_kinds) != {NO_ROTATION}:
         return "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)"
-    if lean.embed_scale is not None or lean.logits_divisor is not None or lean.logits_softcap is not None:
-        return "a scaled embedding or logits (Gemma, Granite)"
+    if lean.logits_divisor is not None or lean.logits_softcap is not None:
+        return "logits divided (Granite's, not folded) or soft-capped (Gemma 2)"
     if not _llama_layers(lean):
         # (the numpy forward between torch's products computes the Llama family's layers only)
         unavailable = host_kernels_unavailable()
@@ -452,7 +452,8 @@ class HostForward:
         self.lean = lean
         self.heads, self.kv_heads, self.head_dim = lean.num_heads, lean.kv_heads, lean.head_dim
         self.hidden = lean.embed.shape[1]
-        self.embed = lean.embed.detach().numpy()
+        # (the embedding rows scaled as the torch forward scales them, where it does: Gemma, Granite; a copy)
+        self.embed = (lean.embed if lean.embed_scale is None else lean.embed * lean.embed_scale).detach().numpy()
         # Why the compiled kernels are not used (None when they are, at any thread count; see
         # host_kernels.py): the products' (``panels_off``) and the attention's (``attention_off``).
         unavailable = host_kernels_unavailable()

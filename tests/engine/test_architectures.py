@@ -51,9 +51,8 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
     """Drop one of the family's differences from Llama in a built view (the controls)."""
     if arch == "gemma":
         lean.embed_scale = None
-    elif arch == "granite":
-        for layer in lean.layers:
-            layer.residual_multiplier = None
+    elif arch == "granite":  # (its residual multiplier and logits divisor are in the copies: test_granite_*)
+        lean.embed_scale = None
     elif arch == "gemma2":  # the soft caps (attention scores and logits)
         lean.logits_softcap = None
         for layer in lean.layers:
@@ -120,28 +119,45 @@ def test_lean_forward_is_the_hugging_face_forward(arch, dtype, monkeypatch):
             assert (_logits(lean, TOKENS) - expected).abs().max() > 10 * tolerance
 
 
-def test_granite_logits_divisor_is_applied():
+def test_granite_multipliers_in_the_copies_or_applied(monkeypatch):
+    """Granite's residual multiplier and logits divisor go into the float32 copies of o, down and the head
+    (lean._fold_scale), so that the compiled forward, which has neither, runs it; where the view holds the
+    model's own tensors (past the fuse limits here) the forward applies them. Hugging Face's logits either way;
+    controls: the divisor taken back out of the head's copy, and left unapplied in place."""
     target, _ = hf_pair("granite", vocab=32, seed=4)
-    lean = LeanCausalLM(target)
-    assert lean.logits_divisor == 2.5 and lean.embed_scale == 3.0
     expected = _reference(target, TOKENS)
-    lean.logits_divisor = None  # control
+    lean = LeanCausalLM(target)
+    assert lean.logits_divisor is None and lean.embed_scale == 3.0
+    assert all(layer.residual_multiplier is None for layer in lean.layers)
+    if host_kernels_unavailable() is None:
+        assert lean.host_forward is not None and lean.host_forward.one_call(1)
+    torch.testing.assert_close(_logits(lean, TOKENS), expected, atol=2e-5, rtol=0)
+    lean.host_forward = None
+    torch.testing.assert_close(_logits(lean, TOKENS), expected, atol=2e-5, rtol=0)
+    lean.lm_head.weight_t.mul_(2.5)  # control
     torch.testing.assert_close(_logits(lean, TOKENS), expected * 2.5, atol=5e-5, rtol=0)
+    monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS", 0)
+    monkeypatch.setattr(lean_module, "FUSE_MEMORY_MAX_PARAMETERS", 0)
+    in_place = LeanCausalLM(target)
+    assert in_place.logits_divisor == 2.5 and {layer.residual_multiplier for layer in in_place.layers} == {0.7}
+    torch.testing.assert_close(_logits(in_place, TOKENS), expected, atol=2e-5, rtol=0)
+    in_place.logits_divisor = None  # control
+    torch.testing.assert_close(_logits(in_place, TOKENS), expected * 2.5, atol=5e-5, rtol=0)
 
 
 def test_which_forward_runs_each_family():
     """float32 on the CPU: Phi-3 (SiLU, no scales; its partial rotation is a table of ones past the
-    turned pairs) runs on the compiled host forward, and so do GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and
-    GPT-J (LayerNorms, biases, MLPs without a gate, parallel blocks, learned positions: the compiled layers
-    only, so where the kernels run); the others (Gemma's gated GELU, multipliers, windows, OLMo 2's q/k norms
-    over all heads) on torch."""
+    turned pairs) and Granite (its multipliers in the copies) run on the compiled host forward, and so do
+    GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and GPT-J (LayerNorms, biases, MLPs without a gate, parallel blocks,
+    learned positions: the compiled layers only, so where the kernels run); the others (Gemma's gated GELU,
+    windows, OLMo 2's q/k norms over all heads) on torch."""
     reasons = {arch: lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair(arch, vocab=32)[0]))
                for arch in NEW_FAMILIES}
     unavailable = host_kernels_unavailable()
     compiled = None if unavailable is None else (
         f"LayerNorms, biases, learned positions, MLPs without a gate or q/k norms need the compiled kernels "
         f"({unavailable})")
-    assert reasons == {"gemma": "an activation the compiled layers lack", "granite": "residual multipliers (Granite)",
+    assert reasons == {"gemma": "an activation the compiled layers lack", "granite": None,
                        "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
                        "gemma3mm": "sliding-window attention", "starcoder2": "sliding-window attention",
                        "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",

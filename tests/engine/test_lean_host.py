@@ -65,8 +65,9 @@ def _skip_without_kernels(arch: str) -> None:
 
 @pytest.mark.parametrize("dtype,amx_products", [(torch.float32, False), (torch.bfloat16, False),
                                                 (torch.bfloat16, True)], indirect=["amx_products"])
-# llama: grouped-query attention; qwen2: q/k/v biases; the others: OTHER_FAMILIES' layers
-@pytest.mark.parametrize("arch", ["llama", "qwen2", *OTHER_FAMILIES])
+# llama: grouped-query attention; qwen2: q/k/v biases; granite: its multipliers in the copies, its embedding
+# scaled; the others: OTHER_FAMILIES' layers
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "granite", *OTHER_FAMILIES])
 def test_host_forward_equals_the_torch_forward(arch, dtype, amx_products):
     """Chains (causal, from slot 0 and after a prefix), tree passes with random masks, one query, last
     only: the logits and every cache entry written agree with the torch forward to float32 rounding,
