@@ -1931,10 +1931,13 @@ static void add_bias_rows(float *y, const float *b, Py_ssize_t n, Py_ssize_t N) 
         for (Py_ssize_t c = 0; c < N; c++) y[r * N + c] += b[c];
 }
 
-/* The MLPs of the host layers (STYLE_MLP of a layer's style): SiLU(gate) * up (the Llama family), or an
- * activation of the up projection alone: GELU (GPT-NeoX), GELU's tanh form (GPT-2's and Phi's gelu_new,
- * GPT-BigCode, StarCoder2, GPT-J) or ReLU (OPT). */
-enum { MLP_SILU_GATED = 0, MLP_GELU = 1, MLP_GELU_TANH = 2, MLP_RELU = 3 };
+/* The MLPs of the host layers (STYLE_MLP of a layer's style): SiLU(gate) * up (the Llama family) or GELU's
+ * tanh form of the gate times up (Gemma), or an activation of the up projection alone: GELU (GPT-NeoX),
+ * GELU's tanh form (GPT-2's and Phi's gelu_new, GPT-BigCode, StarCoder2, GPT-J) or ReLU (OPT). */
+enum { MLP_SILU_GATED = 0, MLP_GELU = 1, MLP_GELU_TANH = 2, MLP_RELU = 3, MLP_GELU_TANH_GATED = 4 };
+/* Whether an MLP has a gate: act(gate) * up, gate_up (rows, 2 I) (SiLU: the Llama family; GELU's tanh form:
+ * Gemma). */
+static inline int mlp_gated(int mlp) { return mlp == MLP_SILU_GATED || mlp == MLP_GELU_TANH_GATED; }
 
 /* out = act(x) over I columns, eight at a time (act one of the ungated MLPs' above). GELU as
  * 0.5 x (1 + erf(x / sqrt 2)), erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7: the form
@@ -1996,6 +1999,12 @@ typedef struct {
     const float *qk_norm; /* Qwen3's q and k norms, each head's D values: the q weights, then the k weights
                            * (each in the rows' interleaved order; NULL: none) */
     double qk_eps;
+    /* Gemma 2 / 3 and OLMo 2 / 3: each block's output RMS-normed and scaled (these weights, H values) before
+     * its residual add (NULL: added as it is) */
+    const float *attn_out_norm, *mlp_out_norm;
+    double attn_out_eps, mlp_out_eps;
+    int qk_all_heads; /* OLMo 2 / 3: q normed over all its heads' values at once and k over all of its own
+                       * (qk_norm then heads * D q weights, then kv_heads * D k weights) */
 } layer_style;
 enum { LAYER_SEQUENTIAL = 0, LAYER_PARALLEL = 1, LAYER_PARALLEL_SHARED = 2 };
 /* A style's bits as Python packs them (host_kernels.layer_style): norm, parallel, MLP. */
@@ -2005,18 +2014,37 @@ enum { LAYER_SEQUENTIAL = 0, LAYER_PARALLEL = 1, LAYER_PARALLEL_SHARED = 2 };
 
 /* The error of a style's bits, NULL where they name one. */
 static const char *style_error(int bits) {
-    if (bits < 0 || bits >= 64 || STYLE_PARALLEL(bits) > LAYER_PARALLEL_SHARED || STYLE_MLP(bits) > MLP_RELU)
+    if (bits < 0 || bits >= 64 || STYLE_PARALLEL(bits) > LAYER_PARALLEL_SHARED || STYLE_MLP(bits) > MLP_GELU_TANH_GATED)
         return "a layer's style must be norm | parallel << 1 | mlp << 3 (host_kernels.layer_style)";
     return NULL;
 }
 
 /* v = w * (v / sqrt(mean(v^2) + eps)) over one head's D values, as the lean view's _rms_norm computes a q or k
- * norm (Qwen3's, over the head dimension) to float32 rounding: the sum of squares in float64. */
+ * norm (Qwen3's, over the head dimension) to float32 rounding: the sum of squares in float64. (Also over all
+ * heads' values at once, OLMo 2's q/k norms, and over a row of H, a block output's norm: add_normed.) */
 static void rms_head(float *v, int D, const float *w, double eps) {
     double sum = 0.0;
     for (int d = 0; d < D; d++) sum += (double)v[d] * (double)v[d];
     const float scale = (float)(1.0 / sqrt(sum / D + eps));
     for (int d = 0; d < D; d++) v[d] = w[d] * (v[d] * scale);
+}
+
+/* hidden += w * rms(y) per row of H values (y: a block's output, normed in place): Gemma 2 / 3's and OLMo 2 /
+ * 3's residual add, the lean view's `residual + _rms_norm(y, w, eps)`. */
+__attribute__((target("avx2,fma"))) static void add_normed(float *hidden, float *y, Py_ssize_t rows, int H,
+                                                          const float *w, double eps) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        rms_head(y + r * H, H, w, eps);
+        for (int h = 0; h < H; h++) hidden[r * H + h] += y[r * H + h];
+    }
+}
+
+/* The layers' norm of `hidden` into `normed`, or (eps < 0: no norm there, OLMo 2 / 3) a copy of it. */
+static void norm_or_copy(const float *hidden, float *normed, Py_ssize_t rows, Py_ssize_t H, double eps, int ln) {
+    if (eps < 0.0)
+        memcpy(normed, hidden, (size_t)(rows * H) * sizeof(float));
+    else
+        norm_rows(hidden, normed, rows, H, eps, ln);
 }
 
 /* One decoder layer for n rows of each of `batch` sequences, in place on `hidden` (batch * n, H): what
@@ -2040,7 +2068,11 @@ static void rms_head(float *v, int D, const float *w, double eps) {
  * form or ReLU; gate_up then (rows, I), w_gate_up (H, I)), attention and the MLP both reading the layer's
  * input (hidden += attn @ W_o + mlp(norm'(hidden)), norm' the MLP's own norm or attention's), and rotation
  * NULL for models without one (learned positions, added to the embedding rows by the caller); and, where
- * style->qk_norm is given (Qwen3), each q and k head RMS-normed and scaled before the rotation (rms_head).
+ * style->qk_norm is given (Qwen3, Gemma 3), each q and k head RMS-normed and scaled before the rotation
+ * (rms_head; with style->qk_all_heads, OLMo 2 / 3, q over all its heads at once and k likewise); where
+ * style->attn_out_norm and mlp_out_norm are given (Gemma 2 / 3, OLMo 2 / 3), each block's output RMS-normed
+ * and scaled before its residual add (add_normed); eps_in or eps_post below 0: no norm before that block
+ * (OLMo 2 / 3: the block reads the residual as it is).
  * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are packed as one kind
  * (bf16: PANELS_F32, PANELS_BF16 or PANELS_AMX, see panel_product); the cache's keys and values are
  * float32 (kv_bf16 = 0) or bfloat16, rounded to nearest even as they are written (bf16_bits);
@@ -2053,17 +2085,21 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     float *scores, Py_ssize_t batch, int prefetch_values, const layer_style *style) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t rows = batch * n, sequence = (Py_ssize_t)kv_heads * capacity * D; /* (values a cache row) */
-    const int ln = style->layer_norm, gated = style->mlp == MLP_SILU_GATED;
+    const int ln = style->layer_norm, gated = mlp_gated(style->mlp);
     const Py_ssize_t up_width = gated ? 2 * (Py_ssize_t)I : I;
-    norm_rows(hidden, normed, rows, H, eps_in, ln);
+    norm_or_copy(hidden, normed, rows, H, eps_in, ln);
     if (panel_product(normed, w_qkv, bf16, qkv, rows, H, width, 0)) return -1;
     for (Py_ssize_t r = 0; r < rows; r++) {
         const Py_ssize_t i = r % n, first = (r / n) * sequence; /* query i of sequence r / n */
         float *row = qkv + r * width;
         add_bias_rows(row, b_qkv, 1, width);
-        if (style->qk_norm) /* (each q and k head RMS-normed over its D values, then scaled: Qwen3) */
+        if (style->qk_norm && style->qk_all_heads) { /* (q over all its heads' values, k likewise: OLMo 2 / 3) */
+            rms_head(row, heads * D, style->qk_norm, style->qk_eps);
+            rms_head(row + (Py_ssize_t)heads * D, kv_heads * D, style->qk_norm + (Py_ssize_t)heads * D, style->qk_eps);
+        } else if (style->qk_norm) { /* (each q and k head RMS-normed over its D values, then scaled: Qwen3) */
             for (int head = 0; head < heads + kv_heads; head++)
                 rms_head(row + (Py_ssize_t)head * D, D, style->qk_norm + (head < heads ? 0 : D), style->qk_eps);
+        }
         if (rotation) { /* (NULL: no rotation) */
             const float *rot = rotation + r * D; /* D/2 (cos, sin) pairs */
             for (int head = 0; head < heads + kv_heads; head++) {
@@ -2097,16 +2133,34 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
      * joins the residual (LAYER_PARALLEL_SHARED: `normed` is attention's norm still); in sequence, the norm
      * of the residual with attention's output. */
     if (style->parallel == LAYER_PARALLEL) norm_rows(hidden, normed, rows, H, eps_post, ln);
-    if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
-    add_bias_rows(hidden, style->b_o, rows, H);
-    if (style->parallel == LAYER_SEQUENTIAL) norm_rows(hidden, normed, rows, H, eps_post, ln);
+    if (style->attn_out_norm) { /* (sequential only: the output normed in `normed`, free until the next norm) */
+        if (panel_product(attn, w_o, bf16, normed, rows, (Py_ssize_t)heads * D, H, 0)) return -1;
+        add_bias_rows(normed, style->b_o, rows, H);
+        add_normed(hidden, normed, rows, H, style->attn_out_norm, style->attn_out_eps);
+    } else {
+        if (panel_product(attn, w_o, bf16, hidden, rows, (Py_ssize_t)heads * D, H, 1)) return -1;
+        add_bias_rows(hidden, style->b_o, rows, H);
+    }
+    if (style->parallel == LAYER_SEQUENTIAL) norm_or_copy(hidden, normed, rows, H, eps_post, ln);
     if (panel_product(normed, w_gate_up, bf16, gate_up, rows, H, up_width, 0)) return -1;
     add_bias_rows(gate_up, style->b_up, rows, up_width);
     for (Py_ssize_t r = 0; r < rows; r++) {
-        if (gated)
+        if (style->mlp == MLP_SILU_GATED) {
             silu_times(gate_up + r * 2 * I, gate_up + r * 2 * I + I, act + r * I, I);
-        else
+        } else if (gated) { /* (Gemma: gelu_tanh(gate), then times up, as its module's two ops round) */
+            float *out = act + r * I;
+            const float *up = gate_up + r * 2 * I + I;
+            activate(gate_up + r * 2 * I, out, I, MLP_GELU_TANH);
+            for (int c = 0; c < I; c++) out[c] *= up[c];
+        } else {
             activate(gate_up + r * I, act + r * I, I, style->mlp);
+        }
+    }
+    if (style->mlp_out_norm) { /* (`normed`: read by the gate/up product, free again) */
+        if (panel_product(act, w_down, bf16, normed, rows, I, H, 0)) return -1;
+        add_bias_rows(normed, style->b_down, rows, H);
+        add_normed(hidden, normed, rows, H, style->mlp_out_norm, style->mlp_out_eps);
+        return 0;
     }
     if (panel_product(act, w_down, bf16, hidden, rows, I, H, 1)) return -1;
     add_bias_rows(hidden, style->b_down, rows, H);
@@ -2531,23 +2585,25 @@ static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_
 }
 
 static PyObject *layer(PyObject *self, PyObject *args) {
-    PyObject *objects[19];
+    enum { OBJECTS = 21 };
+    PyObject *objects[OBJECTS];
     Py_ssize_t n, start, batch = 1;
     int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0, style_bits = 0;
-    double eps_in, eps_post, scale, qk_eps = 0.0;
-    objects[15] = objects[16] = objects[17] = objects[18] = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOd", &objects[0], &objects[1], &objects[2],
+    int qk_all_heads = 0;
+    double eps_in, eps_post, scale, qk_eps = 0.0, attn_out_eps = 0.0, mlp_out_eps = 0.0;
+    for (int b = 15; b < OBJECTS; b++) objects[b] = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOdOdOdp", &objects[0], &objects[1], &objects[2],
                           &objects[3], &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads,
                           &kv_heads, &D, &I, &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch,
                           &prefetch_values, &objects[15], &objects[16], &objects[17], &style_bits, &objects[18],
-                          &qk_eps))
+                          &qk_eps, &objects[19], &attn_out_eps, &objects[20], &mlp_out_eps, &qk_all_heads))
         return NULL;
     if (style_error(style_bits) != NULL) {
         PyErr_SetString(PyExc_ValueError, style_error(style_bits));
         return NULL;
     }
-    const Py_ssize_t up_width = STYLE_MLP(style_bits) == MLP_SILU_GATED ? 2 * (Py_ssize_t)I : I;
+    const Py_ssize_t up_width = mlp_gated(STYLE_MLP(style_bits)) ? 2 * (Py_ssize_t)I : I;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host layer needs an x86-64 CPU with AVX2 and FMA");
         return NULL;
@@ -2565,20 +2621,26 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     const Py_ssize_t end = start + n, rows = batch * n; /* (batch sequences of n queries each) */
 #define PANELS(K, N) panels_bytes(bf16, K, N)
     /* hidden normed qkv attn gate_up act w_qkv b_qkv w_o w_gate_up w_down rotation keys values mask b_o b_up b_down
-     * qk_norm */
-    const Py_ssize_t sizes[19] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
-                                  rows * up_width * f, rows * I * f, PANELS(H, width), width * f,
-                                  PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width), PANELS((Py_ssize_t)I, H),
-                                  rows * D * f, -1, -1, rows * end, H * f, up_width * f, H * f, 2 * D * f};
+     * qk_norm attn_out_norm mlp_out_norm */
+    const Py_ssize_t sizes[OBJECTS] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
+                                       rows * up_width * f, rows * I * f, PANELS(H, width), width * f,
+                                       PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width), PANELS((Py_ssize_t)I, H),
+                                       rows * D * f, -1, -1, rows * end, H * f, up_width * f, H * f,
+                                       (qk_all_heads ? (Py_ssize_t)(heads + kv_heads) * D : 2 * D) * f, H * f, H * f};
 #undef PANELS
-    static const char *names[19] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv", "w_o",
-                                    "w_gate_up", "w_down", "rotation", "keys", "values", "mask", "b_o", "b_up",
-                                    "b_down", "qk_norm"};
-    static const int writable[19] = {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0};
-    Py_buffer views[19];
-    int given[19] = {0};
+    static const char *names[OBJECTS] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv",
+                                         "w_o", "w_gate_up", "w_down", "rotation", "keys", "values", "mask", "b_o",
+                                         "b_up", "b_down", "qk_norm", "attn_out_norm", "mlp_out_norm"};
+    static const int writable[OBJECTS] = {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0};
+    Py_buffer views[OBJECTS];
+    int given[OBJECTS] = {0};
     int failed = 0;
-    for (int b = 0; b < 19 && !failed; b++) {
+    if ((objects[19] == Py_None) != (objects[20] == Py_None) ||
+        (STYLE_PARALLEL(style_bits) != LAYER_SEQUENTIAL && objects[19] != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "a layer norms both blocks' outputs or neither, and only in sequence");
+        return NULL;
+    }
+    for (int b = 0; b < OBJECTS && !failed; b++) {
         /* the biases, the rotation (none: a model without one), the mask and the q/k norms may be None; the rest
          * must be there */
         const int optional = b == 7 || b == 11 || b >= 14;
@@ -2614,7 +2676,10 @@ static PyObject *layer(PyObject *self, PyObject *args) {
                                    given[15] ? (const float *)views[15].buf : NULL,
                                    given[16] ? (const float *)views[16].buf : NULL,
                                    given[17] ? (const float *)views[17].buf : NULL,
-                                   given[18] ? (const float *)views[18].buf : NULL, qk_eps};
+                                   given[18] ? (const float *)views[18].buf : NULL, qk_eps,
+                                   given[19] ? (const float *)views[19].buf : NULL,
+                                   given[20] ? (const float *)views[20].buf : NULL, attn_out_eps, mlp_out_eps,
+                                   qk_all_heads};
         Py_BEGIN_ALLOW_THREADS
         out_of_memory = layer_forward(
             (float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
@@ -2627,7 +2692,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
 #endif
     }
     PyMem_RawFree(scores);
-    for (int b = 0; b < 19; b++)
+    for (int b = 0; b < OBJECTS; b++)
         if (given[b]) PyBuffer_Release(&views[b]);
     if (out_of_memory) PyErr_NoMemory();
     if (failed || out_of_memory) return NULL;
@@ -2803,17 +2868,17 @@ static PyObject *softmax_draw(PyObject *self, PyObject *args) {
 static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
-    PyObject *position_object = Py_None, *head_bias_object = Py_None;
+    PyObject *position_object = Py_None, *head_bias_object = Py_None, *window_mask_object = Py_None;
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpO", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOO", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
-                          &head_bias_object))
+                          &head_bias_object, &window_mask_object))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -2839,15 +2904,23 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
     const Py_ssize_t num_layers = PyTuple_GET_SIZE(layers), f = (Py_ssize_t)sizeof(float);
     /* a layer's entry: w_qkv b_qkv w_o w_gate_up w_down eps_in eps_post scale, then for layers other than the
-     * Llama family's b_o b_up b_down style (STYLED), and for Qwen3's qk_norm qk_eps (QK) */
-    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12, QK_ENTRY = 14 };
+     * Llama family's b_o b_up b_down style (STYLED), for Qwen3's qk_norm qk_eps (QK), and for Gemma 2 / 3's,
+     * OLMo 2 / 3's, SmolLM3's and the windowed ones attn_out_norm attn_out_eps mlp_out_norm mlp_out_eps flags
+     * rotary (EXTRA: flags LAYER_QK_ALL_HEADS | LAYER_WINDOWED; rotary the index of its table in `rotary`, a
+     * tuple of them there, or -1 for none) */
+    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12, QK_ENTRY = 14, EXTRA_ENTRY = 20 };
+    enum { LAYER_QK_ALL_HEADS = 1, LAYER_WINDOWED = 2, MAX_TABLES = 8 };
     for (Py_ssize_t l = 0; l < num_layers; l++) {
         PyObject *entry = PyTuple_GET_ITEM(layers, l);
         const Py_ssize_t size = PyTuple_Check(entry) ? PyTuple_GET_SIZE(entry) : 0;
-        if ((size != LLAMA_ENTRY && size != STYLED_ENTRY && size != QK_ENTRY) ||
-            (size >= STYLED_ENTRY && !PyLong_Check(PyTuple_GET_ITEM(entry, 11)))) {
+        if ((size != LLAMA_ENTRY && size != STYLED_ENTRY && size != QK_ENTRY && size != EXTRA_ENTRY) ||
+            (size >= STYLED_ENTRY && !PyLong_Check(PyTuple_GET_ITEM(entry, 11))) ||
+            (size >= EXTRA_ENTRY && (!PyLong_Check(PyTuple_GET_ITEM(entry, 18)) ||
+                                     !PyLong_Check(PyTuple_GET_ITEM(entry, 19))))) {
             PyErr_SetString(PyExc_ValueError, "each layer must be (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, "
-                                              "eps_post, scale[, b_o, b_up, b_down, style[, qk_norm, qk_eps]])");
+                                              "eps_post, scale[, b_o, b_up, b_down, style[, qk_norm, qk_eps[, "
+                                              "attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, "
+                                              "rotary]]])");
             return NULL;
         }
         if (size >= STYLED_ENTRY) {
@@ -2862,12 +2935,20 @@ static PyObject *forward(PyObject *self, PyObject *args) {
 #define ENTRY_BIAS(entry, index) (PyTuple_GET_SIZE(entry) > (index) ? PyTuple_GET_ITEM(entry, index) : Py_None)
     /* every layer's MLP gated or none (the gate_up buffer's width) */
     const long first_style = num_layers ? ENTRY_STYLE(PyTuple_GET_ITEM(layers, 0)) : 0;
-    const int gated = STYLE_MLP(first_style) == MLP_SILU_GATED;
+    const int gated = mlp_gated(STYLE_MLP(first_style));
     const Py_ssize_t up_width = gated ? 2 * (Py_ssize_t)I : I;
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D, end = start + n, rows_out = last_only ? 1 : n;
     const Py_ssize_t sequence = (Py_ssize_t)kv_heads * capacity * D; /* values of one cache row */
     const Py_ssize_t kv = kv_bf16 ? 2 : 4;                          /* bytes of a cached value */
 #define PANELS(K, N) panels_bytes(bf16, K, N)
+    /* the rotation tables: `rotary` one (P, D/2) complex64 table, or a tuple of them (a layer's entry names
+     * its own, EXTRA_ENTRY), or None */
+    const int table_tuple = PyTuple_Check(objects[3]);
+    const Py_ssize_t num_tables = table_tuple ? PyTuple_GET_SIZE(objects[3]) : objects[3] != Py_None;
+    if (num_tables > MAX_TABLES) {
+        PyErr_SetString(PyExc_ValueError, "at most 8 rotation tables");
+        return NULL;
+    }
     const Py_ssize_t sizes[13] = {n * 8, n * 8, -1, -1, n * H * f, n * H * f, n * width * f,
                                   n * (Py_ssize_t)heads * D * f, n * up_width * f, n * I * f, PANELS(H, vocab),
                                   rows_out * vocab * f, n * end};
@@ -2876,24 +2957,46 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     static const int writable[13] = {0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 0};
     Py_buffer fixed[13];
     int fixed_given[13] = {0};
-    /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values b_o b_up b_down qk_norm, then eps_in eps_post scale
-     * qk_eps */
-    enum { PER_LAYER = 11, CONSTANTS = 4 };
+    /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values b_o b_up b_down qk_norm attn_out_norm mlp_out_norm,
+     * then eps_in eps_post scale qk_eps attn_out_eps mlp_out_eps */
+    enum { PER_LAYER = 13, CONSTANTS = 6 };
     Py_buffer *views = (Py_buffer *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(Py_buffer));
     int *given = (int *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(int));
     double *constants = (double *)PyMem_Calloc((size_t)(CONSTANTS * num_layers) + 1, sizeof(double));
     layer_style *styles = (layer_style *)PyMem_Calloc((size_t)num_layers + 1, sizeof(layer_style));
-    float *rotation = (float *)PyMem_RawMalloc((size_t)(n * D) * sizeof(float));
+    float *rotation = (float *)PyMem_RawMalloc((size_t)((num_tables ? num_tables : 1) * n * D) * sizeof(float));
+    int *layer_tables = (int *)PyMem_Calloc((size_t)num_layers + 1, sizeof(int)); /* per layer: -1 none */
+    int *windowed = (int *)PyMem_Calloc((size_t)num_layers + 1, sizeof(int));
     float *scores = (float *)PyMem_RawMalloc(attend_scratch_floats(end, D) * sizeof(float));
     int failed = 0;
-    if (views == NULL || given == NULL || constants == NULL || styles == NULL || rotation == NULL || scores == NULL) {
+    if (views == NULL || given == NULL || constants == NULL || styles == NULL || rotation == NULL || scores == NULL ||
+        layer_tables == NULL || windowed == NULL) {
         PyErr_NoMemory();
         failed = 1;
     }
     for (int b = 0; b < 13 && !failed; b++) {
         if ((b == 3 || b == 12) && objects[b] == Py_None) continue; /* no rotation; no mask: the causal chain */
+        if (b == 3 && table_tuple) continue;                          /* (the tables: below) */
         failed = get_buffer(objects[b], &fixed[b], writable[b], sizes[b], names[b], &fixed_given[b]) != 0;
     }
+    Py_buffer tables[MAX_TABLES], window_mask;
+    int tables_given[MAX_TABLES] = {0}, have_window_mask = 0;
+    Py_ssize_t table_rows[MAX_TABLES] = {0};
+    for (Py_ssize_t t = 0; t < num_tables && !failed; t++) {
+        if (table_tuple)
+            failed = get_buffer(PyTuple_GET_ITEM(objects[3], t), &tables[t], 0, -1, "rotary", &tables_given[t]) != 0;
+        else
+            tables[t] = fixed[3];
+        const Py_ssize_t length = (table_tuple ? tables_given[t] : fixed_given[3]) ? tables[t].len : -1;
+        table_rows[t] = length / (D * f);
+        if (!failed && (length <= 0 || length != table_rows[t] * D * f)) {
+            PyErr_SetString(PyExc_ValueError, "rotary tables must be (P, head_dim / 2) complex64");
+            failed = 1;
+        }
+    }
+    if (!failed)
+        failed = get_buffer(window_mask_object, &window_mask, 0, window_mask_object == Py_None ? -1 : n * end,
+                            "window mask", &have_window_mask) != 0;
     /* the learned position rows (GPT-2, OPT: row position + position_offset added to the token's) and the
      * head's bias, where given */
     Py_buffer position_rows, head_bias;
@@ -2903,13 +3006,11 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     if (!failed)
         failed = get_buffer(head_bias_object, &head_bias, 0, head_bias_object == Py_None ? -1 : vocab * f, "head bias",
                             &have_head_bias) != 0;
-    Py_ssize_t vocab_rows = 0, table_rows = 0, position_count = 0;
+    Py_ssize_t vocab_rows = 0, position_count = 0;
     if (!failed) {
         vocab_rows = fixed[2].len / (H * f);
-        table_rows = fixed_given[3] ? fixed[3].len / (D * f) : 0;
         position_count = have_positions ? position_rows.len / (H * f) : 0;
-        if (fixed[2].len != vocab_rows * H * f || (fixed_given[3] && fixed[3].len != table_rows * D * f) ||
-            (have_positions && position_rows.len != position_count * H * f)) {
+        if (fixed[2].len != vocab_rows * H * f || (have_positions && position_rows.len != position_count * H * f)) {
             PyErr_SetString(PyExc_ValueError, "embed and position rows must be (V, H) and (P, H) float32, rotary "
                                               "(P, head_dim / 2) complex64");
             failed = 1;
@@ -2919,8 +3020,10 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         const long long *tokens = (const long long *)fixed[0].buf, *positions = (const long long *)fixed[1].buf;
         for (Py_ssize_t i = 0; i < n && !failed; i++) {
             const long long row = positions[i] + position_offset;
-            if (tokens[i] < 0 || tokens[i] >= vocab_rows || positions[i] < 0 ||
-                (fixed_given[3] && positions[i] >= table_rows) || (have_positions && row >= position_count)) {
+            int beyond = 0;
+            for (Py_ssize_t t = 0; t < num_tables; t++) beyond = beyond || positions[i] >= table_rows[t];
+            if (tokens[i] < 0 || tokens[i] >= vocab_rows || positions[i] < 0 || beyond ||
+                (have_positions && row >= position_count)) {
                 PyErr_Format(PyExc_ValueError, "token %lld or position %lld out of range", tokens[i], positions[i]);
                 failed = 1;
                 break;
@@ -2929,31 +3032,50 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             memcpy(hidden_row, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
             if (have_positions)
                 for (int h = 0; h < H; h++) hidden_row[h] += ((const float *)position_rows.buf)[row * H + h];
-            if (fixed_given[3]) memcpy(rotation + i * D, (const float *)fixed[3].buf + positions[i] * D, (size_t)D * f);
+            for (Py_ssize_t t = 0; t < num_tables; t++) /* (table t's rows: rotation + t * n * D) */
+                memcpy(rotation + (t * n + i) * D, (const float *)tables[t].buf + positions[i] * D, (size_t)D * f);
         }
     }
     for (Py_ssize_t l = 0; l < num_layers && !failed; l++) {
         PyObject *entry = PyTuple_GET_ITEM(layers, l);
         const long bits = ENTRY_STYLE(entry);
-        if ((STYLE_MLP(bits) == MLP_SILU_GATED) != gated) { /* (each style checked above) */
+        if (mlp_gated(STYLE_MLP(bits)) != gated) { /* (each style checked above) */
             PyErr_SetString(PyExc_ValueError, "every layer's MLP must be gated, or none");
             failed = 1;
             break;
         }
+        const int extra = PyTuple_GET_SIZE(entry) >= EXTRA_ENTRY;
+        const long flags = extra ? PyLong_AsLong(PyTuple_GET_ITEM(entry, 18)) : 0;
+        const long table = extra ? PyLong_AsLong(PyTuple_GET_ITEM(entry, 19)) : num_tables ? 0 : -1;
+        if (flags < 0 || flags > (LAYER_QK_ALL_HEADS | LAYER_WINDOWED) || table < -1 || table >= num_tables ||
+            ((ENTRY_BIAS(entry, 14) == Py_None) != (ENTRY_BIAS(entry, 16) == Py_None)) ||
+            (ENTRY_BIAS(entry, 14) != Py_None && STYLE_PARALLEL(bits) != LAYER_SEQUENTIAL)) {
+            PyErr_SetString(PyExc_ValueError, "a layer's flags must be LAYER_QK_ALL_HEADS | LAYER_WINDOWED, its "
+                                              "rotary -1 or a table's index, and it norms both blocks' outputs or "
+                                              "neither, in sequence only");
+            failed = 1;
+            break;
+        }
+        layer_tables[l] = (int)table;
+        windowed[l] = (flags & LAYER_WINDOWED) != 0;
+        const Py_ssize_t qk_values = flags & LAYER_QK_ALL_HEADS ? (Py_ssize_t)(heads + kv_heads) * D : 2 * D;
         PyObject *parts[PER_LAYER] = {PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1),
                                       PyTuple_GET_ITEM(entry, 2), PyTuple_GET_ITEM(entry, 3),
                                       PyTuple_GET_ITEM(entry, 4), PyTuple_GET_ITEM(keys_list, l),
                                       PyTuple_GET_ITEM(values_list, l), ENTRY_BIAS(entry, 8),
-                                      ENTRY_BIAS(entry, 9), ENTRY_BIAS(entry, 10), ENTRY_BIAS(entry, 12)};
+                                      ENTRY_BIAS(entry, 9), ENTRY_BIAS(entry, 10), ENTRY_BIAS(entry, 12),
+                                      ENTRY_BIAS(entry, 14), ENTRY_BIAS(entry, 16)};
 #define OPTIONAL(index, bytes) (ENTRY_BIAS(entry, index) == Py_None ? -1 : (bytes))
         const Py_ssize_t part_sizes[PER_LAYER] = {PANELS(H, width), OPTIONAL(1, width * f),
                                                   PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width),
                                                   PANELS((Py_ssize_t)I, H), -1, -1, OPTIONAL(8, H * f),
                                                   OPTIONAL(9, up_width * f), OPTIONAL(10, H * f),
-                                                  OPTIONAL(12, 2 * D * f)};
+                                                  OPTIONAL(12, qk_values * f), OPTIONAL(14, H * f),
+                                                  OPTIONAL(16, H * f)};
 #undef OPTIONAL
         static const char *part_names[PER_LAYER] = {"w_qkv", "b_qkv", "w_o", "w_gate_up", "w_down", "keys", "values",
-                                                    "b_o", "b_up", "b_down", "qk_norm"};
+                                                    "b_o", "b_up", "b_down", "qk_norm", "attn_out_norm",
+                                                    "mlp_out_norm"};
         for (int b = 0; b < PER_LAYER && !failed; b++)
             failed = get_buffer(parts[b], &views[l * PER_LAYER + b], b == 5 || b == 6, part_sizes[b], part_names[b],
                                 &given[l * PER_LAYER + b]) != 0;
@@ -2963,7 +3085,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         styles[l] = (layer_style){STYLE_LAYER_NORM(bits), STYLE_MLP(bits), STYLE_PARALLEL(bits),
                                   g[7] ? (const float *)v[7].buf : NULL, g[8] ? (const float *)v[8].buf : NULL,
                                   g[9] ? (const float *)v[9].buf : NULL, g[10] ? (const float *)v[10].buf : NULL,
-                                  0.0};
+                                  0.0, g[11] ? (const float *)v[11].buf : NULL, g[12] ? (const float *)v[12].buf : NULL,
+                                  0.0, 0.0, (flags & LAYER_QK_ALL_HEADS) != 0};
 #undef ENTRY_STYLE
         if (views[l * PER_LAYER + 5].len < (first_row + 1) * sequence * kv ||
             views[l * PER_LAYER + 6].len != views[l * PER_LAYER + 5].len) {
@@ -2974,12 +3097,16 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             failed = 1;
             break;
         }
-        for (int c = 0; c < CONSTANTS && !failed; c++) { /* (eps_in eps_post scale at 5-7; qk_eps at 13, or 0) */
-            PyObject *value = c < 3 ? PyTuple_GET_ITEM(entry, 5 + c) : ENTRY_BIAS(entry, 13);
+        /* (eps_in eps_post scale at 5-7; qk_eps at 13, attn_out_eps at 15, mlp_out_eps at 17, or 0) */
+        static const int constant_at[CONSTANTS] = {5, 6, 7, 13, 15, 17};
+        for (int c = 0; c < CONSTANTS && !failed; c++) {
+            PyObject *value = c < 3 ? PyTuple_GET_ITEM(entry, constant_at[c]) : ENTRY_BIAS(entry, constant_at[c]);
             constants[CONSTANTS * l + c] = value == Py_None ? 0.0 : PyFloat_AsDouble(value);
             failed = constants[CONSTANTS * l + c] == -1.0 && PyErr_Occurred() != NULL;
         }
         styles[l].qk_eps = constants[CONSTANTS * l + 3];
+        styles[l].attn_out_eps = constants[CONSTANTS * l + 4];
+        styles[l].mlp_out_eps = constants[CONSTANTS * l + 5];
 #undef ENTRY_BIAS
     }
     /* the draw: uniforms, probabilities (or a scratch row) and tokens of the output rows; one output
@@ -3022,9 +3149,13 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                 (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL, v[2].buf,
                 v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[CONSTANTS * l],
                 constants[CONSTANTS * l + 1],
-                fixed_given[3] ? rotation : NULL, (char *)v[5].buf + first_row * sequence * kv,
-                (char *)v[6].buf + first_row * sequence * kv, kv_bf16, capacity,
-                fixed_given[12] ? (const unsigned char *)fixed[12].buf : NULL, start,
+                layer_tables[l] < 0 ? NULL : rotation + layer_tables[l] * n * D,
+                (char *)v[5].buf + first_row * sequence * kv, (char *)v[6].buf + first_row * sequence * kv, kv_bf16,
+                capacity,
+                windowed[l] && have_window_mask ? (const unsigned char *)window_mask.buf
+                : fixed_given[12]               ? (const unsigned char *)fixed[12].buf
+                                                : NULL,
+                start,
                 (float)constants[CONSTANTS * l + 2],
                 scores, 1, 0, styles + l);
         }
@@ -3048,6 +3179,9 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
 #undef PANELS
     PyMem_RawFree(scratch);
+    for (Py_ssize_t t = 0; t < num_tables; t++)
+        if (tables_given[t]) PyBuffer_Release(&tables[t]);
+    if (have_window_mask) PyBuffer_Release(&window_mask);
     if (have_positions) PyBuffer_Release(&position_rows);
     if (have_head_bias) PyBuffer_Release(&head_bias);
     if (have_u) PyBuffer_Release(&u);
@@ -3064,6 +3198,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyMem_Free(styles);
     PyMem_RawFree(rotation);
     PyMem_RawFree(scores);
+    PyMem_Free(layer_tables);
+    PyMem_Free(windowed);
     if (out_of_memory) PyErr_NoMemory();
     if (failed || out_of_memory) return NULL;
     if (single_token >= 0) return PyLong_FromLongLong(single_token);

@@ -346,7 +346,9 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
 # A host layer's MLP (layer_style): SiLU(gate) * up (the Llama family), or an activation of the up
 # projection alone: GELU (GPT-NeoX), GELU's tanh form (GPT-2's and Phi's gelu_new, GPT-BigCode, StarCoder2,
 # GPT-J) or ReLU (OPT).
-MLP_SILU_GATED, MLP_GELU, MLP_GELU_TANH, MLP_RELU = 0, 1, 2, 3
+MLP_SILU_GATED, MLP_GELU, MLP_GELU_TANH, MLP_RELU, MLP_GELU_TANH_GATED = 0, 1, 2, 3, 4
+# The flags of a layer's 20-item entry (forward_into): q/k normed over all heads (OLMo 2 / 3), a windowed layer.
+LAYER_QK_ALL_HEADS, LAYER_WINDOWED = 1, 2
 # How attention and the MLP sit in a host layer (layer_style): one after the other, or both reading the
 # layer's input, each through its own norm (GPT-NeoX's parallel residual) or through attention's (Phi, GPT-J).
 SEQUENTIAL, PARALLEL, PARALLEL_SHARED_NORM = 0, 1, 2
@@ -357,8 +359,9 @@ LLAMA_STYLE = 0
 def layer_style(layer_norm: bool, parallel: int = SEQUENTIAL, mlp: int = MLP_SILU_GATED) -> int:
     """A host layer's style as the compiled layer takes it (``style`` of :func:`layer_into` and of each
     layer of :func:`forward_into`): LayerNorms rather than RMSNorms, ``parallel`` (SEQUENTIAL, PARALLEL or
-    PARALLEL_SHARED_NORM) and ``mlp`` (MLP_SILU_GATED, MLP_GELU, MLP_GELU_TANH or MLP_RELU)."""
-    if parallel not in (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_NORM) or mlp not in range(4):
+    PARALLEL_SHARED_NORM) and ``mlp`` (MLP_SILU_GATED, MLP_GELU_TANH_GATED: Gemma's GELU-tanh(gate) * up;
+    MLP_GELU, MLP_GELU_TANH or MLP_RELU without a gate)."""
+    if parallel not in (SEQUENTIAL, PARALLEL, PARALLEL_SHARED_NORM) or mlp not in range(5):
         raise ValueError(f"no host layer style with parallel={parallel}, mlp={mlp}")
     return int(bool(layer_norm)) | parallel << 1 | mlp << 3
 
@@ -368,7 +371,9 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                mask: np.ndarray | None, start: int, eps_in: float, eps_post: float, scale: float,
                batch: int = 1, prefetch_values: bool = False, b_o: np.ndarray | None = None,
                b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, style: int = LLAMA_STYLE,
-               qk_norm: np.ndarray | None = None, qk_eps: float = 0.0) -> None:
+               qk_norm: np.ndarray | None = None, qk_eps: float = 0.0, attn_out_norm: np.ndarray | None = None,
+               attn_out_eps: float = 0.0, mlp_out_norm: np.ndarray | None = None, mlp_out_eps: float = 0.0,
+               qk_all_heads: bool = False) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
     ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
     with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
@@ -392,8 +397,13 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     (``h + attn(norm(h)) + mlp(norm'(h))``; the sums in another order than the model's modules: float
     rounding). ``b_o``, ``b_up``, ``b_down``: the products' biases, or None. ``rotation`` None: no
     rotation (GPT-2, OPT, GPT-BigCode: learned positions, added to the embedding rows). ``qk_norm``
-    (Qwen3): the q and k norms' weights, a (2 * D,) float32 array in the rows' interleaved order (q's, then
-    k's): each q and k head is RMS-normed over its D values (eps ``qk_eps``) and scaled before the rotation.
+    (Qwen3, Gemma 3): the q and k norms' weights, a (2 * D,) float32 array in the rows' interleaved order (q's,
+    then k's): each q and k head is RMS-normed over its D values (eps ``qk_eps``) and scaled before the rotation;
+    with ``qk_all_heads`` (OLMo 2 / 3) a ((heads + kv_heads) * D,) array, q normed over all its heads' values at
+    once and k over all of its own. ``attn_out_norm`` and ``mlp_out_norm`` (Gemma 2 / 3, OLMo 2 / 3; both or
+    neither, sequential layers only): (H,) float32 weights of RMSNorms (eps ``attn_out_eps``, ``mlp_out_eps``)
+    of each block's output before its residual add. ``eps_in`` or ``eps_post`` below 0: no norm before that
+    block (OLMo 2 / 3). ``mask`` is the layer's own: a windowed layer's holds its window.
     """
     total, hidden = rows.hidden.shape
     n = total // batch
@@ -406,7 +416,9 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                         rows.attn.shape[1] // head_dim, kv_heads, head_dim, rows.act.shape[1], start, eps_in,
                         eps_post, scale, kind, *_trailing((kv_bf16(keys), False), (batch, 1), (prefetch_values, False),
                                                           (b_o, None), (b_up, None), (b_down, None), (style, LLAMA_STYLE),
-                                                          (qk_norm, None), (qk_eps, 0.0)))
+                                                          (qk_norm, None), (qk_eps, 0.0), (attn_out_norm, None),
+                                                          (attn_out_eps, 0.0), (mlp_out_norm, None),
+                                                          (mlp_out_eps, 0.0), (qk_all_heads, False)))
 
 
 def _trailing(*given: tuple) -> tuple:
@@ -490,17 +502,22 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                  u: np.ndarray | None = None, probs: np.ndarray | None = None,
                  tokens_out: np.ndarray | None = None, position_rows: np.ndarray | None = None,
                  position_offset: int = 0, final_layer_norm: bool = False,
-                 head_bias: np.ndarray | None = None) -> int | None:
+                 head_bias: np.ndarray | None = None, window_mask: np.ndarray | None = None) -> int | None:
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
     every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
     tokens, positions: (n,) int64. embed: (V, H) float32. rotary: (P, D/2) complex64, the rotation
-    of each position, or None (no rotation). position_rows: (P', H) float32, the learned rows added at
+    of each position, or None (no rotation), or a tuple of such tables where each layer's entry names its own
+    (Gemma 3's per layer kind, SmolLM3's none in some layers). position_rows: (P', H) float32, the learned rows added at
     ``position + position_offset`` (GPT-2, OPT), or None. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up,
     w_down, eps_in, eps_post, scale, b_o, b_up, b_down, style[, qk_norm, qk_eps])`` per layer, the weights as
     panel arrays (``PanelWeight.panels``, all of one kind like ``head``), the biases float32 arrays or None,
     ``style`` :func:`layer_style`'s (every layer's MLP gated, or none), ``qk_norm`` and ``qk_eps`` Qwen3's q/k
-    norms as :func:`layer_into` takes them. final_layer_norm: the final norm is a
+    norms as :func:`layer_into` takes them, then optionally ``attn_out_norm, attn_out_eps, mlp_out_norm,
+    mlp_out_eps, flags, rotary`` (a 20-item entry: the block output norms as :func:`layer_into` takes them,
+    ``flags`` LAYER_QK_ALL_HEADS | LAYER_WINDOWED, ``rotary`` the index of the layer's table in the tuple
+    ``rotary``, or -1 for none). window_mask: (n, start + n) bool/uint8, the mask of the windowed layers
+    where their window binds (None: they take ``mask``). final_layer_norm: the final norm is a
     LayerNorm; head_bias: (V_head,) float32 or None. keys, values: per layer the cache's
     (rows, kv_heads, capacity, D) arrays, float32 or bfloat16 (:func:`kv_bf16`); this sequence is row
     ``first_row``. mask: (n, start + n)
@@ -516,10 +533,12 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     """
     n, hidden = rows.hidden.shape
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
-    if position_rows is None and not position_offset and not final_layer_norm and head_bias is None:
+    if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
+            and window_mask is None):
         extra = _kv_flag(keys[0])  # (the Llama family's call as it was, without a loop over defaults)
     else:
-        extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias)
+        extra = _trailing((kv_bf16(keys[0]), False), (position_rows, None), (position_offset, 0),
+                          (final_layer_norm, False), (head_bias, None), (window_mask, None))
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,

@@ -50,7 +50,8 @@ from torch import Tensor
 from gbv.engine import host_kernels
 from gbv.engine.sampling import SamplingConfig, draw_token
 from gbv.verify.common import TorchRandom
-from gbv.engine.host_kernels import (LLAMA_STYLE, MLP_GELU, MLP_GELU_TANH, MLP_RELU, MLP_SILU_GATED, PANELS_AMX,
+from gbv.engine.host_kernels import (LLAMA_STYLE, MLP_GELU, MLP_GELU_TANH, MLP_GELU_TANH_GATED, MLP_RELU,
+                                     MLP_SILU_GATED, PANELS_AMX,
                                      PARALLEL, PARALLEL_SHARED_NORM, SEQUENTIAL, PanelWeight, attention_into,
                                      forward_into, host_kernels_unavailable, kv_bf16, layer_into, layer_style,
                                      prefetch_temporal, rms_into, set_prefetch_temporal, sync_product_threads)
@@ -65,15 +66,15 @@ def host_forward_unsupported_reason(lean) -> str | None:
         return "GBV_HOST_FORWARD=0"
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
         return "not float32 on the CPU"
-    if lean.window is not None:
-        return "sliding-window attention"
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
+    if len({layer.window for layer in lean.layers if layer.window is not None}) > 1:
+        return "sliding windows of several widths"
     for layer in lean.layers:
-        if layer.q_norm is not None and (layer.qk_norm_all_heads or layer.q_norm_eps != layer.k_norm_eps):
-            return "q/k norms over all heads, or of two eps (OLMo 2)"
-        if layer.input_eps is None or layer.input_norm is not None or layer.post_norm is not None:
-            return "norm weights not folded, or no norm before a block (OLMo 2)"
+        if layer.q_norm is not None and layer.q_norm_eps != layer.k_norm_eps:
+            return "q/k norms of two eps"
+        if layer.input_norm is not None or layer.post_norm is not None:
+            return "norm weights not folded"
         parts = layer.qkv.parts
         if len(parts) != 1 or len(layer.gate_up.parts) != 1:
             return "unfused projections"
@@ -81,14 +82,13 @@ def host_forward_unsupported_reason(lean) -> str | None:
             return "an activation the compiled layers lack"
         if layer.residual_multiplier is not None:
             return "residual multipliers not folded (Granite)"
-        if layer.attn_out_norm is not None or layer.softcap is not None:
-            return "norms after each block or soft-capped attention (Gemma 2 / 3)"
+        if layer.softcap is not None:
+            return "soft-capped attention (Gemma 2)"
+        if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None) or (
+                layer.attn_out_norm is not None and layer.parallel):
+            return "a norm after one block only, or after parallel blocks"
     if lean.norm is not None or lean.lm_head.weight_t is None:
         return "final norm not folded"
-    from gbv.engine.lean import NO_ROTATION  # (lean.py imports this module)
-
-    if lean.rope_kinds is not None and set(lean.rope_kinds) != {NO_ROTATION}:
-        return "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)"
     if lean.logits_divisor is not None or lean.logits_softcap is not None:
         return "logits divided (Granite's, not folded) or soft-capped (Gemma 2)"
     if not _llama_layers(lean):
@@ -118,16 +118,16 @@ def _layer_mlp(layer) -> int | None:
     from gbv.engine.lean import _gelu_tanh  # (lean.py imports this module)
 
     act = layer.act
+    # GELU's tanh form: as a function (Gemma, GPT-BigCode, StarCoder2), or GPT-2's, Phi's and GPT-J's gelu_new
+    # module
+    gelu_tanh = act is _gelu_tanh or type(act).__name__ == "NewGELUActivation"
     if layer.gated:
-        return MLP_SILU_GATED if act is F.silu else None
+        return MLP_SILU_GATED if act is F.silu else MLP_GELU_TANH_GATED if gelu_tanh else None
     if act is F.gelu:
         return MLP_GELU
     if act is F.relu:
         return MLP_RELU
-    # GELU's tanh form: as a function (GPT-BigCode, StarCoder2), or GPT-2's, Phi's and GPT-J's gelu_new module
-    if act is _gelu_tanh or type(act).__name__ == "NewGELUActivation":
-        return MLP_GELU_TANH
-    return None
+    return MLP_GELU_TANH if gelu_tanh else None
 
 
 def _layer_style(layer) -> int:
@@ -137,13 +137,15 @@ def _layer_style(layer) -> int:
 
 
 def _llama_layers(lean) -> bool:
-    """Whether every part of ``lean``'s forward is the Llama family's (RMSNorms, sequential blocks, SiLU(gate) *
-    up, no biases but q/k/v's, rotary positions, no head bias): what the numpy forward between torch's products
-    computes. The compiled layers compute the rest too (GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J)."""
+    """Whether every part of ``lean``'s forward is the Llama family's (RMSNorms before each block, sequential
+    blocks, SiLU(gate) * up, no biases but q/k/v's, rotary positions of one table, no head bias, no window):
+    what the numpy forward between torch's products computes. The compiled layers compute the rest too
+    (GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J, Gemma, Gemma 3, OLMo 2 / 3, StarCoder2, windows)."""
     return (lean.position_embed is None and not lean.layer_norm and lean.lm_head.bias is None
-            and lean.rope_kinds is None and all(layer.q_norm is None for layer in lean.layers)
+            and lean.rope_kinds is None and lean.window is None and all(layer.q_norm is None for layer in lean.layers)
             and all(_layer_style(layer) == LLAMA_STYLE and layer.o.bias is None and layer.down.bias is None
-                    and layer.gate_up.parts[0].bias is None for layer in lean.layers))
+                    and layer.gate_up.parts[0].bias is None and layer.attn_out_norm is None
+                    and layer.input_eps is not None and layer.post_eps is not None for layer in lean.layers))
 
 
 # Choosing between the CPU forwards: rounds in rotating order, each form taking a run of this many
@@ -474,24 +476,51 @@ class HostForward:
         def array(bias: Tensor | None) -> np.ndarray | None:
             return None if bias is None else bias.detach().numpy()
 
+        # The rotation tables by layer kind (Gemma 3's bases; SmolLM3's layers without one), where the layers
+        # do not share one: each layer's index in self.rope_kinds, -1 for none (see _rotary_tables).
+        from gbv.engine.lean import NO_ROTATION  # (lean.py imports this module)
+
+        self.rope_kinds = None
+        if lean.rope_kinds is not None and set(lean.rope_kinds) != {NO_ROTATION}:
+            self.rope_kinds = [kind for kind in dict.fromkeys(lean.rope_kinds) if kind != NO_ROTATION]
+        self._tables: tuple[int, tuple] | None = None  # (rows, the numpy tables) of the last call
+
+        def float_array(weight: Tensor | None) -> np.ndarray | None:
+            return None if weight is None else np.ascontiguousarray(weight.detach().float().numpy())
+
         # per layer: (qkv, b_qkv, o, gate_up, down, eps_in, eps_post, scaling, b_o, b_up, b_down, style, qk_norm,
-        # qk_eps); qk_norm: Qwen3's q and k norm weights, one (2 * head_dim,) array in the rows' interleaved order
-        # (None: none)
+        # qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary); qk_norm: the q and k norm
+        # weights, one (2 * head_dim,) array in the rows' interleaved order (Qwen3, Gemma 3; OLMo 2 / 3's over all
+        # heads: flags LAYER_QK_ALL_HEADS), or None; eps_in, eps_post -1 where no norm comes before the block
+        # (OLMo 2 / 3); attn_out_norm, mlp_out_norm: the blocks' output norms (Gemma 3, OLMo 2 / 3), or None;
+        # flags: LAYER_QK_ALL_HEADS, LAYER_WINDOWED; rotary: the layer's table (see above), else 0, or -1 for none.
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
             qk_norm, qk_eps = None, 0.0
             if layer.q_norm is not None:
-                qk_norm = np.ascontiguousarray(torch.cat([layer.q_norm_weight, layer.k_norm_weight]).detach().float()
-                                               .numpy())
+                qk_norm = float_array(torch.cat([layer.q_norm_weight, layer.k_norm_weight]))
                 qk_eps = float(layer.q_norm_eps)
+            flags = ((host_kernels.LAYER_QK_ALL_HEADS if layer.q_norm is not None and layer.qk_norm_all_heads else 0)
+                     | (host_kernels.LAYER_WINDOWED if layer.window is not None else 0))
+            if self.rope_kinds is not None:
+                table = self.rope_kinds.index(layer.rope_kind) if layer.rope_kind != NO_ROTATION else -1
+            else:
+                table = 0 if lean.rotary is not None else -1
             self.layers.append((_Product(qkv.weight_t, panels, bf16), array(qkv.bias),
                                 _Product(layer.o.weight_t, panels, bf16),
                                 _Product(layer.gate_up.parts[0].weight_t, panels, bf16),
-                                _Product(layer.down.weight_t, panels, bf16), float(layer.input_eps),
-                                float(layer.post_eps), float(layer.scaling), array(layer.o.bias),
-                                array(layer.gate_up.parts[0].bias), array(layer.down.bias), _layer_style(layer),
-                                qk_norm, qk_eps))
+                                _Product(layer.down.weight_t, panels, bf16),
+                                -1.0 if layer.input_eps is None else float(layer.input_eps),
+                                -1.0 if layer.post_eps is None else float(layer.post_eps), float(layer.scaling),
+                                array(layer.o.bias), array(layer.gate_up.parts[0].bias), array(layer.down.bias),
+                                _layer_style(layer), qk_norm, qk_eps, float_array(layer.attn_out_norm),
+                                float(layer.attn_out_eps) if layer.attn_out_norm is not None else 0.0,
+                                float_array(layer.mlp_out_norm),
+                                float(layer.mlp_out_eps) if layer.mlp_out_norm is not None else 0.0, flags, table))
+        # whether the layers need the 20-item entries (forward_into): output norms, flags or tables by kind
+        self.extra_entries = any(entry[14] is not None or entry[18] for entry in self.layers) or (
+            self.rope_kinds is not None)
         # the MLP's width, and the up projection's (gate and up: twice it)
         gated = not self.layers or lean.layers[0].gated
         self.up_width = self.layers[0][3].weight_t.shape[1] if self.layers else 0
@@ -515,12 +544,35 @@ class HostForward:
     def _layer_panels(self) -> tuple:
         """What forward_into takes per layer: (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale),
         and (b_o, b_up, b_down, style) after it for layers other than the Llama family's, and (qk_norm, qk_eps)
-        after those for Qwen3's."""
+        after those for Qwen3's, and (attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary)
+        after those where the layers need them (:attr:`extra_entries`)."""
         return tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels, w_down.panel.panels,
                       eps_in, eps_post, scaling, *(() if self.llama else (b_o, b_up, b_down, style)),
-                      *(() if qk_norm is None else (qk_norm, qk_eps)))
+                      *(() if qk_norm is None and not self.extra_entries else (qk_norm, qk_eps)),
+                      *(() if not self.extra_entries else extra))
                      for (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down, style,
-                          qk_norm, qk_eps) in self.layers)
+                          qk_norm, qk_eps, *extra) in self.layers)
+
+    def _rotary_tables(self, end: int):
+        """What forward_into takes as ``rotary`` for positions below ``end``: the lean view's one table (None
+        without rotation), or a tuple of its tables by kind (:attr:`rope_kinds`), numpy views of its own."""
+        lean = self.lean
+        lean.ensure_rotary(end)
+        if self.rope_kinds is None:
+            return lean.rotary_numpy
+        rows = lean._table_rows
+        if self._tables is None or self._tables[0] != rows:  # (views kept until the tables grow)
+            self._tables = (rows, tuple(lean._kind_tables[kind][2].numpy() for kind in self.rope_kinds))
+        return self._tables[1]
+
+    def _window_mask(self, mask: Tensor | None, positions: np.ndarray, start: int, n: int) -> np.ndarray | None:
+        """The windowed layers' (B or 1, n, start + n) uint8 mask where their window binds (lean's
+        ``_within_window`` of the call's ``mask``, causal where None), else None."""
+        lean = self.lean
+        if lean.window is None or start + n <= lean.window:
+            return None
+        window = lean._within_window(mask, mask is None, torch.from_numpy(positions).view(-1, n), start, n)
+        return np.ascontiguousarray(window.numpy()[:, 0])
 
     def products(self) -> list[_Product]:
         """Every product of a forward, in order: each layer's q/k/v, o, gate/up and down, then the head."""
@@ -652,15 +704,16 @@ class HostForward:
         end = start + n
         if end > cache.capacity:
             cache.grow(end)
-        lean.ensure_rotary(end)
+        rotary = self._rotary_tables(end)
+        window_mask = self._window_mask(mask, positions, start, n)
         logits = np.empty((1 if last_only else n, self.lm_head.panel.out_features), dtype=np.float32)
         all_keys, all_values = cache.arrays()
         token = forward_into(np.ascontiguousarray(tokens.reshape(-1)), np.ascontiguousarray(positions.reshape(-1)),
-                             self.embed, lean.rotary_numpy, self.layer_panels, all_keys, all_values, first_row,
+                             self.embed, rotary, self.layer_panels, all_keys, all_values, first_row,
                              cache.capacity, None if mask is None else np.ascontiguousarray(mask.numpy()[0, 0]), start,
                              self.rows(1, n), self.lm_head.panel, logits, self.norm_eps, last_only, draw_vocab,
                              temperature, u, probs, tokens_out, self.position_rows, self.position_offset,
-                             self.layer_norm, self.head_bias)
+                             self.layer_norm, self.head_bias, None if window_mask is None else window_mask[0])
         return logits, token
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
@@ -675,9 +728,13 @@ class HostForward:
         end = start + n
         if end > cache.capacity:
             cache.grow(end)
-        lean.ensure_rotary(end)
-        # (B * N, 1, D/2) complex64; None without rotation (learned positions: added to the rows below)
-        rotation = None if lean.rotary_numpy is None else lean.rotary_numpy[positions.reshape(-1)][:, None]
+        tables = self._rotary_tables(end)
+        # (B * N, 1, D/2) complex64 per table (each layer's: its entry's last item); None without rotation
+        # (learned positions: added to the rows below)
+        if self.rope_kinds is None:
+            tables = () if tables is None else (tables,)
+        rotations = [table[positions.reshape(-1)][:, None] for table in tables]
+        rotation = rotations[0] if rotations else None
         all_keys, all_values = cache.arrays()
         sequences = slice(first_row, first_row + batch)
         rows = self.rows(batch, n)
@@ -696,19 +753,31 @@ class HostForward:
                 raise ValueError("several queries need a mask or causal=True")
             # the kernel's own rule without a mask: query i attends slots 0 .. start + i
             kernel_masks = None if mask is None else np.ascontiguousarray(mask.numpy()[:, 0])  # (B, N, end)
+            window_masks = self._window_mask(mask, positions, start, n)  # (the windowed layers' where it binds)
+            if window_masks is not None and window_masks.shape[0] != batch:
+                window_masks = np.ascontiguousarray(np.broadcast_to(window_masks, (batch, n, end)))
             attend = True
         else:
             mask, is_causal = attention_mask(mask, causal, start, n, cache.keys[0].device)
             attend = False
         enable_gqa = self.kv_heads != self.heads
+        def layer_mask(flags: int) -> np.ndarray | None:  # (B, N, end) or None
+            windowed = flags & host_kernels.LAYER_WINDOWED and window_masks is not None
+            return window_masks if windowed else kernel_masks
+
         if panels and attend and batch == 1:
             # Both kernels on one sequence: each layer is one compiled call (host_kernels.layer_into).
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
-                        style, qk_norm, qk_eps) in enumerate(self.layers):
-                layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
+                        style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
+                        table) in enumerate(self.layers):
+                masks = layer_mask(flags)
+                layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
+                           rotations[table] if table >= 0 else None,
                            all_keys[index][first_row], all_values[index][first_row],
-                           None if kernel_masks is None else kernel_masks[0], start, eps_in, eps_post, scaling,
-                           b_o=b_o, b_up=b_up, b_down=b_down, style=style, qk_norm=qk_norm, qk_eps=qk_eps)
+                           None if masks is None else masks[0], start, eps_in, eps_post, scaling,
+                           b_o=b_o, b_up=b_up, b_down=b_down, style=style, qk_norm=qk_norm, qk_eps=qk_eps,
+                           attn_out_norm=attn_out_norm, attn_out_eps=attn_out_eps, mlp_out_norm=mlp_out_norm,
+                           mlp_out_eps=mlp_out_eps, qk_all_heads=bool(flags & host_kernels.LAYER_QK_ALL_HEADS))
             layers = ()
         elif panels and attend and BATCH_LAYERS:
             # Several sequences (a batch): each layer is one compiled call too, the products over all
@@ -722,10 +791,14 @@ class HostForward:
                                                   all_keys[0].itemsize)
             prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
-                        style, qk_norm, qk_eps) in enumerate(self.layers):
-                layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel, rotation,
-                           all_keys[index][sequences], all_values[index][sequences], kernel_masks, start, eps_in,
-                           eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style, qk_norm, qk_eps)
+                        style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
+                        table) in enumerate(self.layers):
+                layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
+                           rotations[table] if table >= 0 else None,
+                           all_keys[index][sequences], all_values[index][sequences], layer_mask(flags), start, eps_in,
+                           eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style, qk_norm, qk_eps,
+                           attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps,
+                           bool(flags & host_kernels.LAYER_QK_ALL_HEADS))
             layers = ()
         else:
             # (the Llama family's layers, numpy between the products: takes() gives the others no call here)

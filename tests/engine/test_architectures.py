@@ -148,22 +148,21 @@ def test_granite_multipliers_in_the_copies_or_applied(monkeypatch):
 def test_which_forward_runs_each_family():
     """float32 on the CPU: Phi-3 (SiLU, no scales; its partial rotation is a table of ones past the
     turned pairs) and Granite (its multipliers in the copies) run on the compiled host forward, and so do
-    GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi and GPT-J (LayerNorms, biases, MLPs without a gate, parallel blocks,
-    learned positions: the compiled layers only, so where the kernels run); the others (Gemma's gated GELU,
-    windows, OLMo 2's q/k norms over all heads) on torch."""
+    GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J, Gemma, Gemma 3, StarCoder2, SmolLM3 and OLMo 2 / 3 (LayerNorms,
+    biases, MLPs without a gate, parallel blocks, learned positions, a GELU-tanh gate, sliding windows, norms
+    after each block, rotation tables per layer kind, q/k norms over all heads: the compiled layers only, so
+    where the kernels run); Gemma 2 (soft caps) on torch."""
     reasons = {arch: lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair(arch, vocab=32)[0]))
                for arch in NEW_FAMILIES}
     unavailable = host_kernels_unavailable()
     compiled = None if unavailable is None else (
         f"LayerNorms, biases, learned positions, MLPs without a gate or q/k norms need the compiled kernels "
         f"({unavailable})")
-    assert reasons == {"gemma": "an activation the compiled layers lack", "granite": None,
-                       "gemma2": "sliding-window attention", "gemma3": "sliding-window attention",
-                       "gemma3mm": "sliding-window attention", "starcoder2": "sliding-window attention",
-                       "smollm3": "a rotation per layer kind (Gemma 3), or none in some layers (SmolLM3)",
+    assert reasons == {"gemma": compiled, "granite": None, "gemma2": "soft-capped attention (Gemma 2)",
+                       "gemma3": compiled, "gemma3mm": compiled, "starcoder2": compiled, "smollm3": compiled,
                        "gptneox": compiled, "gptneox-sequential": compiled, "phi": compiled,
                        "gpt2": compiled, "opt": compiled, "gpt-bigcode": compiled, "gpt-bigcode-heads": compiled,
-                       "olmo2": "q/k norms over all heads, or of two eps (OLMo 2)", "olmo3": "sliding-window attention", "gptj": compiled,
+                       "olmo2": compiled, "olmo3": compiled, "gptj": compiled,
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -289,7 +288,9 @@ def test_which_sliding_windows_the_lean_path_takes():
     small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, max_position_embeddings=128)
     mistral = LeanCausalLM(MistralForCausalLM(MistralConfig(sliding_window=64, **small)))
-    assert mistral.window == 64 and mistral.host_forward is None and mistral.steps is None
+    assert mistral.window == 64 and mistral.steps is None
+    # (windows run on the compiled host forward, where the kernels run)
+    assert (mistral.host_forward is None) == (host_kernels_unavailable() is not None)
     assert LeanCausalLM(MistralForCausalLM(MistralConfig(sliding_window=None, **small))).window is None
     every = Qwen2ForCausalLM(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=0, **small))
     assert [layer.window for layer in LeanCausalLM(every).layers] == [64, 64]

@@ -53,9 +53,11 @@ def amx_products(request):
 
 # The families whose layers only the compiled kernels compute (LayerNorms, biases, MLPs without a gate,
 # parallel blocks, learned positions, multi-query attention, partial and adjacent-pair rotations, Qwen3's
-# q/k norms).
+# q/k norms, Gemma's GELU-tanh gate, sliding windows (Mistral, StarCoder2), norms after each block and tables per
+# layer kind (Gemma 3, OLMo 3), OLMo 2's q/k norms over all heads, SmolLM3's layers without rotation).
 OTHER_FAMILIES = ("gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "phi", "gptj",
-                  *(("qwen3",) if "qwen3" in ARCHITECTURES else ()))
+                  *(arch for arch in ("qwen3", "gemma", "gemma3", "olmo2", "olmo3", "starcoder2", "smollm3", "mistral")
+                    if arch in ARCHITECTURES))
 
 
 def _skip_without_kernels(arch: str) -> None:
@@ -217,20 +219,21 @@ def test_a_broken_host_forward_is_caught(monkeypatch):
 
 def _largest_gap(host, plain, vocab: int = 48) -> float:
     """The largest logit gap between two lean views over a causal prompt, a one-query step, a tree pass and
-    a batch of two sequences (one compiled call, and a compiled layer per call)."""
+    a batch of two sequences (one compiled call, and a compiled layer per call). The toys' windows (8 slots)
+    bind in the tree pass and the batch."""
     gen = torch.Generator().manual_seed(3)
     caches = [lean.new_cache(1, 32) for lean in (host, plain)]
     batch_caches = [lean.new_cache(2, 32) for lean in (host, plain)]
     prompt = torch.randint(0, vocab, (1, 7), generator=gen)
     tokens = torch.randint(0, vocab, (1, 6), generator=gen)
     mask = _random_tree_mask(6, 8, gen)
-    pair = torch.randint(0, vocab, (2, 5), generator=gen)
+    pair = torch.randint(0, vocab, (2, 12), generator=gen)
     gaps = []
     with torch.inference_mode():
         runs = [[lean.forward(prompt, torch.arange(7)[None], 0, cache, None, causal=True),
                  lean.forward(prompt[:, :1], torch.tensor([[7]]), 7, cache, None),
                  lean.forward(tokens, 8 + torch.tensor([[0, 1, 1, 2, 2, 3]]), 8, cache, mask),
-                 lean.forward(pair, torch.arange(5).expand(2, 5), 0, batch_cache, None, causal=True)]
+                 lean.forward(pair, torch.arange(12).expand(2, 12), 0, batch_cache, None, causal=True)]
                 for lean, cache, batch_cache in zip((host, plain), caches, batch_caches)]
     for a, b in zip(*runs):
         gaps.append(float((a - b).abs().max()))
@@ -241,14 +244,21 @@ def _largest_gap(host, plain, vocab: int = 48) -> float:
     ("gptneox", "parallel"), ("gptneox", "mlp"), ("gptneox", "b_down"), ("gptneox", "final norm"),
     ("gptneox-sequential", "b_o"), ("gpt2", "positions"), ("gpt2", "mlp"), ("opt", "position offset"),
     ("opt", "b_up"), ("phi", "shared norm"), ("phi", "head bias"), ("gptj", "layer norm"),
-    *((("qwen3", "qk norm"),) if "qwen3" in ARCHITECTURES else ())])
+    *((("qwen3", "qk norm"),) if "qwen3" in ARCHITECTURES else ()), ("gemma", "gated mlp"),
+    ("gemma", "embed scale"), ("mistral", "window"), ("starcoder2", "window"), ("gemma3", "window"),
+    ("gemma3", "output norms"), ("gemma3", "tables"), ("gemma3", "qk norm"), ("olmo2", "input norm"),
+    ("olmo2", "qk norm"), ("olmo2", "output norms"), ("olmo3", "window"), ("smollm3", "tables")])
 def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
     """The comparison of the host forward with the torch forward catches each part the compiled layers add
     for the other families, broken one at a time (a control per part): GPT-NeoX's parallel blocks, its
     activation (made ReLU) and the down projection's bias, the final LayerNorm (made an RMSNorm), the
     attention output's bias (sequential GPT-NeoX), GPT-2's learned positions and its activation (made ReLU),
     OPT's position offset and the up projection's bias, Phi's shared norm (made sequential) and head
-    bias, GPT-J's LayerNorms (made RMSNorms), Qwen3's q/k norms (left out). Unbroken, the same gap is within
+    bias, GPT-J's LayerNorms (made RMSNorms), Qwen3's q/k norms (left out), Gemma's GELU-tanh gate (made
+    SiLU's) and its embedding scale (left out), the sliding windows (Mistral, StarCoder2, Gemma 3, OLMo 3: the
+    layers' flag cleared), Gemma 3's and OLMo 2's norms after each block (left out), Gemma 3's rotation tables
+    per layer kind (swapped; SmolLM3's: its layers without rotation rotated), Gemma 3's and OLMo 2's q/k norms
+    (left out), OLMo 2's missing norm before each block (one put there). Unbroken, the same gap is within
     float32 rounding."""
     from gbv.engine import host_kernels
 
@@ -266,12 +276,28 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
             entry[11] = host_kernels.layer_style(layer_norm, host_kernels.SEQUENTIAL, mlp)
         elif broken == "mlp":  # (GELU for its tanh form is within this toy's rounding: test_host_kernels checks it)
             entry[11] = host_kernels.layer_style(layer_norm, parallel, host_kernels.MLP_RELU)
+        elif broken == "gated mlp":
+            assert mlp == host_kernels.MLP_GELU_TANH_GATED
+            entry[11] = host_kernels.layer_style(layer_norm, parallel, host_kernels.MLP_SILU_GATED)
         elif broken == "layer norm":
             entry[11] = host_kernels.layer_style(False, parallel, mlp)
         elif broken in ("b_o", "b_up", "b_down", "qk norm"):
             index = {"b_o": 8, "b_up": 9, "b_down": 10, "qk norm": 12}[broken]
             assert entry[index] is not None
             entry[index] = None
+            entry[18] &= ~host_kernels.LAYER_QK_ALL_HEADS
+        elif broken == "window":
+            entry[18] &= ~host_kernels.LAYER_WINDOWED
+        elif broken == "output norms":
+            assert entry[14] is not None and entry[16] is not None
+            entry[14] = entry[16] = None
+        elif broken == "tables":
+            entry[19] = 1 - entry[19] if arch == "gemma3" else 0  # (SmolLM3: its one table, or -1 for none)
+        elif broken == "input norm":
+            assert entry[5] == -1.0
+            entry[5] = 1e-6
+    if broken in ("window", "tables"):
+        assert any(entry != list(layer) for entry, layer in zip(entries, forward.layers))  # (some layer changed)
     forward.layers = [tuple(entry) for entry in entries]
     forward.layer_panels = forward._layer_panels()
     if broken == "final norm":
@@ -284,6 +310,9 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
     elif broken == "head bias":
         assert forward.head_bias is not None
         forward.head_bias = None
+    elif broken == "embed scale":
+        assert host.embed_scale is not None
+        forward.embed = host.embed.detach().numpy()
     assert _largest_gap(host, plain) > 1e-4
 
 
