@@ -1036,6 +1036,38 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
 }
 
+/* tanh(x), eight at a time (Cephes' tanhf, about 2 ulp): below |x| = 0.625 x + x z P(z), z = x^2, a degree-4
+ * polynomial (no cancellation near 0); from there (1 - e) / (1 + e) with e = exp(-2 |x|) (exp8's range), and x's
+ * sign. */
+__attribute__((target("avx2,fma"))) static inline __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x, z), p, x);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_or_ps(x, sign))); /* exp(-2|x|) */
+    const __m256 large = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                                      _mm256_and_ps(x, sign));
+    return _mm256_blendv_ps(large, small, _mm256_cmp_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+}
+
+/* x = cap * tanh(x / cap) over n values in place: Gemma 2's soft cap of attention scores and of logits. */
+__attribute__((target("avx2,fma"))) static void soft_cap(float *x, Py_ssize_t n, float cap) {
+    const __m256 cap8 = _mm256_set1_ps(cap);
+    Py_ssize_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(x + j, _mm256_mul_ps(tanh8(_mm256_div_ps(_mm256_loadu_ps(x + j), cap8)), cap8));
+    if (j < n) { /* (the tail through the same vector code: one value's bits do not hang on its place) */
+        float tail[8] = {0};
+        memcpy(tail, x + j, (size_t)(n - j) * sizeof(float));
+        _mm256_storeu_ps(tail, _mm256_mul_ps(tanh8(_mm256_div_ps(_mm256_loadu_ps(tail), cap8)), cap8));
+        memcpy(x + j, tail, (size_t)(n - j) * sizeof(float));
+    }
+}
+
 /* out[0 : 8 CH] = sum_{j < limit} weight_j v_j[0 : 8 CH] * inverse, where v_j = v + j * D: 8 CH
  * columns of the values (of type T) in registers, two slots a step (two sets of sums, even and odd
  * entries of the list of attended slots: each waits on its own fused multiply-adds only). CH is a
@@ -1287,11 +1319,13 @@ static size_t attend_scratch_floats(Py_ssize_t end, int D) {
 
 /* Softmax of one query's scores over slots j < limit (those not `allowed`, where given, and those from
  * limit to the next multiple of 8 set to -inf here), in place, unnormalised: the weights
- * exp(score - max); returns 1 / their total (the weighted sum of the values multiplies by it). */
+ * exp(score - max); returns 1 / their total (the weighted sum of the values multiplies by it). `softcap` > 0
+ * (Gemma 2): the scores capped first, softcap * tanh(score / softcap) (soft_cap). */
 __attribute__((target("avx2,fma"))) static float softmax_scores(float *scores, Py_ssize_t limit,
-                                                               const unsigned char *allowed) {
+                                                               const unsigned char *allowed, float softcap) {
     const Py_ssize_t padded = (limit + 7) / 8 * 8;
     Py_ssize_t j;
+    if (softcap > 0.0f) soft_cap(scores, limit, softcap);
     if (allowed)
         for (j = 0; j < limit; j++)
             if (!allowed[j]) scores[j] = -INFINITY;
@@ -1600,7 +1634,7 @@ typedef struct {
 __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     const float *q, Py_ssize_t q_stride, const float *kt, Py_ssize_t slots, const void *vg, int v_bf16, float *out,
     Py_ssize_t out_stride, const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start,
-    Py_ssize_t end, float scale, float *tile, const int *order, attend_lists lists) {
+    Py_ssize_t end, float scale, float *tile, const int *order, attend_lists lists, float softcap) {
     for (int h = first_head; h < first_head + group; h++) {
         /* tiles of queries as even as they come (6 = 3 + 3, 25 = 4 + 4 + 4 + 4 + 3 + 3 + 3): from
          * TILE_MIN_QUERIES on, every tile has 3 or 4 queries, which score 32 slots a step on AVX-512
@@ -1639,7 +1673,7 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
                     m[r] = compact_allowed(weights, limit, mask + i * end, lists.rows + r * slots, &prefix[r]);
                 else
                     m[r] = prefix[r] = limit;
-                inverse[r] = softmax_scores(weights, m[r], NULL);
+                inverse[r] = softmax_scores(weights, m[r], NULL, softcap);
                 shared = prefix[r] < shared ? prefix[r] : shared;
             }
             float *o = out + i0 * out_stride + (Py_ssize_t)h * D;
@@ -1696,7 +1730,7 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
     __attribute__((target("avx2,fma"), noinline)) static void NAME(                                 \
         const float *q, Py_ssize_t q_stride, const T *kg, const T *vg, float *out, Py_ssize_t out_stride, \
         const unsigned char *mask, Py_ssize_t n, int first_head, int group, int D, Py_ssize_t start, \
-        Py_ssize_t end, float scale, float *scratch, attend_lists lists) {                          \
+        Py_ssize_t end, float scale, float *scratch, attend_lists lists, float softcap) {           \
         const __m256 scale8 = _mm256_set1_ps(scale);                                                \
         float *qp = scratch + (end + 15) / 16 * 16;                                                 \
         (void)qp;                                                                                   \
@@ -1716,7 +1750,7 @@ __attribute__((target("avx2,fma"), noinline)) static void attend_tiles(
                 float *o = out + i * out_stride + (Py_ssize_t)h * D;                                \
                 Py_ssize_t prefix = limit, m = limit; /* the attended slots' list (compact_allowed) */ \
                 if (mask) m = compact_allowed(scratch, limit, mask + i * end, lists.rows, &prefix); \
-                const float inverse = softmax_scores(scratch, m, NULL);                             \
+                const float inverse = softmax_scores(scratch, m, NULL, softcap);                    \
                 weighted_list_##S(scratch, vg, D, prefix, m, lists.rows, inverse, o, lists.partials); \
             }                                                                                       \
         }                                                                                           \
@@ -1759,7 +1793,7 @@ DEFINE_PER_QUERY(per_query_prefetching_bf16, bf16, uint16_t, QUERY_PERMUTED, 1)
 __attribute__((target("avx2,fma"))) static void attend_groups(
     const float *q, Py_ssize_t q_stride, const void *keys, const void *values, int kv_bf16, Py_ssize_t capacity,
     float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads, int D, Py_ssize_t start,
-    Py_ssize_t end, float scale, float *scratch, int prefetch_values, int first_group, int end_group) {
+    Py_ssize_t end, float scale, float *scratch, int prefetch_values, int first_group, int end_group, float softcap) {
     const int group = heads / kv_heads;
     const Py_ssize_t out_stride = (Py_ssize_t)heads * D, head_values = capacity * D;
     const Py_ssize_t slots = (end + 15) / 16 * 16;
@@ -1774,10 +1808,12 @@ __attribute__((target("avx2,fma"))) static void attend_groups(
         if (n < TILE_MIN_QUERIES) {
             if (kv_bf16)
                 (prefetch_values ? per_query_prefetching_bf16 : per_query_bf16)(
-                    q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists);
+                    q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists,
+                    softcap);
             else
                 (prefetch_values ? per_query_prefetching_f32 : per_query_f32)(
-                    q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists);
+                    q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists,
+                    softcap);
             continue;
         }
         if (kv_bf16)
@@ -1786,16 +1822,17 @@ __attribute__((target("avx2,fma"))) static void attend_groups(
             transpose_keys_f32(kf, end, D, scratch, slots, prefetch_values ? vf : NULL);
         attend_tiles(q, q_stride, scratch, slots, kv_bf16 ? (const void *)vb : (const void *)vf, kv_bf16, out,
                      out_stride, mask, n, g * group, group, D, start, end, scale, scratch + (Py_ssize_t)D * slots,
-                     order, lists);
+                     order, lists, softcap);
     }
 }
 
 /* Every kv head's group of heads (attend_groups). */
 static void attend(const float *q, Py_ssize_t q_stride, const void *keys, const void *values, int kv_bf16,
                    Py_ssize_t capacity, float *out, const unsigned char *mask, Py_ssize_t n, int heads, int kv_heads,
-                   int D, Py_ssize_t start, Py_ssize_t end, float scale, float *scratch, int prefetch_values) {
+                   int D, Py_ssize_t start, Py_ssize_t end, float scale, float *scratch, int prefetch_values,
+                   float softcap) {
     attend_groups(q, q_stride, keys, values, kv_bf16, capacity, out, mask, n, heads, kv_heads, D, start, end, scale,
-                  scratch, prefetch_values, 0, kv_heads);
+                  scratch, prefetch_values, 0, kv_heads, softcap);
 }
 
 /* The attention of a layer's `batch` sequences (each over its own cache row, under its own mask), split
@@ -1809,7 +1846,7 @@ struct attend_job {
     const unsigned char *mask;
     Py_ssize_t width, capacity, sequence, n, start, end;
     int kv_bf16, heads, kv_heads, D, prefetch_values;
-    float scale;
+    float scale, softcap; /* softcap: Gemma 2's cap of the scores (0: none) */
     atomic_int failed; /* a worker's scratch could not be allocated */
 };
 
@@ -1823,7 +1860,7 @@ static void attend_sequence(const attend_job *job, Py_ssize_t b, float *scratch,
                   job->values + b * job->sequence * kv_size, job->kv_bf16, job->capacity,
                   job->attn + b * job->n * job->heads * job->D, job->mask ? job->mask + b * job->n * job->end : NULL,
                   job->n, job->heads, job->kv_heads, job->D, job->start, job->end, job->scale, scratch,
-                  job->prefetch_values, first_group, end_group);
+                  job->prefetch_values, first_group, end_group, job->softcap);
 }
 
 /* Units first .. end_unit - 1 of a pooled job (unit u: sequence u / kv_heads, kv head u % kv_heads), on this
@@ -2005,6 +2042,7 @@ typedef struct {
     double attn_out_eps, mlp_out_eps;
     int qk_all_heads; /* OLMo 2 / 3: q normed over all its heads' values at once and k over all of its own
                        * (qk_norm then heads * D q weights, then kv_heads * D k weights) */
+    float softcap;    /* Gemma 2: the attention scores capped, softcap * tanh(s / softcap) (0: not capped) */
 } layer_style;
 enum { LAYER_SEQUENTIAL = 0, LAYER_PARALLEL = 1, LAYER_PARALLEL_SHARED = 2 };
 /* A style's bits as Python packs them (host_kernels.layer_style): norm, parallel, MLP. */
@@ -2127,7 +2165,7 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     }
     /* each sequence over its own cache row, under its own mask (on the products' threads where it is long) */
     attend_job job = {qkv, (const char *)keys, (const char *)values, attn, scores, mask, width, capacity, sequence, n,
-                      start, start + n, kv_bf16, heads, kv_heads, D, prefetch_values, scale};
+                      start, start + n, kv_bf16, heads, kv_heads, D, prefetch_values, scale, style->softcap};
     if (attend_batch(&job, batch)) return -1;
     /* In parallel, the MLP reads the layer's input: its own norm of it is taken before attention's output
      * joins the residual (LAYER_PARALLEL_SHARED: `normed` is attention's norm still); in sequence, the norm
@@ -2403,9 +2441,9 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     PyObject *mask_object;
     Py_ssize_t q_stride, n, start, end;
     int heads, kv_heads, D, kv_bf16 = 0;
-    double scale;
-    if (!PyArg_ParseTuple(args, "y*ny*y*w*Oniiinnd|p", &q, &q_stride, &keys, &values, &out, &mask_object, &n,
-                          &heads, &kv_heads, &D, &start, &end, &scale, &kv_bf16))
+    double scale, softcap = 0.0;
+    if (!PyArg_ParseTuple(args, "y*ny*y*w*Oniiinnd|pd", &q, &q_stride, &keys, &values, &out, &mask_object, &n,
+                          &heads, &kv_heads, &D, &start, &end, &scale, &kv_bf16, &softcap))
         return NULL;
     int have_mask = mask_object != Py_None;
     if (have_mask && PyObject_GetBuffer(mask_object, &mask, PyBUF_SIMPLE) != 0) {
@@ -2443,7 +2481,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         attend((const float *)q.buf, q_stride, keys.buf, values.buf, kv_bf16, capacity,
                (float *)out.buf, have_mask ? (const unsigned char *)mask.buf : NULL, n, heads, kv_heads, D,
-               start, end, (float)scale, scores, 0);
+               start, end, (float)scale, scores, 0, (float)softcap);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -2564,6 +2602,32 @@ static PyObject *rms(PyObject *self, PyObject *args) {
     return released(&x, &out, NULL, error);
 }
 
+static PyObject *soft_cap_binding(PyObject *self, PyObject *args) {
+    Py_buffer x;
+    double cap;
+    if (!PyArg_ParseTuple(args, "w*d", &x, &cap)) return NULL;
+    const char *error = NULL;
+    if (!(cap > 0.0))
+        error = "the cap must be above 0";
+    else if (x.len % (Py_ssize_t)sizeof(float))
+        error = "x must hold float32 values";
+    else if (!cpu_supported())
+        error = "the soft cap needs an x86-64 CPU with AVX2 and FMA";
+#ifdef GBV_PANELS_X86
+    if (error == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        soft_cap((float *)x.buf, x.len / (Py_ssize_t)sizeof(float), (float)cap);
+        Py_END_ALLOW_THREADS
+    }
+#endif
+    PyBuffer_Release(&x);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* The buffer behind `object` (None: no buffer, *given = 0), writable or not; checks its byte size. */
 static int get_buffer(PyObject *object, Py_buffer *view, int writable, Py_ssize_t bytes, const char *name,
                       int *given) {
@@ -2590,14 +2654,14 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     Py_ssize_t n, start, batch = 1;
     int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0, style_bits = 0;
     int qk_all_heads = 0;
-    double eps_in, eps_post, scale, qk_eps = 0.0, attn_out_eps = 0.0, mlp_out_eps = 0.0;
+    double eps_in, eps_post, scale, qk_eps = 0.0, attn_out_eps = 0.0, mlp_out_eps = 0.0, softcap = 0.0;
     for (int b = 15; b < OBJECTS; b++) objects[b] = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOdOdOdp", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOdOdOdpd", &objects[0], &objects[1], &objects[2],
                           &objects[3], &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads,
                           &kv_heads, &D, &I, &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch,
                           &prefetch_values, &objects[15], &objects[16], &objects[17], &style_bits, &objects[18],
-                          &qk_eps, &objects[19], &attn_out_eps, &objects[20], &mlp_out_eps, &qk_all_heads))
+                          &qk_eps, &objects[19], &attn_out_eps, &objects[20], &mlp_out_eps, &qk_all_heads, &softcap))
         return NULL;
     if (style_error(style_bits) != NULL) {
         PyErr_SetString(PyExc_ValueError, style_error(style_bits));
@@ -2679,7 +2743,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
                                    given[18] ? (const float *)views[18].buf : NULL, qk_eps,
                                    given[19] ? (const float *)views[19].buf : NULL,
                                    given[20] ? (const float *)views[20].buf : NULL, attn_out_eps, mlp_out_eps,
-                                   qk_all_heads};
+                                   qk_all_heads, (float)softcap};
         Py_BEGIN_ALLOW_THREADS
         out_of_memory = layer_forward(
             (float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
@@ -2869,16 +2933,17 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
     PyObject *position_object = Py_None, *head_bias_object = Py_None, *window_mask_object = Py_None;
+    double logits_softcap = 0.0;
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOO", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOd", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
-                          &head_bias_object, &window_mask_object))
+                          &head_bias_object, &window_mask_object, &logits_softcap))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -2906,9 +2971,9 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     /* a layer's entry: w_qkv b_qkv w_o w_gate_up w_down eps_in eps_post scale, then for layers other than the
      * Llama family's b_o b_up b_down style (STYLED), for Qwen3's qk_norm qk_eps (QK), and for Gemma 2 / 3's,
      * OLMo 2 / 3's, SmolLM3's and the windowed ones attn_out_norm attn_out_eps mlp_out_norm mlp_out_eps flags
-     * rotary (EXTRA: flags LAYER_QK_ALL_HEADS | LAYER_WINDOWED; rotary the index of its table in `rotary`, a
-     * tuple of them there, or -1 for none) */
-    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12, QK_ENTRY = 14, EXTRA_ENTRY = 20 };
+     * rotary softcap (EXTRA: flags LAYER_QK_ALL_HEADS | LAYER_WINDOWED; rotary the index of its table in
+     * `rotary`, a tuple of them there, or -1 for none; softcap Gemma 2's cap of the scores, 0 for none) */
+    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12, QK_ENTRY = 14, EXTRA_ENTRY = 21 };
     enum { LAYER_QK_ALL_HEADS = 1, LAYER_WINDOWED = 2, MAX_TABLES = 8 };
     for (Py_ssize_t l = 0; l < num_layers; l++) {
         PyObject *entry = PyTuple_GET_ITEM(layers, l);
@@ -2920,7 +2985,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "each layer must be (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, "
                                               "eps_post, scale[, b_o, b_up, b_down, style[, qk_norm, qk_eps[, "
                                               "attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, "
-                                              "rotary]]])");
+                                              "rotary, softcap]]])");
             return NULL;
         }
         if (size >= STYLED_ENTRY) {
@@ -2958,8 +3023,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     Py_buffer fixed[13];
     int fixed_given[13] = {0};
     /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values b_o b_up b_down qk_norm attn_out_norm mlp_out_norm,
-     * then eps_in eps_post scale qk_eps attn_out_eps mlp_out_eps */
-    enum { PER_LAYER = 13, CONSTANTS = 6 };
+     * then eps_in eps_post scale qk_eps attn_out_eps mlp_out_eps softcap */
+    enum { PER_LAYER = 13, CONSTANTS = 7 };
     Py_buffer *views = (Py_buffer *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(Py_buffer));
     int *given = (int *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(int));
     double *constants = (double *)PyMem_Calloc((size_t)(CONSTANTS * num_layers) + 1, sizeof(double));
@@ -3097,8 +3162,9 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             failed = 1;
             break;
         }
-        /* (eps_in eps_post scale at 5-7; qk_eps at 13, attn_out_eps at 15, mlp_out_eps at 17, or 0) */
-        static const int constant_at[CONSTANTS] = {5, 6, 7, 13, 15, 17};
+        /* (eps_in eps_post scale at 5-7; qk_eps at 13, attn_out_eps at 15, mlp_out_eps at 17, softcap at 20,
+         * or 0) */
+        static const int constant_at[CONSTANTS] = {5, 6, 7, 13, 15, 17, 20};
         for (int c = 0; c < CONSTANTS && !failed; c++) {
             PyObject *value = c < 3 ? PyTuple_GET_ITEM(entry, constant_at[c]) : ENTRY_BIAS(entry, constant_at[c]);
             constants[CONSTANTS * l + c] = value == Py_None ? 0.0 : PyFloat_AsDouble(value);
@@ -3107,6 +3173,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         styles[l].qk_eps = constants[CONSTANTS * l + 3];
         styles[l].attn_out_eps = constants[CONSTANTS * l + 4];
         styles[l].mlp_out_eps = constants[CONSTANTS * l + 5];
+        styles[l].softcap = (float)constants[CONSTANTS * l + 6];
 #undef ENTRY_BIAS
     }
     /* the draw: uniforms, probabilities (or a scratch row) and tokens of the output rows; one output
@@ -3165,6 +3232,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                                                        H, vocab, 0);
         if (!out_of_memory && have_head_bias)
             add_bias_rows((float *)fixed[11].buf, (const float *)head_bias.buf, rows_out, vocab);
+        if (!out_of_memory && logits_softcap > 0.0) /* (Gemma 2) */
+            soft_cap((float *)fixed[11].buf, rows_out * vocab, (float)logits_softcap);
         for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0 && !out_of_memory; r++) {
             const float *row = (const float *)fixed[11].buf + r * vocab;
             float *out = have_probs ? (float *)probs.buf + r * probs_stride : scratch + r * draw_vocab;
@@ -3348,6 +3417,9 @@ static PyMethodDef METHODS[] = {
     {"activation", activation, METH_VARARGS,
      "activation(x, out, count, mlp): out = act(x) over count float32 values, act the compiled layers' MLP "
      "activation mlp (host_kernels.MLP_GELU, MLP_GELU_TANH or MLP_RELU)."},
+    {"soft_cap", soft_cap_binding, METH_VARARGS,
+     "soft_cap(x, cap): x = cap * tanh(x / cap) over float32 values in place (Gemma 2's logits; the one-call "
+     "forward's own)."},
     {"rms", rms, METH_VARARGS,
      "rms(x, out, rows, H, eps[, layer_norm]): out = x / sqrt(eps + mean(x^2)) per row of H float32 values (the "
      "layers' norm), or with layer_norm (x - mean(x)) / sqrt(eps + var(x))."},

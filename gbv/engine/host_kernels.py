@@ -324,7 +324,8 @@ def move_slots(arrays: tuple[np.ndarray, ...], rows, src, dst) -> None:
 
 
 def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.ndarray,
-                   mask: np.ndarray | None, heads: int, start: int, end: int, scale: float) -> np.ndarray:
+                   mask: np.ndarray | None, heads: int, start: int, end: int, scale: float,
+                   softcap: float = 0.0) -> np.ndarray:
     """Attention of one sequence's n queries over slots ``0 .. end-1`` of its cache, into ``out``.
 
     Args:
@@ -335,11 +336,12 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
         out: (n, heads * D) float32, C-contiguous.
         mask: (n, end) bool/uint8, C-contiguous, True where query i may attend slot j; or None, where
             query i attends every slot up to ``start + i`` (one query: every slot).
-    Returns ``out``. Softmax of ``scale * q k^T`` over the allowed slots, times ``values``.
+    Returns ``out``. Softmax of ``scale * q k^T`` over the allowed slots, times ``values``; with
+    ``softcap`` > 0 (Gemma 2) of ``softcap * tanh(scale * q k^T / softcap)``.
     """
     kv_heads, _, head_dim = keys.shape
     _host_kernels.attention(q, q.shape[1], keys, values, out, mask, q.shape[0], heads, kv_heads, head_dim,
-                            start, end, scale, *_kv_flag(keys))
+                            start, end, scale, *_trailing((kv_bf16(keys), False), (softcap, 0.0)))
     return out
 
 
@@ -373,7 +375,7 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, style: int = LLAMA_STYLE,
                qk_norm: np.ndarray | None = None, qk_eps: float = 0.0, attn_out_norm: np.ndarray | None = None,
                attn_out_eps: float = 0.0, mlp_out_norm: np.ndarray | None = None, mlp_out_eps: float = 0.0,
-               qk_all_heads: bool = False) -> None:
+               qk_all_heads: bool = False, softcap: float = 0.0) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
     ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
     with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
@@ -403,7 +405,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     once and k over all of its own. ``attn_out_norm`` and ``mlp_out_norm`` (Gemma 2 / 3, OLMo 2 / 3; both or
     neither, sequential layers only): (H,) float32 weights of RMSNorms (eps ``attn_out_eps``, ``mlp_out_eps``)
     of each block's output before its residual add. ``eps_in`` or ``eps_post`` below 0: no norm before that
-    block (OLMo 2 / 3). ``mask`` is the layer's own: a windowed layer's holds its window.
+    block (OLMo 2 / 3). ``mask`` is the layer's own: a windowed layer's holds its window. ``softcap`` > 0
+    (Gemma 2): the attention scores capped as :func:`attention_into` caps them.
     """
     total, hidden = rows.hidden.shape
     n = total // batch
@@ -418,7 +421,7 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                                                           (b_o, None), (b_up, None), (b_down, None), (style, LLAMA_STYLE),
                                                           (qk_norm, None), (qk_eps, 0.0), (attn_out_norm, None),
                                                           (attn_out_eps, 0.0), (mlp_out_norm, None),
-                                                          (mlp_out_eps, 0.0), (qk_all_heads, False)))
+                                                          (mlp_out_eps, 0.0), (qk_all_heads, False), (softcap, 0.0)))
 
 
 def _trailing(*given: tuple) -> tuple:
@@ -480,6 +483,13 @@ def rms_into(x: np.ndarray, out: np.ndarray, eps: float, layer_norm: bool = Fals
     return out
 
 
+def soft_cap_into(x: np.ndarray, cap: float) -> np.ndarray:
+    """``x = cap * tanh(x / cap)`` in place over a contiguous float32 array (Gemma 2's logits), as the one-call
+    forward caps them: a batch row's logits are its lone run's bits."""
+    _host_kernels.soft_cap(x, float(cap))
+    return x
+
+
 def softmax_into(logits: np.ndarray, temperature: float, probs: np.ndarray | None = None,
                  u: np.ndarray | float | None = None, tokens: np.ndarray | None = None) -> int | None:
     """``probs = softmax(logits / temperature)`` per row, and with ``u`` and ``tokens`` one draw per row
@@ -502,7 +512,8 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                  u: np.ndarray | None = None, probs: np.ndarray | None = None,
                  tokens_out: np.ndarray | None = None, position_rows: np.ndarray | None = None,
                  position_offset: int = 0, final_layer_norm: bool = False,
-                 head_bias: np.ndarray | None = None, window_mask: np.ndarray | None = None) -> int | None:
+                 head_bias: np.ndarray | None = None, window_mask: np.ndarray | None = None,
+                 logits_softcap: float = 0.0) -> int | None:
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
     every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
@@ -514,10 +525,12 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     panel arrays (``PanelWeight.panels``, all of one kind like ``head``), the biases float32 arrays or None,
     ``style`` :func:`layer_style`'s (every layer's MLP gated, or none), ``qk_norm`` and ``qk_eps`` Qwen3's q/k
     norms as :func:`layer_into` takes them, then optionally ``attn_out_norm, attn_out_eps, mlp_out_norm,
-    mlp_out_eps, flags, rotary`` (a 20-item entry: the block output norms as :func:`layer_into` takes them,
-    ``flags`` LAYER_QK_ALL_HEADS | LAYER_WINDOWED, ``rotary`` the index of the layer's table in the tuple
-    ``rotary``, or -1 for none). window_mask: (n, start + n) bool/uint8, the mask of the windowed layers
-    where their window binds (None: they take ``mask``). final_layer_norm: the final norm is a
+    mlp_out_eps, flags, rotary, softcap`` (a 21-item entry: the block output norms as :func:`layer_into`
+    takes them, ``flags`` LAYER_QK_ALL_HEADS | LAYER_WINDOWED, ``rotary`` the index of the layer's table in the
+    tuple ``rotary``, or -1 for none, ``softcap`` Gemma 2's cap of the attention scores, 0 for none).
+    window_mask: (n, start + n) bool/uint8, the mask of the windowed layers where their window binds (None: they
+    take ``mask``). logits_softcap > 0 (Gemma 2): the logits capped (:func:`soft_cap_into`) before any draw.
+    final_layer_norm: the final norm is a
     LayerNorm; head_bias: (V_head,) float32 or None. keys, values: per layer the cache's
     (rows, kv_heads, capacity, D) arrays, float32 or bfloat16 (:func:`kv_bf16`); this sequence is row
     ``first_row``. mask: (n, start + n)
@@ -534,11 +547,12 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     n, hidden = rows.hidden.shape
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
     if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
-            and window_mask is None):
+            and window_mask is None and not logits_softcap):
         extra = _kv_flag(keys[0])  # (the Llama family's call as it was, without a loop over defaults)
     else:
         extra = _trailing((kv_bf16(keys[0]), False), (position_rows, None), (position_offset, 0),
-                          (final_layer_norm, False), (head_bias, None), (window_mask, None))
+                          (final_layer_norm, False), (head_bias, None), (window_mask, None),
+                          (float(logits_softcap), 0.0))
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,

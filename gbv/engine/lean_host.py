@@ -82,15 +82,13 @@ def host_forward_unsupported_reason(lean) -> str | None:
             return "an activation the compiled layers lack"
         if layer.residual_multiplier is not None:
             return "residual multipliers not folded (Granite)"
-        if layer.softcap is not None:
-            return "soft-capped attention (Gemma 2)"
         if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None) or (
                 layer.attn_out_norm is not None and layer.parallel):
             return "a norm after one block only, or after parallel blocks"
     if lean.norm is not None or lean.lm_head.weight_t is None:
         return "final norm not folded"
-    if lean.logits_divisor is not None or lean.logits_softcap is not None:
-        return "logits divided (Granite's, not folded) or soft-capped (Gemma 2)"
+    if lean.logits_divisor is not None:
+        return "logits divided (Granite's, not folded)"
     if not _llama_layers(lean):
         # (the numpy forward between torch's products computes the Llama family's layers only)
         unavailable = host_kernels_unavailable()
@@ -489,11 +487,13 @@ class HostForward:
             return None if weight is None else np.ascontiguousarray(weight.detach().float().numpy())
 
         # per layer: (qkv, b_qkv, o, gate_up, down, eps_in, eps_post, scaling, b_o, b_up, b_down, style, qk_norm,
-        # qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary); qk_norm: the q and k norm
+        # qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary, softcap); qk_norm: the q
+        # and k norm
         # weights, one (2 * head_dim,) array in the rows' interleaved order (Qwen3, Gemma 3; OLMo 2 / 3's over all
         # heads: flags LAYER_QK_ALL_HEADS), or None; eps_in, eps_post -1 where no norm comes before the block
         # (OLMo 2 / 3); attn_out_norm, mlp_out_norm: the blocks' output norms (Gemma 3, OLMo 2 / 3), or None;
-        # flags: LAYER_QK_ALL_HEADS, LAYER_WINDOWED; rotary: the layer's table (see above), else 0, or -1 for none.
+        # flags: LAYER_QK_ALL_HEADS, LAYER_WINDOWED; rotary: the layer's table (see above), else 0, or -1 for none;
+        # softcap: Gemma 2's cap of the attention scores (0: none).
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
@@ -517,10 +517,12 @@ class HostForward:
                                 _layer_style(layer), qk_norm, qk_eps, float_array(layer.attn_out_norm),
                                 float(layer.attn_out_eps) if layer.attn_out_norm is not None else 0.0,
                                 float_array(layer.mlp_out_norm),
-                                float(layer.mlp_out_eps) if layer.mlp_out_norm is not None else 0.0, flags, table))
-        # whether the layers need the 20-item entries (forward_into): output norms, flags or tables by kind
-        self.extra_entries = any(entry[14] is not None or entry[18] for entry in self.layers) or (
+                                float(layer.mlp_out_eps) if layer.mlp_out_norm is not None else 0.0, flags, table,
+                                float(layer.softcap or 0.0)))
+        # whether the layers need the 21-item entries (forward_into): output norms, flags, tables by kind, caps
+        self.extra_entries = any(entry[14] is not None or entry[18] or entry[20] for entry in self.layers) or (
             self.rope_kinds is not None)
+        self.logits_softcap = float(lean.logits_softcap or 0.0)  # (Gemma 2's cap of the logits; 0: none)
         # the MLP's width, and the up projection's (gate and up: twice it)
         gated = not self.layers or lean.layers[0].gated
         self.up_width = self.layers[0][3].weight_t.shape[1] if self.layers else 0
@@ -544,8 +546,8 @@ class HostForward:
     def _layer_panels(self) -> tuple:
         """What forward_into takes per layer: (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale),
         and (b_o, b_up, b_down, style) after it for layers other than the Llama family's, and (qk_norm, qk_eps)
-        after those for Qwen3's, and (attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary)
-        after those where the layers need them (:attr:`extra_entries`)."""
+        after those for Qwen3's, and (attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary,
+        softcap) after those where the layers need them (:attr:`extra_entries`)."""
         return tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels, w_down.panel.panels,
                       eps_in, eps_post, scaling, *(() if self.llama else (b_o, b_up, b_down, style)),
                       *(() if qk_norm is None and not self.extra_entries else (qk_norm, qk_eps)),
@@ -713,7 +715,8 @@ class HostForward:
                              cache.capacity, None if mask is None else np.ascontiguousarray(mask.numpy()[0, 0]), start,
                              self.rows(1, n), self.lm_head.panel, logits, self.norm_eps, last_only, draw_vocab,
                              temperature, u, probs, tokens_out, self.position_rows, self.position_offset,
-                             self.layer_norm, self.head_bias, None if window_mask is None else window_mask[0])
+                             self.layer_norm, self.head_bias, None if window_mask is None else window_mask[0],
+                             self.logits_softcap)
         return logits, token
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
@@ -769,7 +772,7 @@ class HostForward:
             # Both kernels on one sequence: each layer is one compiled call (host_kernels.layer_into).
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
                         style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
-                        table) in enumerate(self.layers):
+                        table, softcap) in enumerate(self.layers):
                 masks = layer_mask(flags)
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
                            rotations[table] if table >= 0 else None,
@@ -777,7 +780,8 @@ class HostForward:
                            None if masks is None else masks[0], start, eps_in, eps_post, scaling,
                            b_o=b_o, b_up=b_up, b_down=b_down, style=style, qk_norm=qk_norm, qk_eps=qk_eps,
                            attn_out_norm=attn_out_norm, attn_out_eps=attn_out_eps, mlp_out_norm=mlp_out_norm,
-                           mlp_out_eps=mlp_out_eps, qk_all_heads=bool(flags & host_kernels.LAYER_QK_ALL_HEADS))
+                           mlp_out_eps=mlp_out_eps, qk_all_heads=bool(flags & host_kernels.LAYER_QK_ALL_HEADS),
+                           softcap=softcap)
             layers = ()
         elif panels and attend and BATCH_LAYERS:
             # Several sequences (a batch): each layer is one compiled call too, the products over all
@@ -792,13 +796,13 @@ class HostForward:
             prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
                         style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
-                        table) in enumerate(self.layers):
+                        table, softcap) in enumerate(self.layers):
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
                            rotations[table] if table >= 0 else None,
                            all_keys[index][sequences], all_values[index][sequences], layer_mask(flags), start, eps_in,
                            eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style, qk_norm, qk_eps,
                            attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps,
-                           bool(flags & host_kernels.LAYER_QK_ALL_HEADS))
+                           bool(flags & host_kernels.LAYER_QK_ALL_HEADS), softcap)
             layers = ()
         else:
             # (the Llama family's layers, numpy between the products: takes() gives the others no call here)
@@ -844,4 +848,6 @@ class HostForward:
         self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False, panels_for(rows.normed.shape[0]))
         if self.head_bias is not None:
             logits += self.head_bias
+        if self.logits_softcap:  # (Gemma 2: compiled only, as the one-call forward caps them)
+            host_kernels.soft_cap_into(logits, self.logits_softcap)
         return logits_t.view(batch, n, -1)

@@ -568,18 +568,21 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
 # Random models of real models' shapes (no download): scripts/bench_family_steps.py, bench_real_sizes.py and
 # bench_lean_build.py.
 REAL_SIZES = ("pythia-14m", "pythia-70m", "pythia-410m", "distilgpt2", "smollm2-135m", "smollm2-360m", "qwen3-0.6b",
-              "llama-3.2-1b")
+              "llama-3.2-1b", "gemma-3-270m", "gemma-3-1b")
 # Target / draft pairs of those shapes (scripts/bench_real_sizes.py, scripts/bench_first_call.py).
 REAL_PAIRS = {"pythia": ("pythia-410m", "pythia-70m"), "smollm2": ("smollm2-360m", "smollm2-135m"),
-              "pythia-small": ("pythia-70m", "pythia-14m")}
+              "pythia-small": ("pythia-70m", "pythia-14m"), "gemma3": ("gemma-3-1b", "gemma-3-270m")}
 
 
 def real_size(name: str, seed: int = 0):
     """A random model of ``name``'s shape (``REAL_SIZES``), in eval mode: Pythia-14m, -70m and -410m (GPT-NeoX,
     a quarter of each head rotated, 50k vocabulary), distilgpt2 (GPT-2 small's layers, 6 of them) and
     SmolLM2-135M and SmolLM2-360M (Llama, grouped-query attention, tied embeddings), and Qwen3-0.6B (q/k norms,
-    head_dim 128, 152k vocabulary, tied embeddings; its norms' weights random about 1), and Llama-3.2-1B (1.24B
-    parameters, 128k vocabulary, tied embeddings)."""
+    head_dim 128, 152k vocabulary, tied embeddings; its norms' weights random about 1), Llama-3.2-1B (1.24B
+    parameters, 128k vocabulary, tied embeddings), and Gemma-3-270M and Gemma-3-1B (Gemma 3: one kv head of 256
+    values, windows of 512 on five layers in six, a rotary base per layer kind, norms after each block, q/k norms,
+    GELU-tanh gates, 262k vocabulary, tied embeddings; 268M and 1.0B parameters, 168M and 302M of them the
+    embedding)."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -620,4 +623,14 @@ def real_size(name: str, seed: int = 0):
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                     norm.weight.uniform_(0.5, 1.5)
         return model
+    if name in ("gemma-3-270m", "gemma-3-1b"):
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        small = name == "gemma-3-270m"
+        layers = 18 if small else 26
+        return Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=262144, hidden_size=640 if small else 1152, intermediate_size=2048 if small else 6912,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+            query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768, tie_word_embeddings=True,
+            layer_types=["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)])).eval()
     raise ValueError(f"no real size {name!r}; the sizes are: {', '.join(REAL_SIZES)}")

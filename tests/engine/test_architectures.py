@@ -148,17 +148,17 @@ def test_granite_multipliers_in_the_copies_or_applied(monkeypatch):
 def test_which_forward_runs_each_family():
     """float32 on the CPU: Phi-3 (SiLU, no scales; its partial rotation is a table of ones past the
     turned pairs) and Granite (its multipliers in the copies) run on the compiled host forward, and so do
-    GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J, Gemma, Gemma 3, StarCoder2, SmolLM3 and OLMo 2 / 3 (LayerNorms,
-    biases, MLPs without a gate, parallel blocks, learned positions, a GELU-tanh gate, sliding windows, norms
-    after each block, rotation tables per layer kind, q/k norms over all heads: the compiled layers only, so
-    where the kernels run); Gemma 2 (soft caps) on torch."""
+    GPT-NeoX, GPT-2, OPT, GPT-BigCode, Phi, GPT-J, Gemma, Gemma 2 / 3, StarCoder2, SmolLM3 and OLMo 2 / 3
+    (LayerNorms, biases, MLPs without a gate, parallel blocks, learned positions, a GELU-tanh gate, sliding
+    windows, norms after each block, rotation tables per layer kind, q/k norms over all heads, soft caps: the
+    compiled layers only, so where the kernels run)."""
     reasons = {arch: lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair(arch, vocab=32)[0]))
                for arch in NEW_FAMILIES}
     unavailable = host_kernels_unavailable()
     compiled = None if unavailable is None else (
         f"LayerNorms, biases, learned positions, MLPs without a gate or q/k norms need the compiled kernels "
         f"({unavailable})")
-    assert reasons == {"gemma": compiled, "granite": None, "gemma2": "soft-capped attention (Gemma 2)",
+    assert reasons == {"gemma": compiled, "granite": None, "gemma2": compiled,
                        "gemma3": compiled, "gemma3mm": compiled, "starcoder2": compiled, "smollm3": compiled,
                        "gptneox": compiled, "gptneox-sequential": compiled, "phi": compiled,
                        "gpt2": compiled, "opt": compiled, "gpt-bigcode": compiled, "gpt-bigcode-heads": compiled,

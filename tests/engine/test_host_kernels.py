@@ -501,6 +501,37 @@ def test_compiled_activations_equal_torch():
         activation_into(x, np.empty_like(x), 0)
 
 
+@needs_kernels
+def test_soft_cap_equals_torch_near_zero_too():
+    """Gemma 2's soft cap, ``cap * tanh(x / cap)``, against float64 over [-40 cap, 40 cap], near 0 and about
+    the switch at |x / cap| = 0.625: within 3 float32 ulp of the value (tanhf's 2, and the division by the cap and
+    the product with it round too; 2.3 measured), and in place over any length
+    (the tail of a length not a multiple of 8 through the same code). The check is strict enough to need the
+    small-value polynomial: ``(1 - e) / (1 + e)`` alone, in float32, is off by 1e-4 relative near 0."""
+    from gbv.engine.host_kernels import soft_cap_into
+
+    cap = 50.0
+    rng = np.random.default_rng(1)
+    x = np.concatenate([np.linspace(-40 * cap, 40 * cap, 4003), np.geomspace(1e-6, 1.0, 500) * cap,
+                        -np.geomspace(1e-6, 1.0, 500) * cap, 0.625 * cap + np.linspace(-1e-3, 1e-3, 41),
+                        rng.standard_normal(1001) * cap, [0.0]]).astype(np.float32)
+    want = cap * np.tanh(x.astype(np.float64) / cap)
+    got = soft_cap_into(x.copy(), cap).astype(np.float64)
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got - want) <= 3 * ulp + 1e-30)
+    for length in (1, 7, 9, 23):  # (the tail)
+        part = x[:length].copy()
+        np.testing.assert_array_equal(soft_cap_into(part, cap), soft_cap_into(x.copy(), cap)[:length])
+    # the control: the large-value form alone near 0
+    small = (np.geomspace(1e-6, 1e-2, 50) * cap).astype(np.float32)
+    e = np.exp(np.float32(-2) * (small / np.float32(cap)))
+    naive = np.float32(cap) * (np.float32(1) - e) / (np.float32(1) + e)
+    exact = cap * np.tanh(small.astype(np.float64) / cap)
+    assert np.max(np.abs(naive - exact) / exact) > 1e-4
+    with pytest.raises(ValueError, match="above 0"):
+        soft_cap_into(x.copy(), 0.0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gptneox", "gpt2", "phi"])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_one_call_forward_equals_the_call_per_layer(bf16, arch):

@@ -54,10 +54,11 @@ def amx_products(request):
 # The families whose layers only the compiled kernels compute (LayerNorms, biases, MLPs without a gate,
 # parallel blocks, learned positions, multi-query attention, partial and adjacent-pair rotations, Qwen3's
 # q/k norms, Gemma's GELU-tanh gate, sliding windows (Mistral, StarCoder2), norms after each block and tables per
-# layer kind (Gemma 3, OLMo 3), OLMo 2's q/k norms over all heads, SmolLM3's layers without rotation).
+# layer kind (Gemma 3, OLMo 3), OLMo 2's q/k norms over all heads, SmolLM3's layers without rotation, Gemma 2's
+# soft caps).
 OTHER_FAMILIES = ("gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "phi", "gptj",
-                  *(arch for arch in ("qwen3", "gemma", "gemma3", "olmo2", "olmo3", "starcoder2", "smollm3", "mistral")
-                    if arch in ARCHITECTURES))
+                  *(arch for arch in ("qwen3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "starcoder2", "smollm3",
+                                      "mistral") if arch in ARCHITECTURES))
 
 
 def _skip_without_kernels(arch: str) -> None:
@@ -247,7 +248,8 @@ def _largest_gap(host, plain, vocab: int = 48) -> float:
     *((("qwen3", "qk norm"),) if "qwen3" in ARCHITECTURES else ()), ("gemma", "gated mlp"),
     ("gemma", "embed scale"), ("mistral", "window"), ("starcoder2", "window"), ("gemma3", "window"),
     ("gemma3", "output norms"), ("gemma3", "tables"), ("gemma3", "qk norm"), ("olmo2", "input norm"),
-    ("olmo2", "qk norm"), ("olmo2", "output norms"), ("olmo3", "window"), ("smollm3", "tables")])
+    ("olmo2", "qk norm"), ("olmo2", "output norms"), ("olmo3", "window"), ("smollm3", "tables"),
+    ("gemma2", "attention cap"), ("gemma2", "logits cap")])
 def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
     """The comparison of the host forward with the torch forward catches each part the compiled layers add
     for the other families, broken one at a time (a control per part): GPT-NeoX's parallel blocks, its
@@ -258,8 +260,8 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
     SiLU's) and its embedding scale (left out), the sliding windows (Mistral, StarCoder2, Gemma 3, OLMo 3: the
     layers' flag cleared), Gemma 3's and OLMo 2's norms after each block (left out), Gemma 3's rotation tables
     per layer kind (swapped; SmolLM3's: its layers without rotation rotated), Gemma 3's and OLMo 2's q/k norms
-    (left out), OLMo 2's missing norm before each block (one put there). Unbroken, the same gap is within
-    float32 rounding."""
+    (left out), OLMo 2's missing norm before each block (one put there), Gemma 2's soft caps of the attention
+    scores and of the logits (left out). Unbroken, the same gap is within float32 rounding."""
     from gbv.engine import host_kernels
 
     _skip_without_kernels(arch)
@@ -296,6 +298,9 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
         elif broken == "input norm":
             assert entry[5] == -1.0
             entry[5] = 1e-6
+        elif broken == "attention cap":
+            assert entry[20] > 0
+            entry[20] = 0.0
     if broken in ("window", "tables"):
         assert any(entry != list(layer) for entry, layer in zip(entries, forward.layers))  # (some layer changed)
     forward.layers = [tuple(entry) for entry in entries]
@@ -313,6 +318,9 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
     elif broken == "embed scale":
         assert host.embed_scale is not None
         forward.embed = host.embed.detach().numpy()
+    elif broken == "logits cap":
+        assert forward.logits_softcap > 0
+        forward.logits_softcap = 0.0
     assert _largest_gap(host, plain) > 1e-4
 
 
