@@ -4,13 +4,15 @@
     python scripts/bench_real_sizes.py --threads 1 --rounds 3
     python scripts/bench_real_sizes.py --pair smollm2 --dtype bfloat16
     python scripts/bench_real_sizes.py --pair smollm2 --dtype bfloat16 --busy 1 --rows ar,block:4,hf-plain
+    python scripts/bench_real_sizes.py --pair gemma3 --dtype bfloat16 --rows block:4,auto --rounds 6 --per-round
 
 The pythia pair is a random GPT-NeoX target of Pythia-410m's shape (24 layers, hidden 1,024, 405M parameters)
 and a draft of Pythia-70m's (6 layers, hidden 512), both with the 50k vocabulary; the smollm2 pair a random
 Llama target of SmolLM2-360M's shape (32 layers, hidden 960, 362M parameters) and a draft of SmolLM2-135M's
 (30 layers, hidden 576), both with the 49k vocabulary; the pythia-small pair Pythia-70m's and Pythia-14m's
-shapes (``--dtype bfloat16``: both in bfloat16, as such
-checkpoints are published). ``--busy N`` keeps N other processes spinning on the CPU for the whole run (each
+shapes; the gemma3 pair Gemma-3-1B's and Gemma-3-270M's (Gemma 3, the 262k vocabulary) (``--dtype bfloat16``:
+both in bfloat16, as such checkpoints are published). ``--per-round``: each round's tokens/s too, the first
+one's included, and the iterations of each (method, K, L) ``auto`` chose in it. ``--busy N`` keeps N other processes spinning on the CPU for the whole run (each
 holds a core: a machine shared with other work), ``--rows`` picks rows. With ``--threads auto`` the peers
 (transformers' rows) run on torch's default count, which is what a transformers user gets, and gbv's rows
 on gbv's default for the target. Their weights are random, so
@@ -48,6 +50,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--busy", type=int, default=0, help="other processes spinning on the CPU meanwhile")
     parser.add_argument("--rows", default="ar,block:4,hf-plain,hf-assisted")
+    parser.add_argument("--per-round", action="store_true",
+                        help="print each round's tokens/s and auto's choices as it goes")
     args = parser.parse_args()
     import gbv
     from gbv.models.loading import ModelPair
@@ -94,10 +98,16 @@ def main() -> None:
                     made = out.shape[1] - len(ids)
                 else:
                     method = row if row in ("ar", "auto") else "block"
-                    made = len(gbv.generate(pair, prompt_ids=ids, method=method, block_len=4, temperature=1.0,
-                                            max_new_tokens=new, seed=round_, eos_token_id=[]).token_ids)
+                    result = gbv.generate(pair, prompt_ids=ids, method=method, block_len=4, temperature=1.0,
+                                          max_new_tokens=new, seed=round_, eos_token_id=[])
+                    made = len(result.token_ids)
+                rate = made / (time.perf_counter() - began)
+                if args.per_round:
+                    arms = result.stats.to_dict().get("auto_arms") if row == "auto" else None
+                    print(f"round {round_}: {row} {rate:.1f} tokens/s" + (f", auto's arms {arms}" if arms else ""),
+                          flush=True)
                 if round_ > 0:
-                    rates[row].append(made / (time.perf_counter() - began))
+                    rates[row].append(rate)
     finally:
         for process in busy:
             process.kill()

@@ -2933,17 +2933,17 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
     PyObject *position_object = Py_None, *head_bias_object = Py_None, *window_mask_object = Py_None;
-    double logits_softcap = 0.0;
+    double logits_softcap = 0.0, embed_scale = 1.0;
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOd", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOdd", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
-                          &head_bias_object, &window_mask_object, &logits_softcap))
+                          &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -3095,6 +3095,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             }
             float *hidden_row = (float *)fixed[4].buf + i * H;
             memcpy(hidden_row, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
+            if (embed_scale != 1.0) /* (Gemma, Granite: the rows times the scale in float32, as the torch forward) */
+                for (int h = 0; h < H; h++) hidden_row[h] *= (float)embed_scale;
             if (have_positions)
                 for (int h = 0; h < H; h++) hidden_row[h] += ((const float *)position_rows.buf)[row * H + h];
             for (Py_ssize_t t = 0; t < num_tables; t++) /* (table t's rows: rotation + t * n * D) */

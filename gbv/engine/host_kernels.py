@@ -513,7 +513,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                  tokens_out: np.ndarray | None = None, position_rows: np.ndarray | None = None,
                  position_offset: int = 0, final_layer_norm: bool = False,
                  head_bias: np.ndarray | None = None, window_mask: np.ndarray | None = None,
-                 logits_softcap: float = 0.0) -> int | None:
+                 logits_softcap: float = 0.0, embed_scale: float = 1.0) -> int | None:
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
     every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
@@ -530,6 +530,8 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     tuple ``rotary``, or -1 for none, ``softcap`` Gemma 2's cap of the attention scores, 0 for none).
     window_mask: (n, start + n) bool/uint8, the mask of the windowed layers where their window binds (None: they
     take ``mask``). logits_softcap > 0 (Gemma 2): the logits capped (:func:`soft_cap_into`) before any draw.
+    embed_scale: the embedding rows' factor (Gemma's sqrt(H), Granite's multiplier), in float32 as the torch
+    forward multiplies them (1: none).
     final_layer_norm: the final norm is a
     LayerNorm; head_bias: (V_head,) float32 or None. keys, values: per layer the cache's
     (rows, kv_heads, capacity, D) arrays, float32 or bfloat16 (:func:`kv_bf16`); this sequence is row
@@ -547,12 +549,12 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     n, hidden = rows.hidden.shape
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
     if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
-            and window_mask is None and not logits_softcap):
+            and window_mask is None and not logits_softcap and embed_scale == 1.0):
         extra = _kv_flag(keys[0])  # (the Llama family's call as it was, without a loop over defaults)
     else:
         extra = _trailing((kv_bf16(keys[0]), False), (position_rows, None), (position_offset, 0),
                           (final_layer_norm, False), (head_bias, None), (window_mask, None),
-                          (float(logits_softcap), 0.0))
+                          (float(logits_softcap), 0.0), (float(embed_scale), 1.0))
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gbv.engine.host_kernels import host_kernels_unavailable, move_slots, prefetch_temporal
+from gbv.engine.threads import building_threads, one_torch_thread
 from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import MAX_QUERIES, StaticSteps, steps_mode
 from gbv.engine.static_sampling import plain_loop, sampled_step
@@ -383,6 +384,14 @@ def _widened_product(weight: Tensor, vector: Tensor) -> Tensor:
     in the pages of twice its size)."""
     wide = vector.double()
     out = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
+    if weight.device.type == "cpu":  # (a view's build runs on every core: building_threads; its sums on one)
+        with one_torch_thread():
+            return _widened_blocks(weight, wide, out)
+    return _widened_blocks(weight, wide, out)
+
+
+def _widened_blocks(weight: Tensor, wide: Tensor, out: Tensor) -> Tensor:
+    """:func:`_widened_product`'s blocks: ``out = W wide`` in float64, ``_WIDEN_BLOCK`` outputs at a time."""
     stored = weight.t()
     transposed = stored.is_contiguous()  # (a transposed copy's view: its blocks of columns are runs in memory)
     for row in range(0, weight.shape[0], _WIDEN_BLOCK):
@@ -971,6 +980,44 @@ class LeanCausalLM:
     # peak memory was 8.6 GB against 5.5; scripts/bench_first_call.py --profile)
     @torch.no_grad()
     def __init__(self, model) -> None:
+        # The copies, folds and packing on every core (threads.building_threads: the same values at any
+        # count); what follows, the forward choice above all, at the counts in force.
+        with building_threads(model):
+            self._build(model)
+        # The KV cache's dtype: a bfloat16 model run in float32 by the compiled kernels keeps bfloat16
+        # keys and values, as its Hugging Face forward does. Why: attention of one query reads every
+        # cached key and value once, cold (the weights streamed between two steps push them out of the
+        # CPU's caches): 16 KB a slot for the bundled target in float32, 4 MB a step at 250 slots against
+        # its 15.7 MB of bf16 weights, and a step cost ~30% more at 256 slots than at 16. The kernels
+        # widen bf16 to float32 exactly; the values are rounded once, as written (docs/ENGINE.md,
+        # "A bfloat16 KV cache"). Elsewhere the cache has the forward's dtype.
+        self.cache_dtype = self.dtype
+        if self.bf16_in_float32 and self.host_forward is not None and self.host_forward.attention_off is None:
+            self.cache_dtype = torch.bfloat16
+        # Forwards of up to MAX_QUERIES queries as CUDA graphs, replayed (gbv.engine.static_steps); None
+        # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
+        mode = steps_mode(self.device)
+        self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
+        # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward); TORCH
+        # where there is no host forward. forward_times: the median ms of a one-token step of each form,
+        # None where not measured.
+        self.forward_choice, self.forward_times = TORCH, None
+        if self.host_forward is not None:
+            self.forward_choice, self.forward_times = choose_cpu_forward(self, self.host_forward)
+            if self.forward_times is not None and (self.forward_choice != HOST or HOST_TEMPORAL in self.forward_times):
+                logger.info("gbv: one-token steps measured here: %s; using the %s, the compiled kernels "
+                            "prefetching %s (GBV_HOST_FORWARD=1 keeps the host forward's compiled products)",
+                            ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.forward_times.items()),
+                            self.forward_choice, "temporally" if prefetch_temporal() else "non-temporally")
+            if self.forward_choice == HOST_TORCH_PRODUCTS:
+                self.host_forward.use_torch_products("torch's products measured faster here")
+            elif self.forward_choice == TORCH:
+                self.host_forward = None
+                self.cache_dtype = self.dtype  # (a bfloat16 cache was the host forward's)
+
+    def _build(self, model) -> None:
+        """The view's weights, tables and host forward (its panels) of ``model``: the first part of
+        :meth:`__init__`."""
         reason = lean_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"no lean forward for this model: {reason}")
@@ -1080,36 +1127,6 @@ class LeanCausalLM:
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
-        # The KV cache's dtype: a bfloat16 model run in float32 by the compiled kernels keeps bfloat16
-        # keys and values, as its Hugging Face forward does. Why: attention of one query reads every
-        # cached key and value once, cold (the weights streamed between two steps push them out of the
-        # CPU's caches): 16 KB a slot for the bundled target in float32, 4 MB a step at 250 slots against
-        # its 15.7 MB of bf16 weights, and a step cost ~30% more at 256 slots than at 16. The kernels
-        # widen bf16 to float32 exactly; the values are rounded once, as written (docs/ENGINE.md,
-        # "A bfloat16 KV cache"). Elsewhere the cache has the forward's dtype.
-        self.cache_dtype = self.dtype
-        if self.bf16_in_float32 and self.host_forward is not None and self.host_forward.attention_off is None:
-            self.cache_dtype = torch.bfloat16
-        # Forwards of up to MAX_QUERIES queries as CUDA graphs, replayed (gbv.engine.static_steps); None
-        # where they do not run (the CPU, GBV_CUDA_GRAPHS=0).
-        mode = steps_mode(self.device)
-        self.steps = None if mode is None else StaticSteps(self, capture=mode == "graph")
-        # Of the CPU's forwards, the fastest here: measured, once per model (choose_cpu_forward); TORCH
-        # where there is no host forward. forward_times: the median ms of a one-token step of each form,
-        # None where not measured.
-        self.forward_choice, self.forward_times = TORCH, None
-        if self.host_forward is not None:
-            self.forward_choice, self.forward_times = choose_cpu_forward(self, self.host_forward)
-            if self.forward_times is not None and (self.forward_choice != HOST or HOST_TEMPORAL in self.forward_times):
-                logger.info("gbv: one-token steps measured here: %s; using the %s, the compiled kernels "
-                            "prefetching %s (GBV_HOST_FORWARD=1 keeps the host forward's compiled products)",
-                            ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.forward_times.items()),
-                            self.forward_choice, "temporally" if prefetch_temporal() else "non-temporally")
-            if self.forward_choice == HOST_TORCH_PRODUCTS:
-                self.host_forward.use_torch_products("torch's products measured faster here")
-            elif self.forward_choice == TORCH:
-                self.host_forward = None
-                self.cache_dtype = self.dtype  # (a bfloat16 cache was the host forward's)
 
     def round_to_bf16_weights(self) -> bool:
         """Round this view's matrices to bfloat16 values and stream them as bfloat16 panels (half the bytes),
@@ -1121,10 +1138,10 @@ class LeanCausalLM:
         over this view's own transposed copies of float32 weights."""
         if not self.can_round_to_bf16_weights():
             return False
-        with torch.no_grad():
+        with torch.no_grad(), building_threads(self.model):
             for matrix in self.matrices():
                 _round_to_bf16_values(matrix.weight_t)  # (the view's own copies)
-        return self.host_forward.pack_bf16_panels()
+            return self.host_forward.pack_bf16_panels()
 
     def can_round_to_bf16_weights(self) -> bool:
         """Whether :meth:`round_to_bf16_weights` applies: float32 weights of this view's own transposed

@@ -20,6 +20,8 @@ Measured on the 2-core machines (docs/ENGINE.md, "Threads" and "The compiled for
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from gbv.engine import host_kernels
@@ -42,6 +44,10 @@ def _on_cpu(target) -> bool:
 # mask, hyperthreads included and OMP_NUM_THREADS ignored, and a larger one's read torch's count at the
 # call, which a first apply_threads had set to one.)
 _TORCH_THREADS_FOUND = torch.get_num_threads()
+
+
+# ``--threads N``'s N where apply_threads was given one (building_threads keeps to it), else None.
+_requested: int | None = None
 
 
 def every_core() -> int:
@@ -89,7 +95,9 @@ def apply_threads(threads: int | str | None, target, draft=None) -> int:
     against 35.7 with torch on both cores, and at 19.5 against 16.1 with another process spinning
     (docs/ENGINE.md, "The compiled forward on several threads"). The target's lean view is built to know
     (the first generation would build it)."""
+    global _requested
     products = None
+    _requested = None if threads is None or threads == "auto" else int(threads)
     if threads is None or threads == "auto":
         threads = default_threads(target)
         products = default_product_threads(target)
@@ -99,3 +107,44 @@ def apply_threads(threads: int | str | None, target, draft=None) -> int:
         torch.set_num_threads(int(threads))
     host_kernels.set_product_threads(products)
     return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def building_threads(model):
+    """Every core (:func:`every_core`; ``--threads N``'s N where given) for torch's ops while a lean view of
+    ``model`` (of at least ``SPLIT_MODEL_PARAMETERS``) copies its weights (their widened and transposed
+    copies, the bf16 rounding), then the count in force before. The copies hold the same values at any count (no sums: a fold's float64 product runs on one
+    thread, ``lean._widened_product``); the forward choice that follows runs at the counts in force. Why: a
+    first call builds each view once, and on one thread the copies were most of a Gemma-3-1B / 270M pair's
+    24 s to the first tokens (a 262k x 1,152 embedding's transposed copy 1.06 s on one thread, 0.55 s on two;
+    ``scripts/bench_first_call.py --profile``); ``apply_threads`` keeps torch on one thread for a compiled
+    target, so the draft's view was built on one. Smaller models' copies take milliseconds: unchanged. The
+    packing of the panels keeps the products' count: on two threads it was slower here (its fresh memory's
+    pages, faulted in by both threads at once), 16.0 and 14.0 s against 14.2 and 11.5 s for the target's view
+    in alternating runs."""
+    if parameter_count(model) < SPLIT_MODEL_PARAMETERS or not _on_cpu(model):
+        yield
+        return
+    before = torch.get_num_threads()
+    cores = every_core() if _requested is None else _requested
+    try:
+        if before < cores:
+            torch.set_num_threads(cores)
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread for a computation whose bits must not hang on the thread count (a reduction that
+    several threads would split), then the count before."""
+    before = torch.get_num_threads()
+    try:
+        if before != 1:
+            torch.set_num_threads(1)
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)

@@ -238,6 +238,41 @@ def test_default_threads_keep_torch_on_one_and_split_the_products_of_mid_sized_t
         host_kernels.set_product_threads(None)
 
 
+def test_a_large_view_copies_on_every_core_and_folds_on_one(threads, monkeypatch):
+    """building_threads: torch on every core while a view of at least 30M parameters copies its weights (the
+    count before after it), not for a smaller one, and ``--threads N``'s N where given; the folds' float64
+    product (``_widened_product``, whose sums would split among threads) on one thread inside it."""
+    from gbv.engine import lean as lean_module
+    from gbv.engine import threads as engine_threads
+
+    monkeypatch.setattr(engine_threads, "_TORCH_THREADS_FOUND", 2)
+    monkeypatch.setattr(engine_threads, "_requested", None)
+    threads(1)
+    seen = []
+    real = lean_module._widened_blocks
+
+    def spy(*args):
+        seen.append(("fold", torch.get_num_threads()))
+        return real(*args)
+
+    monkeypatch.setattr(lean_module, "_widened_blocks", spy)
+    with engine_threads.building_threads(_Sized(8_000_000)):
+        seen.append(torch.get_num_threads())
+    with engine_threads.building_threads(_Sized(70_000_000)):
+        seen.append(torch.get_num_threads())
+        weight, vector = torch.randn(300, 7), torch.randn(7)
+        torch.testing.assert_close(lean_module._widened_product(weight, vector), weight.double() @ vector.double())
+        seen.append(torch.get_num_threads())
+    seen.append(torch.get_num_threads())
+    engine_threads.apply_threads(1, _Sized(70_000_000))  # (an explicit count: the build keeps to it)
+    try:
+        with engine_threads.building_threads(_Sized(70_000_000)):
+            seen.append(torch.get_num_threads())
+    finally:
+        host_kernels.set_product_threads(None)
+    assert seen == [1, 2, ("fold", 1), 2, 1, 1]
+
+
 def test_the_products_run_on_their_own_count_while_torch_keeps_one(threads):
     """set_product_threads: the host forward splits its products on that count whatever torch's (what the
     default gives a 30-100M target), and None follows torch's again."""
