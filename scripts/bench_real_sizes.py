@@ -8,16 +8,16 @@
 
 The pythia pair is a random GPT-NeoX target of Pythia-410m's shape (24 layers, hidden 1,024, 405M parameters)
 and a draft of Pythia-70m's (6 layers, hidden 512), both with the 50k vocabulary; the smollm2 pair a random
-Llama target of SmolLM2-360M's shape (32 layers, hidden 960, 362M parameters) and a draft of SmolLM2-135M's
-(30 layers, hidden 576), both with the 49k vocabulary; the pythia-small pair Pythia-70m's and Pythia-14m's
-shapes; the gemma3 pair Gemma-3-1B's and Gemma-3-270M's (Gemma 3, the 262k vocabulary) (``--dtype bfloat16``:
-both in bfloat16, as such checkpoints are published). ``--per-round``: each round's tokens/s too, the first
-one's included, and the iterations of each (method, K, L) ``auto`` chose in it. ``--busy N`` keeps N other processes spinning on the CPU for the whole run (each
-holds a core: a machine shared with other work), ``--rows`` picks rows. With ``--threads auto`` the peers
-(transformers' rows) run on torch's default count, which is what a transformers user gets, and gbv's rows
-on gbv's default for the target. Their weights are random, so
-only ``ar`` against ``hf-plain`` compares the engines alone; BV L = 4 and assisted generation run the same
-pair with whatever agreement random models have. Each round runs every row once on the same 64-token
+Llama target of SmolLM2-360M's shape (32 layers, hidden 960, 362M parameters) and a draft of SmolLM2-135M's (30
+layers, hidden 576), both with the 49k vocabulary; the pythia-small pair Pythia-70m's and Pythia-14m's shapes;
+the gemma3 pair Gemma-3-1B's and Gemma-3-270M's (Gemma 3, the 262k vocabulary) (``--dtype bfloat16``: both in
+bfloat16, as such checkpoints are published). ``--per-round``: each round's tokens/s too, the first one's
+included, and the iterations of each (method, K, L) ``auto`` chose in it. ``--busy N`` keeps N other processes
+spinning on the CPU for the whole run (each holds a core: a machine shared with other work), ``--rows`` picks
+rows. With ``--threads auto`` the peers (transformers' rows) run on torch's default count, which is what a
+transformers user gets, and gbv's rows on gbv's default for the target. Their weights are random, so only
+``ar`` against ``hf-plain`` compares the engines alone; BV L = 4 and assisted generation run the same pair with
+whatever agreement random models have. Each round runs every row once on the same 64-token
 prompt (T = 1, 48 new tokens, EOS off); the first round, which builds the lean views (the fused copies of a
 405M model take seconds), is not counted; tokens/s are medians over the other rounds. At these sizes a
 step reads its weights from memory, so the engine's savings on per-call overhead matter less than on the

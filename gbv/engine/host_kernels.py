@@ -548,13 +548,17 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     """
     n, hidden = rows.hidden.shape
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
+    # (the trailing arguments as one tuple, without a loop over defaults: this runs every step; an older C
+    # module takes the calls it knows, scripts/kernels_at.py)
+    later = window_mask is not None or logits_softcap or embed_scale != 1.0
     if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
-            and window_mask is None and not logits_softcap and embed_scale == 1.0):
-        extra = _kv_flag(keys[0])  # (the Llama family's call as it was, without a loop over defaults)
+            and not later):
+        extra = _kv_flag(keys[0])  # (the Llama family's call as it was)
+    elif not later:
+        extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias)
     else:
-        extra = _trailing((kv_bf16(keys[0]), False), (position_rows, None), (position_offset, 0),
-                          (final_layer_norm, False), (head_bias, None), (window_mask, None),
-                          (float(logits_softcap), 0.0), (float(embed_scale), 1.0))
+        extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias, window_mask,
+                 float(logits_softcap), float(embed_scale))
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,

@@ -476,26 +476,28 @@ class HostForward:
         def array(bias: Tensor | None) -> np.ndarray | None:
             return None if bias is None else bias.detach().numpy()
 
-        # The rotation tables by layer kind (Gemma 3's bases; SmolLM3's layers without one), where the layers
-        # do not share one: each layer's index in self.rope_kinds, -1 for none (see _rotary_tables).
+        # The rotary kinds whose tables the layers take, in order, where the layers do not share one table
+        # (Gemma 3's bases; SmolLM3's layers without one): each layer's entry holds its index here, -1 for
+        # none (see _rotary_tables). None: one table for every layer, or none.
         from gbv.engine.lean import NO_ROTATION  # (lean.py imports this module)
 
-        self.rope_kinds = None
+        self.table_kinds = None
         if lean.rope_kinds is not None and set(lean.rope_kinds) != {NO_ROTATION}:
-            self.rope_kinds = [kind for kind in dict.fromkeys(lean.rope_kinds) if kind != NO_ROTATION]
+            self.table_kinds = [kind for kind in dict.fromkeys(lean.rope_kinds) if kind != NO_ROTATION]
         self._tables: tuple[int, tuple] | None = None  # (rows, the numpy tables) of the last call
 
         def float_array(weight: Tensor | None) -> np.ndarray | None:
             return None if weight is None else np.ascontiguousarray(weight.detach().float().numpy())
 
         # per layer: (qkv, b_qkv, o, gate_up, down, eps_in, eps_post, scaling, b_o, b_up, b_down, style, qk_norm,
-        # qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary, softcap); qk_norm: the q
-        # and k norm
-        # weights, one (2 * head_dim,) array in the rows' interleaved order (Qwen3, Gemma 3; OLMo 2 / 3's over all
-        # heads: flags LAYER_QK_ALL_HEADS), or None; eps_in, eps_post -1 where no norm comes before the block
-        # (OLMo 2 / 3); attn_out_norm, mlp_out_norm: the blocks' output norms (Gemma 3, OLMo 2 / 3), or None;
-        # flags: LAYER_QK_ALL_HEADS, LAYER_WINDOWED; rotary: the layer's table (see above), else 0, or -1 for none;
-        # softcap: Gemma 2's cap of the attention scores (0: none).
+        # qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary, softcap):
+        # - qk_norm: the q and k norm weights, one (2 * head_dim,) array in the rows' interleaved order (Qwen3,
+        #   Gemma 3; OLMo 2 / 3's over all heads: flags LAYER_QK_ALL_HEADS), or None;
+        # - eps_in, eps_post: -1 where no norm comes before the block (OLMo 2 / 3);
+        # - attn_out_norm, mlp_out_norm: the blocks' output norms (Gemma 2 / 3, OLMo 2 / 3), or None;
+        # - flags: LAYER_QK_ALL_HEADS, LAYER_WINDOWED;
+        # - rotary: the layer's table in table_kinds (see above), else 0, or -1 for none;
+        # - softcap: Gemma 2's cap of the attention scores (0: none).
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
@@ -505,8 +507,8 @@ class HostForward:
                 qk_eps = float(layer.q_norm_eps)
             flags = ((host_kernels.LAYER_QK_ALL_HEADS if layer.q_norm is not None and layer.qk_norm_all_heads else 0)
                      | (host_kernels.LAYER_WINDOWED if layer.window is not None else 0))
-            if self.rope_kinds is not None:
-                table = self.rope_kinds.index(layer.rope_kind) if layer.rope_kind != NO_ROTATION else -1
+            if self.table_kinds is not None:
+                table = self.table_kinds.index(layer.rope_kind) if layer.rope_kind != NO_ROTATION else -1
             else:
                 table = 0 if lean.rotary is not None else -1
             self.layers.append((_Product(qkv.weight_t, panels, bf16), array(qkv.bias),
@@ -523,7 +525,7 @@ class HostForward:
                                 float(layer.softcap or 0.0)))
         # whether the layers need the 21-item entries (forward_into): output norms, flags, tables by kind, caps
         self.extra_entries = any(entry[14] is not None or entry[18] or entry[20] for entry in self.layers) or (
-            self.rope_kinds is not None)
+            self.table_kinds is not None)
         self.logits_softcap = float(lean.logits_softcap or 0.0)  # (Gemma 2's cap of the logits; 0: none)
         # the MLP's width, and the up projection's (gate and up: twice it)
         gated = not self.layers or lean.layers[0].gated
@@ -559,14 +561,14 @@ class HostForward:
 
     def _rotary_tables(self, end: int):
         """What forward_into takes as ``rotary`` for positions below ``end``: the lean view's one table (None
-        without rotation), or a tuple of its tables by kind (:attr:`rope_kinds`), numpy views of its own."""
+        without rotation), or a tuple of its tables by kind (:attr:`table_kinds`), numpy views of its own."""
         lean = self.lean
         lean.ensure_rotary(end)
-        if self.rope_kinds is None:
+        if self.table_kinds is None:
             return lean.rotary_numpy
         rows = lean._table_rows
         if self._tables is None or self._tables[0] != rows:  # (views kept until the tables grow)
-            self._tables = (rows, tuple(lean._kind_tables[kind][2].numpy() for kind in self.rope_kinds))
+            self._tables = (rows, tuple(lean._kind_tables[kind][2].numpy() for kind in self.table_kinds))
         return self._tables[1]
 
     def _window_mask(self, mask: Tensor | None, positions: np.ndarray, start: int, n: int) -> np.ndarray | None:
@@ -736,7 +738,7 @@ class HostForward:
         tables = self._rotary_tables(end)
         # (B * N, 1, D/2) complex64 per table (each layer's: its entry's last item); None without rotation
         # (learned positions: added to the rows below)
-        if self.rope_kinds is None:
+        if self.table_kinds is None:
             tables = () if tables is None else (tables,)
         rotations = [table[positions.reshape(-1)][:, None] for table in tables]
         rotation = rotations[0] if rotations else None
@@ -766,8 +768,10 @@ class HostForward:
             attend = True
         else:
             mask, is_causal = attention_mask(mask, causal, start, n, cache.keys[0].device)
+            kernel_masks = window_masks = None  # (the kernels' masks: not used on this path, the Llama family's)
             attend = False
         enable_gqa = self.kv_heads != self.heads
+
         def layer_mask(flags: int) -> np.ndarray | None:  # (B, N, end) or None
             windowed = flags & host_kernels.LAYER_WINDOWED and window_masks is not None
             return window_masks if windowed else kernel_masks

@@ -111,17 +111,17 @@ def apply_threads(threads: int | str | None, target, draft=None) -> int:
 
 @contextlib.contextmanager
 def building_threads(model):
-    """Every core (:func:`every_core`; ``--threads N``'s N where given) for torch's ops while a lean view of
-    ``model`` (of at least ``SPLIT_MODEL_PARAMETERS``) copies its weights (their widened and transposed
-    copies, the bf16 rounding), then the count in force before. The copies hold the same values at any count (no sums: a fold's float64 product runs on one
-    thread, ``lean._widened_product``); the forward choice that follows runs at the counts in force. Why: a
-    first call builds each view once, and on one thread the copies were most of a Gemma-3-1B / 270M pair's
-    24 s to the first tokens (a 262k x 1,152 embedding's transposed copy 1.06 s on one thread, 0.55 s on two;
-    ``scripts/bench_first_call.py --profile``); ``apply_threads`` keeps torch on one thread for a compiled
-    target, so the draft's view was built on one. Smaller models' copies take milliseconds: unchanged. The
-    packing of the panels keeps the products' count: on two threads it was slower here (its fresh memory's
-    pages, faulted in by both threads at once), 16.0 and 14.0 s against 14.2 and 11.5 s for the target's view
-    in alternating runs."""
+    """Every core (:func:`every_core`; ``--threads N``'s N where given) for torch's ops while a lean view of ``model``
+    (of at least ``SPLIT_MODEL_PARAMETERS``) copies its weights (their widened and transposed copies, the bf16
+    rounding), then the count in force before. The copies hold the same values at any count (no sums: a fold's
+    float64 product runs on one thread, ``lean._widened_product``); the forward choice that follows runs at the
+    counts in force. Why: a first call builds each view once, and on one thread the copies were most of a
+    Gemma-3-1B / 270M pair's 24 s to the first tokens (a 262k x 1,152 embedding's transposed copy 1.06 s on one
+    thread, 0.55 s on two; ``scripts/bench_first_call.py --profile``); ``apply_threads`` keeps torch on one thread
+    for a compiled target, so the draft's view was built on one. Smaller models' copies take milliseconds:
+    unchanged. The packing of the panels keeps the products' count: on two threads it was slower here (its fresh
+    memory's pages, faulted in by both threads at once), 16.0 and 14.0 s against 14.2 and 11.5 s for the target's
+    view in alternating runs."""
     if parameter_count(model) < SPLIT_MODEL_PARAMETERS or not _on_cpu(model):
         yield
         return
