@@ -2110,7 +2110,9 @@ static void norm_or_copy(const float *hidden, float *normed, Py_ssize_t rows, Py
  * (rms_head; with style->qk_all_heads, OLMo 2 / 3, q over all its heads at once and k likewise); where
  * style->attn_out_norm and mlp_out_norm are given (Gemma 2 / 3, OLMo 2 / 3), each block's output RMS-normed
  * and scaled before its residual add (add_normed); eps_in or eps_post below 0: no norm before that block
- * (OLMo 2 / 3: the block reads the residual as it is).
+ * (OLMo 2 / 3: the block reads the residual as it is). attend_first > 0 (a windowed layer past its window):
+ * no query attends a slot before it, and `mask` (required then) covers slots attend_first .. start + n - 1 only,
+ * n * (start + n - attend_first) bytes a sequence: attention reads the cache from that slot on.
  * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are packed as one kind
  * (bf16: PANELS_F32, PANELS_BF16 or PANELS_AMX, see panel_product); the cache's keys and values are
  * float32 (kv_bf16 = 0) or bfloat16, rounded to nearest even as they are written (bf16_bits);
@@ -2120,7 +2122,7 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
     const float *b_qkv, const void *w_o, const void *w_gate_up, const void *w_down, int bf16, Py_ssize_t n, int H,
     int heads, int kv_heads, int D, int I, double eps_in, double eps_post, const float *rotation, void *keys,
     void *values, int kv_bf16, Py_ssize_t capacity, const unsigned char *mask, Py_ssize_t start, float scale,
-    float *scores, Py_ssize_t batch, int prefetch_values, const layer_style *style) {
+    float *scores, Py_ssize_t batch, int prefetch_values, const layer_style *style, Py_ssize_t attend_first) {
     const Py_ssize_t width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
     const Py_ssize_t rows = batch * n, sequence = (Py_ssize_t)kv_heads * capacity * D; /* (values a cache row) */
     const int ln = style->layer_norm, gated = mlp_gated(style->mlp);
@@ -2164,8 +2166,11 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
         }
     }
     /* each sequence over its own cache row, under its own mask (on the products' threads where it is long) */
-    attend_job job = {qkv, (const char *)keys, (const char *)values, attn, scores, mask, width, capacity, sequence, n,
-                      start, start + n, kv_bf16, heads, kv_heads, D, prefetch_values, scale, style->softcap};
+    /* (from attend_first on: every kv head's slots shifted alike, the mask's columns from there) */
+    const Py_ssize_t shift = attend_first * D * (kv_bf16 ? 2 : 4);
+    attend_job job = {qkv, (const char *)keys + shift, (const char *)values + shift, attn, scores, mask, width,
+                      capacity, sequence, n, start - attend_first, start + n - attend_first, kv_bf16, heads, kv_heads,
+                      D, prefetch_values, scale, style->softcap};
     if (attend_batch(&job, batch)) return -1;
     /* In parallel, the MLP reads the layer's input: its own norm of it is taken before attention's output
      * joins the residual (LAYER_PARALLEL_SHARED: `normed` is attention's norm still); in sequence, the norm
@@ -2654,14 +2659,16 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     Py_ssize_t n, start, batch = 1;
     int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0, style_bits = 0;
     int qk_all_heads = 0;
+    Py_ssize_t attend_first = 0;
     double eps_in, eps_post, scale, qk_eps = 0.0, attn_out_eps = 0.0, mlp_out_eps = 0.0, softcap = 0.0;
     for (int b = 15; b < OBJECTS; b++) objects[b] = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOdOdOdpd", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOdOdOdpdn", &objects[0], &objects[1], &objects[2],
                           &objects[3], &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads,
                           &kv_heads, &D, &I, &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch,
                           &prefetch_values, &objects[15], &objects[16], &objects[17], &style_bits, &objects[18],
-                          &qk_eps, &objects[19], &attn_out_eps, &objects[20], &mlp_out_eps, &qk_all_heads, &softcap))
+                          &qk_eps, &objects[19], &attn_out_eps, &objects[20], &mlp_out_eps, &qk_all_heads, &softcap,
+                          &attend_first))
         return NULL;
     if (style_error(style_bits) != NULL) {
         PyErr_SetString(PyExc_ValueError, style_error(style_bits));
@@ -2676,9 +2683,10 @@ static PyObject *layer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, kind_error(bf16));
         return NULL;
     }
-    if (batch < 1 || n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 || start < 0) {
+    if (batch < 1 || n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 || start < 0 ||
+        attend_first < 0 || attend_first > start || (attend_first > 0 && objects[14] == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "need batch, n, H, I >= 1, head_dim a multiple of 8, heads a multiple of "
-                                          "kv_heads and start >= 0");
+                                          "kv_heads, start >= 0 and 0 <= attend_first <= start (past 0 with a mask)");
         return NULL;
     }
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), width = (Py_ssize_t)(heads + 2 * kv_heads) * D;
@@ -2689,7 +2697,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     const Py_ssize_t sizes[OBJECTS] = {rows * H * f, rows * H * f, rows * width * f, rows * heads * D * f,
                                        rows * up_width * f, rows * I * f, PANELS(H, width), width * f,
                                        PANELS((Py_ssize_t)heads * D, H), PANELS(H, up_width), PANELS((Py_ssize_t)I, H),
-                                       rows * D * f, -1, -1, rows * end, H * f, up_width * f, H * f,
+                                       rows * D * f, -1, -1, rows * (end - attend_first), H * f, up_width * f, H * f,
                                        (qk_all_heads ? (Py_ssize_t)(heads + kv_heads) * D : 2 * D) * f, H * f, H * f};
 #undef PANELS
     static const char *names[OBJECTS] = {"hidden", "normed", "qkv", "attn", "gate_up", "act", "w_qkv", "b_qkv",
@@ -2751,7 +2759,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
             views[8].buf, views[9].buf, views[10].buf, bf16, n, H, heads, kv_heads, D, I, eps_in, eps_post,
             given[11] ? (const float *)views[11].buf : NULL, views[12].buf, views[13].buf, kv_bf16, capacity,
             given[14] ? (const unsigned char *)views[14].buf : NULL, start, (float)scale, scores, batch,
-            prefetch_values, &style);
+            prefetch_values, &style, attend_first);
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -2934,16 +2942,17 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
     PyObject *position_object = Py_None, *head_bias_object = Py_None, *window_mask_object = Py_None;
     double logits_softcap = 0.0, embed_scale = 1.0;
+    Py_ssize_t window_first = 0; /* (the windowed layers' first slot: their mask's columns start there) */
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOdd", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddn", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
-                          &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale))
+                          &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale, &window_first))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -3059,9 +3068,14 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             failed = 1;
         }
     }
+    if (!failed && (window_first < 0 || window_first > start || (window_first > 0 && window_mask_object == Py_None))) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= window_first <= start, and a window mask past 0");
+        failed = 1;
+    }
     if (!failed)
-        failed = get_buffer(window_mask_object, &window_mask, 0, window_mask_object == Py_None ? -1 : n * end,
-                            "window mask", &have_window_mask) != 0;
+        failed = get_buffer(window_mask_object, &window_mask, 0,
+                            window_mask_object == Py_None ? -1 : n * (end - window_first), "window mask",
+                            &have_window_mask) != 0;
     /* the learned position rows (GPT-2, OPT: row position + position_offset added to the token's) and the
      * head's bias, where given */
     Py_buffer position_rows, head_bias;
@@ -3226,7 +3240,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                                                 : NULL,
                 start,
                 (float)constants[CONSTANTS * l + 2],
-                scores, 1, 0, styles + l);
+                scores, 1, 0, styles + l, windowed[l] && have_window_mask ? window_first : 0);
         }
         const float *last = hidden + (n - rows_out) * H;
         norm_rows(last, normed, rows_out, H, final_eps, final_layer_norm);

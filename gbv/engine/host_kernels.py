@@ -375,7 +375,7 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, style: int = LLAMA_STYLE,
                qk_norm: np.ndarray | None = None, qk_eps: float = 0.0, attn_out_norm: np.ndarray | None = None,
                attn_out_eps: float = 0.0, mlp_out_norm: np.ndarray | None = None, mlp_out_eps: float = 0.0,
-               qk_all_heads: bool = False, softcap: float = 0.0) -> None:
+               qk_all_heads: bool = False, softcap: float = 0.0, attend_first: int = 0) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
     ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
     with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
@@ -406,7 +406,9 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     neither, sequential layers only): (H,) float32 weights of RMSNorms (eps ``attn_out_eps``, ``mlp_out_eps``)
     of each block's output before its residual add. ``eps_in`` or ``eps_post`` below 0: no norm before that
     block (OLMo 2 / 3). ``mask`` is the layer's own: a windowed layer's holds its window. ``softcap`` > 0
-    (Gemma 2): the attention scores capped as :func:`attention_into` caps them.
+    (Gemma 2): the attention scores capped as :func:`attention_into` caps them. ``attend_first`` > 0 (a windowed
+    layer past its window): no query attends a slot before it, and ``mask`` (then required) covers slots
+    ``attend_first .. start + n - 1`` only, (``[batch,]`` n, start + n - attend_first).
     """
     total, hidden = rows.hidden.shape
     n = total // batch
@@ -421,7 +423,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                                                           (b_o, None), (b_up, None), (b_down, None), (style, LLAMA_STYLE),
                                                           (qk_norm, None), (qk_eps, 0.0), (attn_out_norm, None),
                                                           (attn_out_eps, 0.0), (mlp_out_norm, None),
-                                                          (mlp_out_eps, 0.0), (qk_all_heads, False), (softcap, 0.0)))
+                                                          (mlp_out_eps, 0.0), (qk_all_heads, False), (softcap, 0.0),
+                                                          (attend_first, 0)))
 
 
 def _trailing(*given: tuple) -> tuple:
@@ -513,7 +516,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                  tokens_out: np.ndarray | None = None, position_rows: np.ndarray | None = None,
                  position_offset: int = 0, final_layer_norm: bool = False,
                  head_bias: np.ndarray | None = None, window_mask: np.ndarray | None = None,
-                 logits_softcap: float = 0.0, embed_scale: float = 1.0) -> int | None:
+                 logits_softcap: float = 0.0, embed_scale: float = 1.0, window_first: int = 0) -> int | None:
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
     every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
@@ -528,8 +531,9 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     mlp_out_eps, flags, rotary, softcap`` (a 21-item entry: the block output norms as :func:`layer_into`
     takes them, ``flags`` LAYER_QK_ALL_HEADS | LAYER_WINDOWED, ``rotary`` the index of the layer's table in the
     tuple ``rotary``, or -1 for none, ``softcap`` Gemma 2's cap of the attention scores, 0 for none).
-    window_mask: (n, start + n) bool/uint8, the mask of the windowed layers where their window binds (None: they
-    take ``mask``). logits_softcap > 0 (Gemma 2): the logits capped (:func:`soft_cap_into`) before any draw.
+    window_mask: (n, start + n - window_first) bool/uint8, the mask of the windowed layers where their window
+    binds, over slots ``window_first ..`` (none before it is attended: their attention reads from there), or
+    None (they take ``mask``). logits_softcap > 0 (Gemma 2): the logits capped (:func:`soft_cap_into`) before any draw.
     embed_scale: the embedding rows' factor (Gemma's sqrt(H), Granite's multiplier), in float32 as the torch
     forward multiplies them (1: none).
     final_layer_norm: the final norm is a
@@ -550,7 +554,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
     # (the trailing arguments as one tuple, without a loop over defaults: this runs every step; an older C
     # module takes the calls it knows, scripts/kernels_at.py)
-    later = window_mask is not None or logits_softcap or embed_scale != 1.0
+    later = window_mask is not None or logits_softcap or embed_scale != 1.0 or window_first
     if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
             and not later):
         extra = _kv_flag(keys[0])  # (the Llama family's call as it was)
@@ -558,7 +562,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
         extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias)
     else:
         extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias, window_mask,
-                 float(logits_softcap), float(embed_scale))
+                 float(logits_softcap), float(embed_scale), int(window_first))
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,

@@ -571,14 +571,20 @@ class HostForward:
             self._tables = (rows, tuple(lean._kind_tables[kind][2].numpy() for kind in self.table_kinds))
         return self._tables[1]
 
-    def _window_mask(self, mask: Tensor | None, positions: np.ndarray, start: int, n: int) -> np.ndarray | None:
-        """The windowed layers' (B or 1, n, start + n) uint8 mask where their window binds (lean's
-        ``_within_window`` of the call's ``mask``, causal where None), else None."""
+    def _window_mask(self, mask: Tensor | None, positions: np.ndarray, start: int,
+                     n: int) -> tuple[np.ndarray | None, int]:
+        """The windowed layers' mask where their window binds, and its first slot: lean's ``_within_window``
+        of the call's ``mask`` (causal where None) over slots ``first .. start + n - 1``, (B or 1, n, start + n
+        - first) uint8, ``first`` the first slot any query may attend (its least position less the window, plus
+        one; slots stand for positions, see there). Why from there: past the window, the windowed layers'
+        attention reads the cache from it on (a Gemma 3 layer of window 512 at 4,000 tokens, an eighth of it).
+        (None, 0) where the window does not bind."""
         lean = self.lean
         if lean.window is None or start + n <= lean.window:
-            return None
+            return None, 0
         window = lean._within_window(mask, mask is None, torch.from_numpy(positions).view(-1, n), start, n)
-        return np.ascontiguousarray(window.numpy()[:, 0])
+        first = min(max(int(positions.min()) - lean.window + 1, 0), start)
+        return np.ascontiguousarray(window.numpy()[:, 0, :, first:]), first
 
     def products(self) -> list[_Product]:
         """Every product of a forward, in order: each layer's q/k/v, o, gate/up and down, then the head."""
@@ -711,7 +717,7 @@ class HostForward:
         if end > cache.capacity:
             cache.grow(end)
         rotary = self._rotary_tables(end)
-        window_mask = self._window_mask(mask, positions, start, n)
+        window_mask, window_first = self._window_mask(mask, positions, start, n)
         logits = np.empty((1 if last_only else n, self.lm_head.panel.out_features), dtype=np.float32)
         all_keys, all_values = cache.arrays()
         token = forward_into(np.ascontiguousarray(tokens.reshape(-1)), np.ascontiguousarray(positions.reshape(-1)),
@@ -720,7 +726,8 @@ class HostForward:
                              self.rows(1, n), self.lm_head.panel, logits, self.norm_eps, last_only, draw_vocab,
                              temperature, u, probs, tokens_out, self.position_rows, self.position_offset,
                              self.layer_norm, self.head_bias, None if window_mask is None else window_mask[0],
-                             self.logits_softcap, 1.0 if self.embed_scale is None else self.embed_scale)
+                             self.logits_softcap, 1.0 if self.embed_scale is None else self.embed_scale,
+                             window_first)
         return logits, token
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
@@ -762,26 +769,28 @@ class HostForward:
                 raise ValueError("several queries need a mask or causal=True")
             # the kernel's own rule without a mask: query i attends slots 0 .. start + i
             kernel_masks = None if mask is None else np.ascontiguousarray(mask.numpy()[:, 0])  # (B, N, end)
-            window_masks = self._window_mask(mask, positions, start, n)  # (the windowed layers' where it binds)
+            # (the windowed layers' where it binds, over slots window_first ..)
+            window_masks, window_first = self._window_mask(mask, positions, start, n)
             if window_masks is not None and window_masks.shape[0] != batch:
-                window_masks = np.ascontiguousarray(np.broadcast_to(window_masks, (batch, n, end)))
+                window_masks = np.ascontiguousarray(np.broadcast_to(window_masks, (batch, *window_masks.shape[1:])))
             attend = True
         else:
             mask, is_causal = attention_mask(mask, causal, start, n, cache.keys[0].device)
-            kernel_masks = window_masks = None  # (the kernels' masks: not used on this path, the Llama family's)
+            kernel_masks, window_masks, window_first = None, None, 0  # (the kernels': unused on this path)
             attend = False
         enable_gqa = self.kv_heads != self.heads
 
-        def layer_mask(flags: int) -> np.ndarray | None:  # (B, N, end) or None
-            windowed = flags & host_kernels.LAYER_WINDOWED and window_masks is not None
-            return window_masks if windowed else kernel_masks
+        def layer_mask(flags: int) -> tuple[np.ndarray | None, int]:  # ((B, N, end - first) or None, first)
+            if flags & host_kernels.LAYER_WINDOWED and window_masks is not None:
+                return window_masks, window_first
+            return kernel_masks, 0
 
         if panels and attend and batch == 1:
             # Both kernels on one sequence: each layer is one compiled call (host_kernels.layer_into).
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
                         style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
                         table, softcap) in enumerate(self.layers):
-                masks = layer_mask(flags)
+                masks, first = layer_mask(flags)
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
                            rotations[table] if table >= 0 else None,
                            all_keys[index][first_row], all_values[index][first_row],
@@ -789,7 +798,7 @@ class HostForward:
                            b_o=b_o, b_up=b_up, b_down=b_down, style=style, qk_norm=qk_norm, qk_eps=qk_eps,
                            attn_out_norm=attn_out_norm, attn_out_eps=attn_out_eps, mlp_out_norm=mlp_out_norm,
                            mlp_out_eps=mlp_out_eps, qk_all_heads=bool(flags & host_kernels.LAYER_QK_ALL_HEADS),
-                           softcap=softcap)
+                           softcap=softcap, attend_first=first)
             layers = ()
         elif panels and attend and BATCH_LAYERS:
             # Several sequences (a batch): each layer is one compiled call too, the products over all
@@ -805,12 +814,13 @@ class HostForward:
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
                         style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
                         table, softcap) in enumerate(self.layers):
+                masks, first = layer_mask(flags)
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
                            rotations[table] if table >= 0 else None,
-                           all_keys[index][sequences], all_values[index][sequences], layer_mask(flags), start, eps_in,
+                           all_keys[index][sequences], all_values[index][sequences], masks, start, eps_in,
                            eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style, qk_norm, qk_eps,
                            attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps,
-                           bool(flags & host_kernels.LAYER_QK_ALL_HEADS), softcap)
+                           bool(flags & host_kernels.LAYER_QK_ALL_HEADS), softcap, first)
             layers = ()
         else:
             # (the Llama family's layers, numpy between the products: takes() gives the others no call here)

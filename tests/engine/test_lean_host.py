@@ -324,6 +324,24 @@ def test_each_part_of_the_other_families_layers_is_checked(arch, broken):
     assert _largest_gap(host, plain) > 1e-4
 
 
+def test_windowed_layers_attend_from_their_first_slot():
+    """Past the window, the windowed layers' mask starts at the first slot any query may attend (its least
+    position less the window, plus one), and holds lean's ``_within_window`` from there; before it binds,
+    none. (test_host_forward_equals_the_torch_forward checks the logits past the toys' window of 8.)"""
+    _skip_without_kernels("mistral")
+    target, _ = hf_pair("mistral", vocab=48, seed=5, target_size=(64, 2))
+    host = LeanCausalLM(target)
+    assert host.window == 8 and host.host_forward is not None
+    forward = host.host_forward
+    assert forward._window_mask(None, np.arange(3, 8)[None], 3, 5) == (None, 0)
+    positions = np.array([[20, 21, 21, 22, 23]])
+    mask = _random_tree_mask(5, 20, torch.Generator().manual_seed(1))
+    window, first = forward._window_mask(mask, positions, 20, 5)
+    assert first == 20 - 8 + 1 and window.shape == (1, 5, 25 - first)
+    full = host._within_window(mask, False, torch.from_numpy(positions), 20, 5).numpy()[:, 0]
+    assert not full[..., :first].any() and (window == full[..., first:]).all()
+
+
 def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     """fp32 Llama / Qwen2 on the CPU: yes; Qwen3 (q/k norms) where the compiled kernels run. bfloat16 without
     them, or GBV_HOST_FORWARD=0: no.
