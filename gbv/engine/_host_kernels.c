@@ -2529,11 +2529,11 @@ static void draw(const float *probs, const double *u, long long *out, Py_ssize_t
     }
 }
 
-/* The end of a call over two or three buffers (`third` may be NULL): release them, then None, or a
+/* The end of a call over one to three buffers (`second`, `third` may be NULL): release them, then None, or a
  * ValueError of `error` where it is set. */
 static PyObject *released(Py_buffer *first, Py_buffer *second, Py_buffer *third, const char *error) {
     PyBuffer_Release(first);
-    PyBuffer_Release(second);
+    if (second != NULL) PyBuffer_Release(second);
     if (third != NULL) PyBuffer_Release(third);
     if (error != NULL) {
         PyErr_SetString(PyExc_ValueError, error);
@@ -2625,12 +2625,7 @@ static PyObject *soft_cap_binding(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
     }
 #endif
-    PyBuffer_Release(&x);
-    if (error != NULL) {
-        PyErr_SetString(PyExc_ValueError, error);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return released(&x, NULL, NULL, error);
 }
 
 /* The buffer behind `object` (None: no buffer, *given = 0), writable or not; checks its byte size. */
