@@ -980,7 +980,7 @@ class LeanCausalLM:
     # peak memory was 8.6 GB against 5.5; scripts/bench_first_call.py --profile)
     @torch.no_grad()
     def __init__(self, model) -> None:
-        # The copies, folds and packing on every core (threads.building_threads: the same values at any
+        # The weights' copies with torch on every core (threads.building_threads: the same values at any
         # count); what follows, the forward choice above all, at the counts in force.
         with building_threads(model):
             self._build(model)
@@ -1122,8 +1122,8 @@ class LeanCausalLM:
         self.rotary_numpy = None  # a numpy view of _rot on the CPU (for the host forward)
         # The sliding window of the layers that have one where it binds (Mistral v0.1 and Phi-3 4k: every
         # layer; Gemma 2 / 3: some; None: none). :meth:`forward` and the static steps (static_forward)
-        # then mask, for those layers, the slots before it. The host forward, which makes its own masks,
-        # does not run such a model.
+        # then mask, for those layers, the slots before it, and so does the host forward (its windowed
+        # layers' mask from :meth:`_within_window`, from the first slot a query may attend).
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
