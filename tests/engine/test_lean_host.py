@@ -342,6 +342,44 @@ def test_windowed_layers_attend_from_their_first_slot():
     assert not full[..., :first].any() and (window == full[..., first:]).all()
 
 
+def test_the_new_layer_entries_and_window_arguments_are_checked():
+    """The one-call forward refuses, with one line and before the cache is written: a window's first slot past
+    the call's start or without a window mask, a layer's unknown flag, a rotation table it was not given, a
+    norm after one block only."""
+    _skip_without_kernels("gemma3")
+    from gbv.engine.host_kernels import forward_into
+
+    target, _ = hf_pair("gemma3", vocab=48, seed=5, target_size=(64, 3))
+    forward = LeanCausalLM(target).host_forward
+    cache = forward.lean.new_cache(1, 32)
+    keys, values = cache.arrays()
+    before = [k.copy() for k in keys]
+    n, start = 2, 10
+
+    def call(layers=None, window_mask=None, window_first=0):
+        forward.lean.ensure_rotary(start + n)
+        return forward_into(np.array([1, 2]), np.array([10, 11]), forward.embed, forward._rotary_tables(start + n),
+                            forward.layer_panels if layers is None else layers, keys, values, 0, cache.capacity,
+                            None, start, forward.rows(1, n), forward.lm_head.panel,
+                            np.empty((1, 48), dtype=np.float32), forward.norm_eps, True, window_mask=window_mask,
+                            embed_scale=forward.embed_scale, window_first=window_first)
+
+    entries = [list(entry) for entry in forward.layer_panels]
+    assert len(entries[0]) == 21
+    with pytest.raises(ValueError, match="window_first"):
+        call(window_mask=np.ones((n, start + n), dtype=np.uint8), window_first=start + 1)
+    with pytest.raises(ValueError, match="window_first"):
+        call(window_first=3)
+    for index, bad in ((18, 8), (19, 5), (16, None)):
+        broken = [list(entry) for entry in entries]
+        broken[1][index] = bad
+        with pytest.raises(ValueError, match="flags|rotary|both blocks"):
+            call(tuple(tuple(entry) for entry in broken))
+    assert all((k == b).all() for k, b in zip(keys, before))  # (nothing written)
+    call()  # (the entries as they are: runs)
+    assert not all((k == b).all() for k, b in zip(keys, before))
+
+
 def test_host_forward_is_used_only_where_it_can_be(monkeypatch):
     """fp32 Llama / Qwen2 on the CPU: yes; Qwen3 (q/k norms) where the compiled kernels run. bfloat16 without
     them, or GBV_HOST_FORWARD=0: no.
