@@ -199,7 +199,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     (docs/ENGINE.md, "Which forward runs on the CPU, and how its kernels prefetch"). Which wins depends
     on the CPU, so it is measured, once per model, in 15 steps of each form (0.04-0.23 s for the bundled
     pair; 6 where every form's first timed step took over ``_SLOW_STEP_S``: a model of tens of millions
-    of parameters or more, the second round without the forms that lost the first by ``_CLEAR_LOSS``)."""
+    of parameters or more, the second round without the forms that lost the first by ``_CLEAR_LOSS``, and none
+    where one form is left)."""
     forced = os.environ.get("GBV_HOST_FORWARD")
     if forced == "1":
         return HOST, None
@@ -264,8 +265,10 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
                     times[name].append(time.perf_counter() - began)
                 fastest = min(values[0] for values in times.values())
                 if repeat == 0 and fastest > _SLOW_STEP_S:
-                    rounds = _SLOW_ROUNDS
                     names = [name for name in names if times[name][0] <= _CLEAR_LOSS * fastest]
+                    # (one form left: a second round of it alone decides nothing; a Gemma-3-1B target's
+                    # run of steps is 0.2-0.4 s)
+                    rounds = _SLOW_ROUNDS if len(names) > 1 else 1
     finally:
         lean.host_forward, host.panels_off = saved, None  # (its compiled products: measured only with them)
         if hint is not None:
