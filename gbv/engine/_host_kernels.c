@@ -1808,12 +1808,12 @@ __attribute__((target("avx2,fma"))) static void attend_groups(
         if (n < TILE_MIN_QUERIES) {
             if (kv_bf16)
                 (prefetch_values ? per_query_prefetching_bf16 : per_query_bf16)(
-                    q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists,
-                    softcap);
+                    q, q_stride, kb, vb, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch,
+                    lists, softcap);
             else
                 (prefetch_values ? per_query_prefetching_f32 : per_query_f32)(
-                    q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch, lists,
-                    softcap);
+                    q, q_stride, kf, vf, out, out_stride, mask, n, g * group, group, D, start, end, scale, scratch,
+                    lists, softcap);
             continue;
         }
         if (kv_bf16)
@@ -2049,6 +2049,12 @@ enum { LAYER_SEQUENTIAL = 0, LAYER_PARALLEL = 1, LAYER_PARALLEL_SHARED = 2 };
 #define STYLE_LAYER_NORM(bits) ((bits) & 1)
 #define STYLE_PARALLEL(bits) (((bits) >> 1) & 3)
 #define STYLE_MLP(bits) (((bits) >> 3) & 7)
+
+/* Whether a layer's norms after its blocks fit it (Gemma 2 / 3, OLMo 2 / 3): both blocks' outputs normed or
+ * neither, and only in sequence (the one check of the `layer` binding and of each of forward()'s layers). */
+static int out_norms_fit(int attn_out_norm, int mlp_out_norm, int parallel) {
+    return attn_out_norm == mlp_out_norm && (!attn_out_norm || parallel == LAYER_SEQUENTIAL);
+}
 
 /* The error of a style's bits, NULL where they name one. */
 static const char *style_error(int bits) {
@@ -2678,8 +2684,8 @@ static PyObject *layer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, kind_error(bf16));
         return NULL;
     }
-    if (batch < 1 || n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 || start < 0 ||
-        attend_first < 0 || attend_first > start || (attend_first > 0 && objects[14] == Py_None)) {
+    if (batch < 1 || n < 1 || H < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || D < 8 || D % 8 || I < 1 ||
+        start < 0 || attend_first < 0 || attend_first > start || (attend_first > 0 && objects[14] == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "need batch, n, H, I >= 1, head_dim a multiple of 8, heads a multiple of "
                                           "kv_heads, start >= 0 and 0 <= attend_first <= start (past 0 with a mask)");
         return NULL;
@@ -2702,8 +2708,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     Py_buffer views[OBJECTS];
     int given[OBJECTS] = {0};
     int failed = 0;
-    if ((objects[19] == Py_None) != (objects[20] == Py_None) ||
-        (STYLE_PARALLEL(style_bits) != LAYER_SEQUENTIAL && objects[19] != Py_None)) {
+    if (!out_norms_fit(objects[19] != Py_None, objects[20] != Py_None, STYLE_PARALLEL(style_bits))) {
         PyErr_SetString(PyExc_ValueError, "a layer norms both blocks' outputs or neither, and only in sequence");
         return NULL;
     }
@@ -3124,8 +3129,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         const long flags = extra ? PyLong_AsLong(PyTuple_GET_ITEM(entry, 18)) : 0;
         const long table = extra ? PyLong_AsLong(PyTuple_GET_ITEM(entry, 19)) : num_tables ? 0 : -1;
         if (flags < 0 || flags > (LAYER_QK_ALL_HEADS | LAYER_WINDOWED) || table < -1 || table >= num_tables ||
-            ((ENTRY_BIAS(entry, 14) == Py_None) != (ENTRY_BIAS(entry, 16) == Py_None)) ||
-            (ENTRY_BIAS(entry, 14) != Py_None && STYLE_PARALLEL(bits) != LAYER_SEQUENTIAL)) {
+            !out_norms_fit(ENTRY_BIAS(entry, 14) != Py_None, ENTRY_BIAS(entry, 16) != Py_None, STYLE_PARALLEL(bits))) {
             PyErr_SetString(PyExc_ValueError, "a layer's flags must be LAYER_QK_ALL_HEADS | LAYER_WINDOWED, its "
                                               "rotary -1 or a table's index, and it norms both blocks' outputs or "
                                               "neither, in sequence only");

@@ -345,11 +345,11 @@ def attention_into(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.
     return out
 
 
-# A host layer's MLP (layer_style): SiLU(gate) * up (the Llama family), or an activation of the up
-# projection alone: GELU (GPT-NeoX), GELU's tanh form (GPT-2's and Phi's gelu_new, GPT-BigCode, StarCoder2,
-# GPT-J) or ReLU (OPT).
+# A host layer's MLP (layer_style): SiLU(gate) * up (the Llama family) or GELU's tanh form of the gate times up
+# (Gemma), or an activation of the up projection alone: GELU (GPT-NeoX), GELU's tanh form (GPT-2's and Phi's
+# gelu_new, GPT-BigCode, StarCoder2, GPT-J) or ReLU (OPT).
 MLP_SILU_GATED, MLP_GELU, MLP_GELU_TANH, MLP_RELU, MLP_GELU_TANH_GATED = 0, 1, 2, 3, 4
-# The flags of a layer's 20-item entry (forward_into): q/k normed over all heads (OLMo 2 / 3), a windowed layer.
+# The flags of a layer's 21-item entry (forward_into): q/k normed over all heads (OLMo 2 / 3), a windowed layer.
 LAYER_QK_ALL_HEADS, LAYER_WINDOWED = 1, 2
 # How attention and the MLP sit in a host layer (layer_style): one after the other, or both reading the
 # layer's input, each through its own norm (GPT-NeoX's parallel residual) or through attention's (Phi, GPT-J).

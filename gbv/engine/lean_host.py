@@ -68,8 +68,6 @@ def host_forward_unsupported_reason(lean) -> str | None:
         return "not float32 on the CPU"
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
-    if len({layer.window for layer in lean.layers if layer.window is not None}) > 1:
-        return "sliding windows of several widths"
     for layer in lean.layers:
         if layer.q_norm is not None and layer.q_norm_eps != layer.k_norm_eps:
             return "q/k norms of two eps"

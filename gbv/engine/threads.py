@@ -125,26 +125,25 @@ def building_threads(model):
     if parameter_count(model) < SPLIT_MODEL_PARAMETERS or not _on_cpu(model):
         yield
         return
-    before = torch.get_num_threads()
     cores = every_core() if _requested is None else _requested
-    try:
-        if before < cores:
-            torch.set_num_threads(cores)
+    with _torch_threads(max(torch.get_num_threads(), cores)):
         yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
+
+
+def one_torch_thread():
+    """torch on one thread for a computation whose bits must not hang on the thread count (a reduction that
+    several threads would split), then the count before (a context manager)."""
+    return _torch_threads(1)
 
 
 @contextlib.contextmanager
-def one_torch_thread():
-    """torch on one thread for a computation whose bits must not hang on the thread count (a reduction that
-    several threads would split), then the count before."""
+def _torch_threads(count: int):
+    """torch's intra-op threads at ``count`` inside, the count before after (set only where they differ)."""
     before = torch.get_num_threads()
     try:
-        if before != 1:
-            torch.set_num_threads(1)
+        if count != before:
+            torch.set_num_threads(count)
         yield
     finally:
-        if before != 1:
+        if torch.get_num_threads() != before:
             torch.set_num_threads(before)
