@@ -267,6 +267,21 @@ class PanelWeight:
             panels = (np.ascontiguousarray(panels).view(np.uint32) >> 16).astype(np.uint16)
         return np.ascontiguousarray(panels)
 
+    def unpacked(self) -> np.ndarray:
+        """The (K, N) float32 matrix these panels were packed from, a new array: the packing's inverse, exact
+        (bfloat16 panels hold bfloat16 values, which widen to themselves). For a lean view that keeps its
+        panels alone (``lean._Linear.release``): torch's products read this where they run."""
+        if self.kind == PANELS_AMX:  # (pairs, steps, 2 panels, 16 pairs of k, 16 columns, 2 values of k)
+            pairs, steps = self.panels.shape[:2]
+            wide = self.panels.transpose(1, 3, 5, 0, 2, 4).reshape(steps * 32, pairs * 2 * PANEL)
+        else:
+            panels = self.panels[:, :, np.argsort(_BF16_ORDER)] if self.kind == PANELS_BF16 else self.panels
+            wide = panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)
+        wide = wide[:self.in_features, :self.out_features]
+        if self.bf16:
+            return (wide.astype(np.uint32, order="C") << 16).view(np.float32)
+        return np.ascontiguousarray(wide)
+
     @property
     def bf16(self) -> bool:
         """Whether the panels hold bfloat16 (for the AVX tiles or the AMX products)."""

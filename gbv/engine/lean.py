@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.host_kernels import host_kernels_unavailable, move_slots, prefetch_temporal
+from gbv.engine.host_kernels import PanelWeight, host_kernels_unavailable, move_slots, prefetch_temporal
 from gbv.engine.threads import building_threads, one_torch_thread
 from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import MAX_QUERIES, StaticSteps, steps_mode
@@ -47,6 +47,12 @@ logger = logging.getLogger("gbv")
 # Models up to this size get fused (and, on the CPU in float32, transposed) copies of their matrices:
 # a second copy of the weights in memory (see LeanCausalLM.__init__).
 FUSE_MAX_PARAMETERS = 1_000_000_000
+# A bfloat16 model run in float32 of at least this many parameters keeps its matrices as the compiled products'
+# panels alone (LeanCausalLM._panels_only): no float32 transposed copies (4 bytes a parameter) beside them. Why
+# this size: from about here on torch's forms of a step lost to the compiled one by 1.5-4x wherever they were
+# measured (Pythia-70m, SmolLM2-135M and larger shapes: lean_host._CLEAR_LOSS), so timing them, which needs
+# those copies, decides nothing; the bundled pair (7.8M) keeps its copies and its measured choice.
+PANELS_ONLY_MIN_PARAMETERS = 30_000_000
 # Past it, up to this size, a model computed in float32 on the CPU (a bfloat16 one too, run in float32) gets
 # them where they and the compiled products' panels fit in memory (large_copies_fit). Why: Llama-3.2-1B,
 # TinyLlama-1.1B or Qwen3-1.7B otherwise ran torch's forward over the Hugging Face tensors (a bfloat16 one
@@ -659,37 +665,44 @@ def _transposed_dtype(weight: Tensor) -> torch.dtype:
     return torch.float32 if weight.dtype == torch.bfloat16 else weight.dtype
 
 
-def _transposed_copy(weight: Tensor) -> Tensor:
+def _transposed_copy(weight: Tensor, out: Tensor | None = None) -> Tensor:
     """``W^T`` of an (out, in) ``weight`` as a new contiguous (in, out) tensor: a block of ``_COPY_BLOCK`` rows
     at a time on the CPU (the same values as ``weight.t().contiguous()``, which walked W column by column:
     9.5 ms against 2.3 ms for a 4096 x 1024 float32 matrix here, 3.4 s of the 9.5 s a lean view of a
     405M-parameter model took to build). A GPT-2 ``Conv1D``'s (in, out) tensor (``weight`` its transposed
     view) is cloned: ours to change. A bfloat16 ``weight`` is widened to float32, exactly: only a float32 view
     transposes (:func:`transposed_weights_pay`), and a bfloat16 model's view run in float32 leaves its matrices
-    in bfloat16 (:func:`_float32_copy`)."""
+    in bfloat16 (:func:`_float32_copy`). ``out``: the (in, out) tensor to write it into (a view of
+    :class:`_Staging`'s buffer), returned."""
     dtype = _transposed_dtype(weight)
-    if weight.t().is_contiguous():
+    if out is not None:
+        if weight.t().is_contiguous() or weight.numel() < (1 << 20):
+            return out.copy_(weight.t())
+    elif weight.t().is_contiguous():
         return weight.t().to(dtype, copy=True)
-    if weight.device.type != "cpu" or weight.numel() < (1 << 20):
+    elif weight.device.type != "cpu" or weight.numel() < (1 << 20):
         return weight.t().contiguous().to(dtype)
-    out = torch.empty(weight.shape[1], weight.shape[0], dtype=dtype, device=weight.device)
+    else:
+        out = torch.empty(weight.shape[1], weight.shape[0], dtype=dtype, device=weight.device)
     with torch.no_grad():
         for row in range(0, weight.shape[0], _COPY_BLOCK):
             out[:, row:row + _COPY_BLOCK] = weight[row:row + _COPY_BLOCK].t()
     return out
 
 
-def _fused_transposed_copy(parts: Sequence[Tensor], order: Tensor) -> Tensor:
+def _fused_transposed_copy(parts: Sequence[Tensor], order: Tensor, out: Tensor | None = None) -> Tensor:
     """``W^T`` as a new contiguous (in, out) tensor, W the (out, in) matrices ``parts`` stacked and then their rows
     put in ``order`` (row i of W is row ``order[i]`` of the stack): the values of
     ``_transposed_copy(torch.cat(parts)[order])`` (bfloat16 widened as there), written from the parts,
-    ``_COPY_BLOCK`` columns of ``W^T`` at a time (their rows of W gathered, where not a run of one part)."""
+    ``_COPY_BLOCK`` columns of ``W^T`` at a time (their rows of W gathered, where not a run of one part).
+    ``out``: the tensor to write it into, as :func:`_transposed_copy`'s."""
     total, width = int(order.numel()), parts[0].shape[1]
     starts = np.cumsum([0] + [part.shape[0] for part in parts])
     rows = order.numpy()
     which = np.searchsorted(starts, rows, side="right") - 1  # (the part of each row of W, and its row there)
     local = rows - starts[which]
-    out = torch.empty(width, total, dtype=_transposed_dtype(parts[0]), device=parts[0].device)
+    if out is None:
+        out = torch.empty(width, total, dtype=_transposed_dtype(parts[0]), device=parts[0].device)
     for column in range(0, total, _COPY_BLOCK):
         end = min(column + _COPY_BLOCK, total)
         part, at = which[column:end], local[column:end]
@@ -705,6 +718,35 @@ def _fused_transposed_copy(parts: Sequence[Tensor], order: Tensor) -> Tensor:
     return out
 
 
+class _Staging:
+    """Scratch memory for the transposed float32 copies of a view that keeps its panels alone
+    (:meth:`LeanCausalLM._panels_only`): each copy is a view of one buffer, and the buffer is taken back
+    (:meth:`reuse`) once the copies' panels are packed. Why: a view's copies were 4 bytes a parameter of
+    fresh memory, and the first touch of fresh memory is the slowest part of a large view's build on these
+    machines (a 1.2 GB copy took 1.0 s where the process held little, 4.8-5.3 s past a few GB, against 0.7 s
+    into memory touched before: docs/ENGINE.md, "Large views keep their panels alone")."""
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+        self.used = 0
+
+    def take(self, rows: int, columns: int, device) -> Tensor:
+        """A (rows, columns) float32 tensor of the buffer, not handed out since the last :meth:`reuse`."""
+        count = rows * columns
+        if self.buffer is None or self.used + count > self.buffer.numel():
+            # (a larger buffer; views of the last one keep it until they go)
+            self.buffer = torch.empty(max(count, 0 if self.buffer is None else self.buffer.numel()),
+                                      dtype=torch.float32, device=device)
+            self.used = 0
+        view = self.buffer[self.used:self.used + count].view(rows, columns)
+        self.used += count
+        return view
+
+    def reuse(self) -> None:
+        """Every view handed out so far is done with: the next ones reuse their memory."""
+        self.used = 0
+
+
 class _Linear:
     """``y = x W^T + b`` for one weight ``W`` of shape (out, in); ``x`` is (..., in).
 
@@ -712,20 +754,43 @@ class _Linear:
     else the given tensor is used in place (no copy). ``owned``: the given weight is already this
     module's copy (a fused concatenation); with ``transpose`` the copy is always owned. ``upcast``: products of at least
     ``_UPCAST_MIN_ROWS`` rows run in float32 (see :func:`bf16_products_upcast`). ``weight_t``: that copy,
-    made already (``weight`` None; :func:`_fused_transposed_copy`).
+    made already (``weight`` None; :func:`_fused_transposed_copy`). ``staging``: where the transposed copy is
+    written (:class:`_Staging`; None: memory of its own).
+
+    ``panel``: the compiled products' packed copy where it was made with the view (None until then, or
+    where it is not: the host forward packs it). After :meth:`release`, the view keeps that alone, and
+    ``weight_t`` is unpacked from it where something reads it (torch's products).
     """
 
     def __init__(self, weight: Tensor | None, bias: Tensor | None, transpose: bool, upcast: bool = False,
-                 owned: bool = False, weight_t: Tensor | None = None) -> None:
+                 owned: bool = False, weight_t: Tensor | None = None, staging: _Staging | None = None) -> None:
         self.bias = bias
         self.owned = owned or transpose  # (only owned weights may be changed, e.g. by _fold_norm_weight)
         self.out_features, self.in_features = weight.shape if weight_t is None else weight_t.shape[::-1]
         self.weight = None if transpose else weight
-        self.weight_t = weight_t if weight_t is not None else _transposed_copy(weight) if transpose else None
+        if weight_t is None and transpose:
+            out = None if staging is None else staging.take(self.in_features, self.out_features, weight.device)
+            weight_t = _transposed_copy(weight, out)
+        self.weight_t = weight_t
+        self.panel = None
         self.upcast = upcast  # (only in-place weights are ever upcast: no dtype is both)
         # x rounded to bfloat16 first: set where the host forward's AMX products (which do so) hold this
         # weight, so that every path of the model computes the same products (HostForward.rounds_inputs)
         self.round_inputs = False
+
+    def release(self, panel) -> None:
+        """Keep ``panel`` (a ``host_kernels.PanelWeight`` of this transposed copy's values) instead of the copy,
+        whose memory may then be reused (:class:`_Staging`)."""
+        self.panel = panel
+        del self.weight_t
+
+    def __getattr__(self, name: str):
+        # (called only where an attribute is missing: ``weight_t`` after release(), unpacked from the panel, the
+        # same values, and kept)
+        if name == "weight_t" and self.__dict__.get("panel") is not None:
+            self.weight_t = torch.from_numpy(self.panel.unpacked())
+            return self.weight_t
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.round_inputs:
@@ -758,7 +823,7 @@ class _Projections:
 
     def __init__(self, linears, fuse: bool, transpose: bool = False, reorder_rows=None,
                  upcast: bool = False, sizes: Sequence[int] | None = None,
-                 head_major: tuple[int, int] | None = None) -> None:
+                 head_major: tuple[int, int] | None = None, staging: _Staging | None = None) -> None:
         # ``sizes``: one given ``nn.Linear`` that already holds the parts (Phi-3's qkv_proj, gate_up_proj),
         # split after the product as the separate ones are. ``head_major`` (heads, head_dim): its rows go
         # head by head, each head's parts in turn (GPT-NeoX's query_key_value: q, k, v of head 0, then of
@@ -767,7 +832,7 @@ class _Projections:
         self.sizes = list(sizes) if sizes is not None else [lin.weight.shape[0] for lin in linears]
         self.head_major = None if fuse else head_major
         if sizes is not None and not fuse:  # (in place: one product, as the model runs it)
-            self.parts = [_Linear(linears[0].weight, linears[0].bias, transpose, upcast)]
+            self.parts = [_Linear(linears[0].weight, linears[0].bias, transpose, upcast, staging=staging)]
         elif fuse:
             bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
             if transpose and linears[0].weight.device.type == "cpu":
@@ -776,7 +841,9 @@ class _Projections:
                 rows = torch.arange(sum(lin.weight.shape[0] for lin in linears), dtype=torch.float64)[:, None]
                 if reorder_rows is not None:
                     rows, bias = reorder_rows(rows, bias)
-                weight_t = _fused_transposed_copy([lin.weight for lin in linears], rows[:, 0].long())
+                out = None if staging is None else staging.take(
+                    linears[0].weight.shape[1], rows.shape[0], linears[0].weight.device)
+                weight_t = _fused_transposed_copy([lin.weight for lin in linears], rows[:, 0].long(), out)
                 self.parts = [_Linear(None, bias, True, upcast, owned=True, weight_t=weight_t)]
             else:
                 weight = torch.cat([lin.weight for lin in linears])  # (a copy, also of a single matrix)
@@ -784,7 +851,7 @@ class _Projections:
                     weight, bias = reorder_rows(weight, bias)
                 self.parts = [_Linear(weight, bias, transpose, upcast, owned=True)]
         else:
-            self.parts = [_Linear(lin.weight, lin.bias, transpose, upcast) for lin in linears]
+            self.parts = [_Linear(lin.weight, lin.bias, transpose, upcast, staging=staging) for lin in linears]
 
     def __call__(self, x: Tensor) -> list[Tensor] | tuple[Tensor, ...]:
         if self.head_major is not None:  # (views (..., heads, head_dim) of each part)
@@ -836,7 +903,7 @@ class _Layer:
     def __init__(self, layer, fuse: bool, interleave: bool = False, head_dim: int = 0,
                  transpose: bool = False, upcast: bool = False, heads: tuple[int, int] = (0, 0),
                  rotary_dim: int | None = None, window: int | None = None, rope_kind: str | None = None,
-                 adjacent_pairs: bool = False) -> None:
+                 adjacent_pairs: bool = False, staging: _Staging | None = None) -> None:
         attn = _attention_module(layer)
         self.window = window  # the sliding window this layer attends within (None: all of its prefix)
         self.rope_kind = rope_kind  # the rotation's table (Gemma 3: per layer kind; None: the model's one)
@@ -902,11 +969,11 @@ class _Layer:
 
         self.qkv = _Projections(qkv_linears, fuse, transpose,
                                 reorder_qkv if (interleave and not adjacent_pairs) or head_major else None,
-                                upcast, qkv_sizes, head_major)
+                                upcast, qkv_sizes, head_major, staging)
         out_proj = _first_attribute(attn, "o_proj", "dense", "out_proj", "c_proj")
         if _is_conv1d(out_proj):  # (GPT-2)
             out_proj = _conv1d_as_linear(out_proj)
-        self.o = _Linear(out_proj.weight, out_proj.bias, transpose, upcast)
+        self.o = _Linear(out_proj.weight, out_proj.bias, transpose, upcast, staging=staging)
         self.q_norm = getattr(attn, "q_norm", None)  # Qwen3, Gemma 3: RMSNorm over the head dimension
         self.k_norm = getattr(attn, "k_norm", None)
         # OLMo 2 / 3: q and k normed over all heads at once (their norms' width), before the split into heads
@@ -926,14 +993,16 @@ class _Layer:
         self.gated = ungated is None
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: one matrix, gate then up rows
             half = mlp.gate_up_proj.weight.shape[0] // 2
-            self.gate_up = _Projections([mlp.gate_up_proj], fuse, transpose, upcast=upcast, sizes=(half, half))
+            self.gate_up = _Projections([mlp.gate_up_proj], fuse, transpose, upcast=upcast, sizes=(half, half),
+                                        staging=staging)
         elif not self.gated:
             up, down = (getattr(mlp, name) for name in ungated)
             if _is_conv1d(up):  # (GPT-2)
                 up, down = _conv1d_as_linear(up), _conv1d_as_linear(down)
-            self.gate_up = _Projections([up], fuse, transpose, upcast=upcast)
+            self.gate_up = _Projections([up], fuse, transpose, upcast=upcast, staging=staging)
         else:
-            self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse, transpose, upcast=upcast)
+            self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], fuse, transpose, upcast=upcast,
+                                        staging=staging)
         # Granite: each block's output times this before the residual add (None: 1)
         multiplier = getattr(layer, "residual_multiplier", None)
         self.residual_multiplier = None if multiplier in (None, 1, 1.0) else float(multiplier)
@@ -945,7 +1014,7 @@ class _Layer:
             self.post_norm = self.post_bias = None
         if self.gated:
             down = mlp.down_proj
-        self.down = _Linear(down.weight, down.bias, transpose, upcast)
+        self.down = _Linear(down.weight, down.bias, transpose, upcast, staging=staging)
         # Granite's residual multiplier goes into the o and down copies where they are ours, as the norms' weights
         # do (the forward then adds their outputs as they are)
         if self.residual_multiplier is not None and _fold_scale([self.o, self.down], self.residual_multiplier):
@@ -1075,19 +1144,36 @@ class LeanCausalLM:
         self.transposed = fuse and transposed_weights_pay(dtype, device)
         # bfloat16 products of several rows in float32 where this CPU has no fast kernel for them.
         self.upcast = bf16_products_upcast(dtype, device)
-        self.layers = [_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
-                              self.rotary_dim, windows[index], self.rope_kinds[index] if self.rope_kinds else None,
-                              self.adjacent_pairs)
-                       for index, layer in enumerate(decoder_layers)]
+        # A large view keeps its matrices as the compiled products' panels alone, each packed as soon as it is
+        # folded and rounded, its transposed copy written in memory the next one reuses (see _panels_only).
+        self.panels_only = self._panels_only(count)
+        staging = _Staging() if self.panels_only else None
+        # The head first: its copy is the largest, and the layers' then fit in the memory it leaves.
         final = _final_norm_module(inner)
         final_norm, self.norm_eps = _norm_scale_and_eps(final)
         self.norm_bias = _norm_bias(final)
         self.layer_norm = isinstance(final, torch.nn.LayerNorm)  # (the final norm's kind: its layers' too)
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
-                               self.upcast)
+                               self.upcast, staging=staging)
         self.norm = final_norm
         if _fold_norm_weight(self.lm_head, final_norm, self.norm_bias):
             self.norm = self.norm_bias = None
+        # Granite divides its logits by ``logits_scaling`` (None: no division).
+        divisor = getattr(config, "logits_scaling", None) if type(self.model).__name__ == "GraniteForCausalLM" else None
+        self.logits_divisor = None if divisor in (None, 1, 1.0) else float(divisor)
+        if self.logits_divisor is not None and _fold_scale([self.lm_head], 1.0 / self.logits_divisor):
+            self.logits_divisor = None  # (in the head's copy, as the residual multiplier in o's and down's)
+        if staging is not None:
+            self._pack_and_release([self.lm_head], staging)
+        self.layers = []
+        for index, layer in enumerate(decoder_layers):
+            self.layers.append(_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
+                                      self.rotary_dim, windows[index],
+                                      self.rope_kinds[index] if self.rope_kinds else None, self.adjacent_pairs,
+                                      staging))
+            if staging is not None:
+                self._pack_and_release(self.layers[-1].matrices(), staging)
+        del staging
         # The embedding's scale: Gemma's sqrt(hidden) as a tensor in the weights' dtype (as its embedding
         # module multiplies), Granite's ``embedding_multiplier`` as a number; None where it is 1.
         self.embed_scale = None
@@ -1096,15 +1182,10 @@ class LeanCausalLM:
             self.embed_scale = embed_scale.to(self.weight_dtype).to(device=device, dtype=dtype)
         elif getattr(inner, "embedding_multiplier", 1.0) not in (None, 1, 1.0):
             self.embed_scale = float(inner.embedding_multiplier)
-        # Granite divides its logits by ``logits_scaling`` (None: no division).
-        divisor = getattr(config, "logits_scaling", None) if type(self.model).__name__ == "GraniteForCausalLM" else None
-        self.logits_divisor = None if divisor in (None, 1, 1.0) else float(divisor)
-        if self.logits_divisor is not None and _fold_scale([self.lm_head], 1.0 / self.logits_divisor):
-            self.logits_divisor = None  # (in the head's copy, as the residual multiplier in o's and down's)
         # Gemma 2 soft-caps its logits, c * tanh(logits / c) (None: not capped).
         self.logits_softcap = getattr(config, "final_logit_softcapping", None)
-        if self.bf16_in_float32:  # folded weights back to bfloat16 values (one rounding, at load)
-            for matrix in self.matrices():
+        if self.bf16_in_float32 and not self.panels_only:  # folded weights back to bfloat16 values (one
+            for matrix in self.matrices():                    # rounding, at load; _pack_and_release's own)
                 held = matrix.weight_t if matrix.weight is None else matrix.weight
                 _round_to_bf16_values(held)
         self.num_heads = config.num_attention_heads
@@ -1127,6 +1208,26 @@ class LeanCausalLM:
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
+
+    def _panels_only(self, count: int) -> bool:
+        """Whether this view (being built from a model of ``count`` parameters) keeps its matrices as the
+        compiled products' bfloat16 panels alone (:meth:`_pack_and_release`): a bfloat16 model run in float32 on
+        the CPU of at least ``PANELS_ONLY_MIN_PARAMETERS``, with fused transposed copies, where the compiled
+        kernels run and their panels fit, unless ``GBV_HOST_FORWARD`` is ``0`` or ``torch-products``. Such a
+        view's forward choice does not time torch's forms (:func:`choose_cpu_forward`)."""
+        return (self.bf16_in_float32 and self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS
+                and os.environ.get("GBV_HOST_FORWARD", "1") not in ("0", "torch-products")
+                and host_kernels_unavailable() is None and panels_unfit_reason(count, 2 * count) is None)
+
+    @staticmethod
+    def _pack_and_release(matrices: Sequence[_Linear], staging: _Staging) -> None:
+        """Round ``matrices`` (their transposed copies, folded) to bfloat16 values, pack each as the host forward
+        would (``PanelWeight(weight_t, bf16=True)``: AMX panels where the CPU multiplies on them), keep the
+        panels alone (``_Linear.release``) and let the next copies reuse the memory."""
+        for matrix in matrices:
+            _round_to_bf16_values(matrix.weight_t)
+            matrix.release(PanelWeight(matrix.weight_t, bf16=True))
+        staging.reuse()
 
     def round_to_bf16_weights(self) -> bool:
         """Round this view's matrices to bfloat16 values and stream them as bfloat16 panels (half the bytes),

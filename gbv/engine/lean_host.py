@@ -83,7 +83,7 @@ def host_forward_unsupported_reason(lean) -> str | None:
         if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None) or (
                 layer.attn_out_norm is not None and layer.parallel):
             return "a norm after one block only, or after parallel blocks"
-    if lean.norm is not None or lean.lm_head.weight_t is None:
+    if lean.norm is not None or lean.lm_head.weight is not None:  # (weight: the model's own, not a transposed copy)
         return "final norm not folded"
     if lean.logits_divisor is not None:
         return "logits divided (Granite's, not folded)"
@@ -105,7 +105,7 @@ def host_forward_unsupported_reason(lean) -> str | None:
 def _panels_unfit(lean) -> str | None:
     """:func:`panels_unfit_reason` for ``lean``'s matrices: their panels hold float32, or bfloat16 where the
     model is a bfloat16 one run in float32."""
-    count = sum(m.weight_t.numel() for m in lean.matrices())
+    count = sum(m.in_features * m.out_features for m in lean.matrices())
     return panels_unfit_reason(count, count * (2 if lean.bf16_in_float32 else 4))
 
 
@@ -208,6 +208,11 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
         return TORCH, None
     if host.panels_off is not None:  # (its products are torch's already: the AVX2 kernels are not in question,
         return HOST, None            # and a model above PANEL_MAX_PARAMETERS would take seconds to time)
+    # A view that keeps its panels alone (lean.PANELS_ONLY_MIN_PARAMETERS) has no copies for torch's forms: the
+    # host forward's prefetch hint is all there may be to choose.
+    panels_only = getattr(lean, "panels_only", False)
+    if panels_only and (prefetch_temporal() is not None or host.rounds_inputs):
+        return HOST, None
     prefix = 32
     ids = np.arange(prefix, dtype=np.int64)[None] % lean.embed.shape[0]
     where = np.arange(prefix, dtype=np.int64)[None]
@@ -236,8 +241,10 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     steps = {HOST: lambda: host_step(None), TORCH: lambda: draw_token(
                  lean.forward(one, at, prefix, torch_cache, None, last_only=True)[0, -1, :vocab], config, rng),
              HOST_TORCH_PRODUCTS: lambda: host_step("torch's products measured faster here")}
-    if not host.llama:  # (the numpy forward between torch's products computes the Llama family's layers only)
-        del steps[HOST_TORCH_PRODUCTS]
+    if not host.llama or panels_only:  # (the numpy forward between torch's products computes the Llama family's
+        del steps[HOST_TORCH_PRODUCTS]   # layers only)
+    if panels_only:
+        del steps[TORCH]
     hint = prefetch_temporal()
     # (the kernel's prefetch hint, not chosen yet in this process: both, once; not by a model whose
     # products are all AMX ones, which the hint does not touch: a later float32 model chooses it)
@@ -248,8 +255,9 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
     try:
         with torch.inference_mode():
             host(ids, where, 0, host_cache, None, True, True, 0)
-            lean.forward(torch.from_numpy(ids), torch.from_numpy(where), 0, torch_cache, None, causal=True,
-                         last_only=True)
+            if TORCH in steps:
+                lean.forward(torch.from_numpy(ids), torch.from_numpy(where), 0, torch_cache, None, causal=True,
+                             last_only=True)
             times: dict = {name: [] for name in steps}
             names = list(steps)
             rounds = _CHOICE_ROUNDS
@@ -278,6 +286,8 @@ def choose_cpu_forward(lean, host: "HostForward") -> tuple[str, dict[str, float]
         set_prefetch_temporal(temporal)
         host_ms = medians[HOST_TEMPORAL] if temporal else medians[HOST]
     others = {name: ms for name, ms in medians.items() if name in (HOST_TORCH_PRODUCTS, TORCH)}
+    if not others:
+        return HOST, medians
     best = min(others, key=others.get)
     return (best if others[best] < _MARGIN * host_ms else HOST), medians
 
@@ -398,12 +408,17 @@ class _Rows:
 
 
 class _Product:
-    """One weight of the host forward, ``y = x @ W`` for a (K, N) ``weight_t``: torch's GEMM, or the
-    panel kernel on a packed copy (``panel``, None where the kernels are not used)."""
+    """One weight of the host forward, ``y = x @ W`` for the (K, N) ``weight_t`` of a lean view's transposed
+    copy ``linear``: torch's GEMM, or the panel kernel on a packed copy (``panel``, None where the kernels are
+    not used: the linear's own where the view packed it, ``lean.LeanCausalLM.panels_only``)."""
 
-    def __init__(self, weight_t: Tensor, panels: bool, bf16: bool = False) -> None:
-        self.weight_t = weight_t
-        self.panel = PanelWeight(weight_t, bf16) if panels else None
+    def __init__(self, linear, panels: bool, bf16: bool = False) -> None:
+        self.linear = linear
+        self.out_features = linear.out_features
+        if linear.panel is None:  # (else weight_t is unpacked from its panel where torch's products read it)
+            self.weight_t = linear.weight_t
+        self.panel = None if not panels else linear.panel if linear.panel is not None else PanelWeight(
+            self.weight_t, bf16)
         # x rounded to bfloat16 on torch's path too, where the panels are the AMX products' (which round it)
         self.round_inputs = self.panel is not None and self.panel.kind == PANELS_AMX
 
@@ -420,6 +435,13 @@ class _Product:
             out_t.addmm_(x_t, self.weight_t)
         else:
             torch.mm(x_t, self.weight_t, out=out_t)
+
+    def __getattr__(self, name: str):
+        # (``weight_t`` of a view that keeps its panels alone: the linear's, unpacked where first read)
+        if name == "weight_t":
+            self.weight_t = self.__dict__["linear"].weight_t
+            return self.weight_t
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def _store(cached: np.ndarray, new: np.ndarray) -> None:
@@ -512,10 +534,10 @@ class HostForward:
                 table = self.table_kinds.index(layer.rope_kind) if layer.rope_kind != NO_ROTATION else -1
             else:
                 table = 0 if lean.rotary is not None else -1
-            self.layers.append((_Product(qkv.weight_t, panels, bf16), array(qkv.bias),
-                                _Product(layer.o.weight_t, panels, bf16),
-                                _Product(layer.gate_up.parts[0].weight_t, panels, bf16),
-                                _Product(layer.down.weight_t, panels, bf16),
+            self.layers.append((_Product(qkv, panels, bf16), array(qkv.bias),
+                                _Product(layer.o, panels, bf16),
+                                _Product(layer.gate_up.parts[0], panels, bf16),
+                                _Product(layer.down, panels, bf16),
                                 -1.0 if layer.input_eps is None else float(layer.input_eps),
                                 -1.0 if layer.post_eps is None else float(layer.post_eps), float(layer.scaling),
                                 array(layer.o.bias), array(layer.gate_up.parts[0].bias), array(layer.down.bias),
@@ -530,9 +552,9 @@ class HostForward:
         self.logits_softcap = float(lean.logits_softcap or 0.0)  # (Gemma 2's cap of the logits; 0: none)
         # the MLP's width, and the up projection's (gate and up: twice it)
         gated = not self.layers or lean.layers[0].gated
-        self.up_width = self.layers[0][3].weight_t.shape[1] if self.layers else 0
+        self.up_width = self.layers[0][3].out_features if self.layers else 0
         self.intermediate = self.up_width // 2 if gated else self.up_width
-        self.lm_head = _Product(lean.lm_head.weight_t, panels, bf16)
+        self.lm_head = _Product(lean.lm_head, panels, bf16)
         self.head_bias = array(lean.lm_head.bias)
         self.norm_eps = float(lean.norm_eps)
         self.layer_norm = bool(lean.layer_norm)  # (the final norm's kind)
@@ -862,7 +884,7 @@ class HostForward:
             rows, n = last, 1
         self._rms_into(rows, self.norm_eps)
         # The logits leave in a fresh tensor (the caller keeps them).
-        logits = np.empty((rows.normed.shape[0], self.lm_head.weight_t.shape[1]), dtype=np.float32)
+        logits = np.empty((rows.normed.shape[0], self.lm_head.out_features), dtype=np.float32)
         logits_t = torch.from_numpy(logits)
         self.lm_head.into(rows.normed, rows.normed_t, logits, logits_t, False, panels_for(rows.normed.shape[0]))
         if self.head_bias is not None:

@@ -196,6 +196,34 @@ def test_amx_panels_hold_pairs_of_k_per_column():
         PanelWeight(weight, amx=True)
 
 
+@pytest.mark.parametrize("kind", ["f32", "bf16", "amx"])
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (5, 7), (31, 16), (33, 17), (64, 48), (70, 130)])
+def test_unpacked_panels_are_the_packed_matrix(kind, in_features, out_features):
+    """``PanelWeight.unpacked`` inverts the packing of each kind exactly (what a lean view that keeps its
+    panels alone gives torch's products), whatever the padding of K and of the columns; the compiled
+    packing and numpy's alike. Control: a matrix one value off is not what the panels unpack to."""
+    rng = np.random.default_rng(in_features * 131 + out_features)
+    weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
+    if kind != "f32":
+        weight = _bf16_values(weight)
+    panel = PanelWeight(weight, bf16=kind != "f32", amx=kind == "amx")
+    unpacked = panel.unpacked()
+    assert unpacked.dtype == np.float32 and unpacked.flags.c_contiguous
+    assert unpacked.shape == weight.shape and np.array_equal(unpacked, weight)
+    if host_kernels_unavailable() is None:  # (the same panels packed by numpy, the tests' reference)
+        reference = PanelWeight.__new__(PanelWeight)
+        reference.__dict__.update(panel.__dict__)
+        width = 2 * host_kernels.PANEL if kind == "amx" else host_kernels.PANEL
+        num_panels = -(-out_features // width) * width // host_kernels.PANEL
+        depth = -(-in_features // 32) * 32 if kind == "amx" else in_features
+        reference.panels = PanelWeight._packed_by_numpy(weight, kind == "amx", kind != "f32", num_panels, depth)
+        assert np.array_equal(reference.panels, panel.panels)
+        assert np.array_equal(reference.unpacked(), weight)
+    off = weight.copy()
+    off[-1, -1] = np.nextafter(off[-1, -1], np.float32(np.inf)) if kind == "f32" else off[-1, -1] * 2 + 1
+    assert not np.array_equal(panel.unpacked(), off)
+
+
 @needs_kernels
 def test_products_refuse_a_kind_they_cannot_run():
     """A panel kind outside 0-2, and AMX panels where the CPU cannot run them, get one clear ValueError."""

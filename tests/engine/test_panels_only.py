@@ -1,0 +1,143 @@
+"""Large views keep their panels alone (gbv/engine/lean.py, ``PANELS_ONLY_MIN_PARAMETERS``): a bfloat16 model run in
+float32 packs each matrix as soon as it is folded and rounded, keeps the panels without the float32 transposed copy,
+and writes its copies in memory the next ones reuse (``_Staging``). Such a view must compute what a view with its
+copies computes, bit for bit, on every path: the host forward's (the same panels) and torch's (the copies unpacked
+from the panels where first read). The toys here are small: the size limit is lowered to 0 for them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gbv.engine.lean as lean_module
+from gbv.engine.generate import generate
+from gbv.engine.host_kernels import host_kernels_unavailable
+from gbv.engine.lean import LeanCausalLM
+from gbv.engine.lean_host import HOST, HOST_TEMPORAL, choose_cpu_forward
+from gbv.models.loading import ModelPair
+
+from engine_toy import ARCHITECTURES, hf_pair
+from test_lean_host import _largest_gap
+
+pytestmark = pytest.mark.skipif(host_kernels_unavailable() is not None,
+                                reason="bf16 models run in float32 (and keep panels) only with the compiled kernels")
+
+# llama: the Llama family; qwen2: q/k/v biases; granite: its multipliers and the logits' divisor folded into the
+# copies; gptneox: LayerNorm biases folded (a float64 product of the unscaled copy), head-major q/k/v rows; gpt2: a
+# Conv1D's matrices; gemma3: a tied head, the final norm folded into it, sandwich norms, windows; olmo2: no norm
+# before the blocks
+ARCHS = [arch for arch in ("llama", "qwen2", "granite", "gptneox", "gpt2", "gemma3", "olmo2") if arch in ARCHITECTURES]
+
+
+def _views(model, monkeypatch, host: bool = True):
+    """The lean view of ``model`` keeping its panels alone, and one with its copies (the limit lowered, then
+    raised past any model); ``host=False``: both on torch's forward."""
+    monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", 0)
+    only = LeanCausalLM(model)
+    monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", 1 << 62)
+    copies = LeanCausalLM(model)
+    assert only.panels_only and not copies.panels_only
+    if not host:
+        only.host_forward = copies.host_forward = None
+    return only, copies
+
+
+def _copies_held(lean) -> int:
+    """How many of ``lean``'s matrices hold a transposed copy (not unpacked from a panel yet)."""
+    return sum("weight_t" in matrix.__dict__ for matrix in lean.matrices())
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_view_keeping_its_panels_alone_computes_the_same_bits(arch, amx, monkeypatch):
+    """The same panels as a view with its copies (kind and bits), no copy held, and the same logits, bit for bit,
+    over a prompt, a step, a tree pass and a batch: on the host forward, and on torch's forward through copies
+    unpacked from the panels (then held: equal to the other view's)."""
+    from gbv.engine import host_kernels
+
+    before = host_kernels.amx_products()
+    try:
+        host_kernels.set_amx_products(amx)
+    except ValueError as error:
+        pytest.skip(str(error))
+    try:
+        target, _ = hf_pair(arch, vocab=48, seed=5, target_size=(64, 2))
+        model = target.to(torch.bfloat16)
+        only, copies = _views(model, monkeypatch)
+        assert _copies_held(only) == 0 and _copies_held(copies) == len(copies.matrices())
+        products = [(a, b) for a, b in zip(only.host_forward.products(), copies.host_forward.products(), strict=True)]
+        for a, b in products:
+            assert a.panel.kind == b.panel.kind and np.array_equal(a.panel.panels, b.panel.panels)
+        assert only.host_forward.rounds_inputs == copies.host_forward.rounds_inputs == amx
+        assert _largest_gap(only, copies) == 0.0
+        assert _copies_held(only) == 0  # (the host forward reads the panels alone)
+        only, copies = _views(model, monkeypatch, host=False)
+        assert _largest_gap(only, copies) == 0.0
+        assert _copies_held(only) == len(only.matrices())  # (unpacked where torch's products read them)
+        for a, b in zip(only.matrices(), copies.matrices()):
+            assert torch.equal(a.weight_t, b.weight_t)
+    finally:
+        host_kernels.set_amx_products(before)
+
+
+def test_copies_written_over_one_another_are_caught(monkeypatch):
+    """Control: where the scratch memory hands every copy out at the same place, a layer's later copies overwrite
+    its earlier ones before they are packed, and the comparison of the two views catches it."""
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    model = target.to(torch.bfloat16)
+    take = lean_module._Staging.take
+
+    def same_place(self, rows, columns, device):
+        self.used = 0
+        return take(self, rows, columns, device)
+
+    monkeypatch.setattr(lean_module._Staging, "take", same_place)
+    only, copies = _views(model, monkeypatch)
+    assert _largest_gap(only, copies) > 1e-3
+
+
+def test_decoding_with_views_keeping_their_panels_alone(monkeypatch):
+    """A bfloat16 pair whose views keep their panels alone decodes the same tokens as with copies (greedy and
+    sampled, BV and GBV), and never unpacks a copy: its forward choice times no torch form."""
+    monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)  # (the tests' conftest takes the host forward unmeasured)
+    target, draft = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
+    runs = {}
+    for limit in (0, 1 << 62):
+        monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", limit)
+        import gbv.engine.tree_decoder as tree_decoder
+
+        tree_decoder._LEAN.clear()
+        tree_decoder._DRAFT_LEAN.clear()
+        pair = ModelPair(target, draft)
+        runs[limit] = [generate(pair, prompt_ids=[3, 1, 4, 1, 5], method=method, num_paths=paths, block_len=4,
+                                temperature=temperature, max_new_tokens=20, seed=1, eos_token_id=[]).token_ids
+                       for method, paths, temperature in (("block", 1, 0.0), ("block", 1, 1.0), ("gbv", 3, 1.0))]
+        views = [tree_decoder._LEAN[target], tree_decoder._DRAFT_LEAN[draft]]
+        assert all(view.panels_only == (limit == 0) for view in views)
+        if limit == 0:
+            assert sum(_copies_held(view) for view in views) == 0
+            choice, times = choose_cpu_forward(views[0], views[0].host_forward)
+            assert choice == HOST and (times is None or set(times) <= {HOST, HOST_TEMPORAL})
+            assert _copies_held(views[0]) == 0
+    assert runs[0] == runs[1 << 62]
+    tree_decoder._LEAN.clear()
+    tree_decoder._DRAFT_LEAN.clear()
+
+
+def test_which_views_keep_their_panels_alone(monkeypatch):
+    """Only bfloat16 models run in float32 past the limit, and not where the host forward is off or told to take
+    torch's products: a float32 model keeps its copies (its draft's rounding reads them)."""
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", 0)
+    assert not LeanCausalLM(target).panels_only  # (float32)
+    model = target.to(torch.bfloat16)
+    assert LeanCausalLM(model).panels_only
+    for setting in ("0", "torch-products"):
+        monkeypatch.setenv("GBV_HOST_FORWARD", setting)
+        assert not LeanCausalLM(model).panels_only
+    monkeypatch.setenv("GBV_HOST_FORWARD", "1")
+    count = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", count + 1)
+    assert not LeanCausalLM(model).panels_only
