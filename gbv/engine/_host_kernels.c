@@ -2945,14 +2945,16 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     Py_ssize_t window_first = 0; /* (the windowed layers' first slot: their mask's columns start there) */
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
+    int embed_bf16 = 0; /* (the embedding's rows bfloat16 bits, widened as read) */
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddn", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddnp", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
-                          &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale, &window_first))
+                          &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale, &window_first,
+                          &embed_bf16))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -3087,11 +3089,14 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                             &have_head_bias) != 0;
     Py_ssize_t vocab_rows = 0, position_count = 0;
     if (!failed) {
-        vocab_rows = fixed[2].len / (H * f);
+        const Py_ssize_t embed_size = embed_bf16 ? 2 : f;
+        vocab_rows = fixed[2].len / (H * embed_size);
         position_count = have_positions ? position_rows.len / (H * f) : 0;
-        if (fixed[2].len != vocab_rows * H * f || (have_positions && position_rows.len != position_count * H * f)) {
-            PyErr_SetString(PyExc_ValueError, "embed and position rows must be (V, H) and (P, H) float32, rotary "
-                                              "(P, head_dim / 2) complex64");
+        if (fixed[2].len != vocab_rows * H * embed_size ||
+            (have_positions && position_rows.len != position_count * H * f)) {
+            PyErr_SetString(PyExc_ValueError, "embed and position rows must be (V, H) (float32, or bfloat16 bits "
+                                              "with embed_bf16) and (P, H) float32, rotary (P, head_dim / 2) "
+                                              "complex64");
             failed = 1;
         }
     }
@@ -3108,7 +3113,12 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                 break;
             }
             float *hidden_row = (float *)fixed[4].buf + i * H;
-            memcpy(hidden_row, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
+            if (embed_bf16) {
+                const uint16_t *embed_row = (const uint16_t *)fixed[2].buf + tokens[i] * H;
+                for (int h = 0; h < H; h++) hidden_row[h] = bf16_value(embed_row[h]);
+            } else {
+                memcpy(hidden_row, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
+            }
             if (embed_scale != 1.0) /* (Gemma, Granite: the rows times the scale in float32, as the torch forward) */
                 for (int h = 0; h < H; h++) hidden_row[h] *= (float)embed_scale;
             if (have_positions)
@@ -3450,7 +3460,8 @@ static PyMethodDef METHODS[] = {
      "forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask, start, hidden, "
      "normed, qkv, attn, gate_up, act, head, logits, n, H, heads, kv_heads, head_dim, intermediate, vocab, "
      "final_eps, bf16, last_only, draw_vocab, temperature, u, probs, tokens, below_one[, kv_bf16, position_rows, "
-     "position_offset, final_layer_norm, head_bias]): the host forward of one "
+     "position_offset, final_layer_norm, head_bias, window_mask, logits_softcap, embed_scale, window_first, "
+     "embed_bf16]): the host forward of one "
      "sequence (host_kernels.forward_into), and with draw_vocab > 0 the softmax of its logits' first draw_vocab "
      "columns at temperature (0: greedy) into probs (or a scratch row) and, where tokens is given, one draw "
      "per output row with u (one output row with u a float and no tokens: returns its token)."},

@@ -611,13 +611,18 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     return panels_unfit_reason(count, 6 * count)
 
 
-def _float32_copy(model, matrices: bool = True):
+def _float32_copy(model, matrices: bool = True, embedding: bool = True):
     """A copy of ``model`` with float32 parameters and buffers, each converted once from the model's own (not a
     copy in the model's dtype first, then converted: for a bfloat16 model of 1.2B parameters, 2.5 GB of new
     memory fewer; the tied head stays tied). ``matrices=False``: the weights of its ``nn.Linear`` and ``Conv1D``
     modules (but an embedding tied to one) stay the model's own, for a view whose transposed copies widen them as
-    they are made (:func:`_transposed_copy`): no float32 copy of them at all (5 GB for 1.2B parameters)."""
+    they are made (:func:`_transposed_copy`): no float32 copy of them at all (5 GB for 1.2B parameters).
+    ``embedding=False``: the token embedding (and a head tied to it) stays the model's own too, for a view that
+    widens its rows as a call reads them (:meth:`LeanCausalLM._panels_only`; 1.2 GB for Gemma-3-1B's)."""
     memo = {}
+    if not embedding:
+        kept = _embedding_module(text_decoder(model)).weight
+        memo[id(kept)] = kept
     if not matrices:
         embeddings = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
         for module in model.modules():
@@ -1101,13 +1106,23 @@ class LeanCausalLM:
         # unless the copies fit (large_copies_fit).
         count = sum(p.numel() for p in model.parameters())
         fuse = count <= FUSE_MAX_PARAMETERS or large_copies_fit(model, count, self.bf16_in_float32)
+        held = _embedding_module(text_decoder(model)).weight
+        # (the dtype the forward computes in)
+        dtype, device = torch.float32 if self.bf16_in_float32 else held.dtype, held.device
+        # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
+        # most of them): only where they pay, and under the same size limit.
+        self.transposed = fuse and transposed_weights_pay(dtype, device)
+        # A large view keeps its matrices as the compiled products' panels alone, each packed as soon as it is
+        # folded and rounded, its transposed copy written in memory the next one reuses, and the model's own
+        # bfloat16 embedding, whose rows are widened as a call reads them (see _panels_only).
+        self.panels_only = self._panels_only(count)
         if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after. (Fused, its
-            model = _float32_copy(model, matrices=not fuse)  # matrices are widened as they are transposed.)
+            # matrices are widened as they are transposed.)
+            model = _float32_copy(model, matrices=not fuse, embedding=not self.panels_only)
         inner = text_decoder(model)
         embedding = _embedding_module(inner)
         self.embed = embedding.weight
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype, device = embedding.weight.dtype, embedding.weight.device
         # The complex-multiply rotation needs a complex dtype: float32 / float64 weights only.
         self.interleaved = fuse and dtype in (torch.float32, torch.float64)
         decoder_layers = _decoder_layers(inner)
@@ -1139,14 +1154,8 @@ class LeanCausalLM:
         num_heads = config.num_attention_heads
         heads = (num_heads, _kv_heads(config))
         windows = layer_windows(config, len(decoder_layers))
-        # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
-        # most of them): only where they pay, and under the same size limit.
-        self.transposed = fuse and transposed_weights_pay(dtype, device)
         # bfloat16 products of several rows in float32 where this CPU has no fast kernel for them.
         self.upcast = bf16_products_upcast(dtype, device)
-        # A large view keeps its matrices as the compiled products' panels alone, each packed as soon as it is
-        # folded and rounded, its transposed copy written in memory the next one reuses (see _panels_only).
-        self.panels_only = self._panels_only(count)
         staging = _Staging() if self.panels_only else None
         # The head first: its copy is the largest, and the layers' then fit in the memory it leaves.
         final = _final_norm_module(inner)
@@ -1192,8 +1201,7 @@ class LeanCausalLM:
         self.kv_heads = _kv_heads(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
+        self.dtype, self.device = dtype, device  # (a bfloat16 embedding is widened as read: embed_rows)
         self._cos = self._sin = None  # rotary tables, (positions, head_dim), grown on demand
         self._table_rows = 0  # (the positions the tables cover; none where no layer rotates: GPT-2, OPT)
         # (cos, sin, rot) by rotary kind (None: the only one; Gemma 3: per kind); _cos, _sin, _rot are its first.
@@ -1529,6 +1537,8 @@ class LeanCausalLM:
         """The input rows (N, hidden) of (N,) long ``tokens`` at (N,) long ``positions``: scaled where the
         model scales them, plus the learned rows of their positions where it has them (GPT-2, OPT)."""
         hidden = torch.embedding(self.embed, tokens)  # (F.embedding's checks cost per call)
+        if hidden.dtype != self.dtype:  # (the bfloat16 embedding of a view keeping its panels alone: exact)
+            hidden = hidden.to(self.dtype)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         if self.position_embed is not None:

@@ -708,6 +708,11 @@ def test_one_call_kernels_refuse_bad_input():
     cache = forward.lean.new_cache(1, 16)
     with torch.inference_mode(), pytest.raises(ValueError, match="out of range"):
         forward(np.array([[48]]), np.array([[0]]), 0, cache, None, causal=True)  # no token 48
+    embed = forward.embed
+    forward.embed = embed.view(np.uint16)[:, :-1].copy()  # (bfloat16 bits: a row one value short of H)
+    with torch.inference_mode(), pytest.raises(ValueError, match="embed and position rows must be"):
+        forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)
+    forward.embed = embed
     panels = forward.layer_panels
     broken = list(panels)
     broken[0] = broken[0][:7]

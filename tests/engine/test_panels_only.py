@@ -51,9 +51,9 @@ def _copies_held(lean) -> int:
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_view_keeping_its_panels_alone_computes_the_same_bits(arch, amx, monkeypatch):
-    """The same panels as a view with its copies (kind and bits), no copy held, and the same logits, bit for bit,
-    over a prompt, a step, a tree pass and a batch: on the host forward, and on torch's forward through copies
-    unpacked from the panels (then held: equal to the other view's)."""
+    """The same panels as a view with its copies (kind and bits), no copy held, the model's bfloat16 embedding, and
+    the same logits, bit for bit, over a prompt, a step, a tree pass and a batch: on the host forward, and on
+    torch's forward through copies unpacked from the panels (then held: equal to the other view's)."""
     from gbv.engine import host_kernels
 
     before = host_kernels.amx_products()
@@ -66,6 +66,10 @@ def test_a_view_keeping_its_panels_alone_computes_the_same_bits(arch, amx, monke
         model = target.to(torch.bfloat16)
         only, copies = _views(model, monkeypatch)
         assert _copies_held(only) == 0 and _copies_held(copies) == len(copies.matrices())
+        # (the model's own bfloat16 embedding, no float32 copy; rows widened as read)
+        embedding = model.get_input_embeddings().weight
+        assert only.embed.dtype == torch.bfloat16 and only.embed.data_ptr() == embedding.data_ptr()
+        assert copies.embed.dtype == torch.float32
         products = [(a, b) for a, b in zip(only.host_forward.products(), copies.host_forward.products(), strict=True)]
         for a, b in products:
             assert a.panel.kind == b.panel.kind and np.array_equal(a.panel.panels, b.panel.panels)
