@@ -1157,23 +1157,10 @@ class LeanCausalLM:
         # bfloat16 products of several rows in float32 where this CPU has no fast kernel for them.
         self.upcast = bf16_products_upcast(dtype, device)
         staging = _Staging() if self.panels_only else None
-        # The head first: its copy is the largest, and the layers' then fit in the memory it leaves.
-        final = _final_norm_module(inner)
-        final_norm, self.norm_eps = _norm_scale_and_eps(final)
-        self.norm_bias = _norm_bias(final)
-        self.layer_norm = isinstance(final, torch.nn.LayerNorm)  # (the final norm's kind: its layers' too)
-        self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
-                               self.upcast, staging=staging)
-        self.norm = final_norm
-        if _fold_norm_weight(self.lm_head, final_norm, self.norm_bias):
-            self.norm = self.norm_bias = None
-        # Granite divides its logits by ``logits_scaling`` (None: no division).
-        divisor = getattr(config, "logits_scaling", None) if type(self.model).__name__ == "GraniteForCausalLM" else None
-        self.logits_divisor = None if divisor in (None, 1, 1.0) else float(divisor)
-        if self.logits_divisor is not None and _fold_scale([self.lm_head], 1.0 / self.logits_divisor):
-            self.logits_divisor = None  # (in the head's copy, as the residual multiplier in o's and down's)
+        # A view keeping its panels alone builds its head first: its copy is the largest, and the layers' then
+        # fit in the memory it leaves. (Others after the layers, as their copies have always been laid out.)
         if staging is not None:
-            self._pack_and_release([self.lm_head], staging)
+            self._build_head(model, inner, config, staging)
         self.layers = []
         for index, layer in enumerate(decoder_layers):
             self.layers.append(_Layer(layer, fuse, self.interleaved, head_dim, self.transposed, self.upcast, heads,
@@ -1182,6 +1169,8 @@ class LeanCausalLM:
                                       staging))
             if staging is not None:
                 self._pack_and_release(self.layers[-1].matrices(), staging)
+        if staging is None:
+            self._build_head(model, inner, config, None)
         del staging
         # The embedding's scale: Gemma's sqrt(hidden) as a tensor in the weights' dtype (as its embedding
         # module multiplies), Granite's ``embedding_multiplier`` as a number; None where it is 1.
@@ -1216,6 +1205,27 @@ class LeanCausalLM:
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # One sequence on the CPU in float32 runs through numpy between its matrix products (lean_host.py).
         self.host_forward = HostForward(self) if host_forward_unsupported_reason(self) is None else None
+
+    def _build_head(self, model, inner, config, staging: _Staging | None) -> None:
+        """The final norm and the head (``model`` the float32 copy where one is made), the norm's weight and
+        Granite's logits divisor folded into the head's copy where they can be; packed and released where
+        ``staging`` is given (:meth:`_pack_and_release`)."""
+        final = _final_norm_module(inner)
+        final_norm, self.norm_eps = _norm_scale_and_eps(final)
+        self.norm_bias = _norm_bias(final)
+        self.layer_norm = isinstance(final, torch.nn.LayerNorm)  # (the final norm's kind: its layers' too)
+        self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
+                               self.upcast, staging=staging)
+        self.norm = final_norm
+        if _fold_norm_weight(self.lm_head, final_norm, self.norm_bias):
+            self.norm = self.norm_bias = None
+        # Granite divides its logits by ``logits_scaling`` (None: no division).
+        divisor = getattr(config, "logits_scaling", None) if type(self.model).__name__ == "GraniteForCausalLM" else None
+        self.logits_divisor = None if divisor in (None, 1, 1.0) else float(divisor)
+        if self.logits_divisor is not None and _fold_scale([self.lm_head], 1.0 / self.logits_divisor):
+            self.logits_divisor = None  # (in the head's copy, as the residual multiplier in o's and down's)
+        if staging is not None:
+            self._pack_and_release([self.lm_head], staging)
 
     def _panels_only(self, count: int) -> bool:
         """Whether this view (being built from a model of ``count`` parameters) keeps its matrices as the
