@@ -611,6 +611,27 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     return panels_unfit_reason(count, 6 * count)
 
 
+def fp16_weights_in_float32_reason(model) -> str | None:
+    """None when the lean view of ``model`` should compute in float32 over its float16 weights, widened exactly
+    (float32 copies and panels, float32 KV cache: a float32 model with these weight values); else why not (one
+    phrase). Why: torch has no fast float16 kernels on most CPUs, and float16 checkpoints (Pythia, OPT) load as
+    float16 by default: a random Pythia-70m / 14m pair decoded ``ar`` at 64 tokens/s in float16 on torch's
+    forward, 195 in float32 on the compiled one (docs/ENGINE.md, "Float16 models run in float32"). Unlike
+    bfloat16's, float16 values do not fit bfloat16 panels: the panels hold float32, 4 bytes a parameter.
+    ``GBV_HOST_KERNELS=0`` keeps the model in float16 throughout."""
+    parameters = list(model.parameters())
+    if not parameters or parameters[0].dtype != torch.float16 or parameters[0].device.type != "cpu":
+        return "not float16 on the CPU"
+    if os.environ.get("GBV_HOST_FORWARD", "1") == "0":
+        return "GBV_HOST_FORWARD=0"
+    unavailable = host_kernels_unavailable()
+    if unavailable is not None:
+        return unavailable
+    # (its float32 lean copies and float32 panels beside the model: 8 bytes a parameter)
+    count = sum(p.numel() for p in parameters)
+    return panels_unfit_reason(count, 8 * count)
+
+
 def _float32_copy(model, matrices: bool = True, embedding: bool = True):
     """A copy of ``model`` with float32 parameters and buffers, each converted once from the model's own (not a
     copy in the model's dtype first, then converted: for a bfloat16 model of 1.2B parameters, 2.5 GB of new
@@ -645,15 +666,15 @@ def _round_to_bf16_values(weight: Tensor, rows: int = 256) -> None:
         block.copy_(block.to(torch.bfloat16))
 
 
-def large_copies_fit(model, count: int, bf16_in_float32: bool) -> bool:
+def large_copies_fit(model, count: int, bf16_in_float32: bool, fp16_in_float32: bool = False) -> bool:
     """Whether a model of ``count`` parameters past ``FUSE_MAX_PARAMETERS`` (``model``: float32, or a bfloat16
-    one to run in float32 where ``bf16_in_float32``) should get the lean view's fused and transposed copies: up
-    to ``FUSE_MEMORY_MAX_PARAMETERS``, on the CPU, unless ``GBV_HOST_FORWARD=0``, where they and the compiled
-    products' panels (4 + 4 bytes a parameter; 4 + 2 for a bfloat16 model's panels) fit in
-    ``PANEL_MEMORY_SHARE`` of the memory available (:func:`panels_unfit_reason`)."""
+    one to run in float32 where ``bf16_in_float32``, a float16 one where ``fp16_in_float32``) should get the lean
+    view's fused and transposed copies: up to ``FUSE_MEMORY_MAX_PARAMETERS``, on the CPU, unless
+    ``GBV_HOST_FORWARD=0``, where they and the compiled products' panels (4 + 4 bytes a parameter; 4 + 2 for a
+    bfloat16 model's panels) fit in ``PANEL_MEMORY_SHARE`` of the memory available (:func:`panels_unfit_reason`)."""
     first = next(iter(model.parameters()), None)
-    if (first is None or count > FUSE_MEMORY_MAX_PARAMETERS or first.device.type != "cpu"
-            or first.dtype != (torch.bfloat16 if bf16_in_float32 else torch.float32)
+    held = torch.bfloat16 if bf16_in_float32 else torch.float16 if fp16_in_float32 else torch.float32
+    if (first is None or count > FUSE_MEMORY_MAX_PARAMETERS or first.device.type != "cpu" or first.dtype != held
             or os.environ.get("GBV_HOST_FORWARD", "1") == "0"):
         return False
     return panels_unfit_reason(count, count * (6 if bf16_in_float32 else 8)) is None
@@ -666,8 +687,8 @@ _WIDEN_BLOCK = 256
 
 
 def _transposed_dtype(weight: Tensor) -> torch.dtype:
-    """The dtype of a transposed copy of ``weight``: float32 for bfloat16 (see :func:`_transposed_copy`)."""
-    return torch.float32 if weight.dtype == torch.bfloat16 else weight.dtype
+    """The dtype of a transposed copy of ``weight``: float32 for bfloat16 and float16 (see :func:`_transposed_copy`)."""
+    return torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
 
 
 def _transposed_copy(weight: Tensor, out: Tensor | None = None) -> Tensor:
@@ -1101,14 +1122,17 @@ class LeanCausalLM:
         # bf16_weights_in_float32_reason); ``self.dtype`` is the one the forward computes in.
         self.weight_dtype = _embedding_module(text_decoder(model)).weight.dtype
         self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
+        self.fp16_in_float32 = fp16_weights_in_float32_reason(model) is None
+        widened = self.bf16_in_float32 or self.fp16_in_float32  # (computed in float32 from a float32 copy)
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
         # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory)
         # unless the copies fit (large_copies_fit).
         count = sum(p.numel() for p in model.parameters())
-        fuse = count <= FUSE_MAX_PARAMETERS or large_copies_fit(model, count, self.bf16_in_float32)
+        fuse = count <= FUSE_MAX_PARAMETERS or large_copies_fit(model, count, self.bf16_in_float32,
+                                                                self.fp16_in_float32)
         held = _embedding_module(text_decoder(model)).weight
         # (the dtype the forward computes in)
-        dtype, device = torch.float32 if self.bf16_in_float32 else held.dtype, held.device
+        dtype, device = torch.float32 if widened else held.dtype, held.device
         # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
         # most of them): only where they pay, and under the same size limit.
         self.transposed = fuse and transposed_weights_pay(dtype, device)
@@ -1116,8 +1140,8 @@ class LeanCausalLM:
         # folded and rounded, its transposed copy written in memory the next one reuses, and the model's own
         # bfloat16 embedding, whose rows are widened as a call reads them (see _panels_only).
         self.panels_only = self._panels_only(count)
-        if self.bf16_in_float32:  # a float32 copy to take the (exact) weights from; dropped after. (Fused, its
-            # matrices are widened as they are transposed.)
+        if widened:  # a float32 copy to take the (exact) weights from; dropped after. (Fused, its matrices are
+            # widened as they are transposed.)
             model = _float32_copy(model, matrices=not fuse, embedding=not self.panels_only)
         inner = text_decoder(model)
         embedding = _embedding_module(inner)

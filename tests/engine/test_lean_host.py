@@ -198,6 +198,43 @@ def test_bf16_runs_in_float32(arch, monkeypatch):
     assert not plain.bf16_in_float32 and plain.dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(host_kernels_unavailable() is not None, reason="float16 runs in float32 only with the kernels")
+@pytest.mark.parametrize("arch", ["llama", "gptneox", "gemma3"])
+def test_fp16_runs_in_float32(arch, monkeypatch):
+    """A float16 model on the CPU, where the compiled kernels run, is run as the float32 model of the same weight
+    values (float32 copies, panels and cache): its lean view computes the logits of the lean view of that float32
+    model bit for bit (host forward and torch's), decodes the same tokens as it, and stays within float16 rounding
+    of Hugging Face's float16 forward. The Hugging Face model is left as it was. With GBV_HOST_KERNELS=0 it stays
+    float16."""
+    if arch not in ARCHITECTURES:
+        pytest.skip(f"no {arch} in this transformers")
+    target, draft = hf_pair(arch, vocab=48, seed=7, target_size=(64, 2))
+    half, half_draft = copy.deepcopy(target).half(), copy.deepcopy(draft).half()
+    wide, wide_draft = copy.deepcopy(half).float(), copy.deepcopy(half_draft).float()  # (the same values)
+    before = {name: t.clone() for name, t in half.state_dict().items()}
+    lean, reference = LeanCausalLM(half), LeanCausalLM(wide)
+    assert lean.fp16_in_float32 and not lean.bf16_in_float32 and not reference.fp16_in_float32
+    assert lean.dtype == lean.cache_dtype == torch.float32 and lean.host_forward is not None
+    assert all(torch.equal(t, before[name]) and t.dtype == torch.float16 for name, t in half.state_dict().items())
+    assert _largest_gap(lean, reference) == 0.0
+    lean.host_forward = reference.host_forward = None
+    assert _largest_gap(lean, reference) == 0.0
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.inference_mode():
+        logits = reference.forward(tokens, torch.arange(10)[None], 0, reference.new_cache(1, 16), None, causal=True)
+        hf_half = half(input_ids=tokens).logits.float()
+    assert (logits - hf_half).abs().max() < 0.02 * float(logits.abs().max())
+    runs = []
+    for pair in (ModelPair(half, half_draft), ModelPair(wide, wide_draft)):
+        runs.append([generate(pair, prompt_ids=[3, 1, 4], method=method, num_paths=paths, block_len=4,
+                              temperature=temperature, max_new_tokens=16, seed=2, eos_token_id=[]).token_ids
+                     for method, paths, temperature in (("ar", 1, 0.0), ("block", 1, 1.0), ("gbv", 3, 1.0))])
+    assert runs[0] == runs[1]
+    monkeypatch.setenv("GBV_HOST_KERNELS", "0")
+    plain = LeanCausalLM(half)
+    assert not plain.fp16_in_float32 and plain.dtype == torch.float16
+
+
 def test_a_broken_host_forward_is_caught(monkeypatch):
     """The comparison can fail: a host forward that writes the new keys one slot too late differs."""
     target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
