@@ -72,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="pythia-70m,distilgpt2")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--context", type=int, default=100, help="the prompt's tokens before the timed steps")
     parser.add_argument("--forms", default="host,torch", help="which forwards to time (host, torch or both)")
     parser.add_argument("--as-built", action="store_true",

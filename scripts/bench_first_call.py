@@ -32,7 +32,7 @@ from engine_toy import REAL_PAIRS as PAIRS, real_size  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=PAIRS, default="pythia")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile the first call and print its N costliest functions")
     args = parser.parse_args()

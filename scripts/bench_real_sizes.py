@@ -11,7 +11,7 @@ and a draft of Pythia-70m's (6 layers, hidden 512), both with the 50k vocabulary
 Llama target of SmolLM2-360M's shape (32 layers, hidden 960, 362M parameters) and a draft of SmolLM2-135M's (30
 layers, hidden 576), both with the 49k vocabulary; the pythia-small pair Pythia-70m's and Pythia-14m's shapes;
 the gemma3 pair Gemma-3-1B's and Gemma-3-270M's (Gemma 3, the 262k vocabulary) (``--dtype bfloat16``: both in
-bfloat16, as such checkpoints are published). ``--per-round``: each round's tokens/s too, the first one's
+bfloat16, as such checkpoints are published; ``--dtype float16`` as Pythia's are). ``--per-round``: each round's tokens/s too, the first one's
 included, and the iterations of each (method, K, L) ``auto`` chose in it. ``--busy N`` keeps N other processes
 spinning on the CPU for the whole run (each holds a core: a machine shared with other work), ``--rows`` picks
 rows. With ``--threads auto`` the peers (transformers' rows) run on torch's default count, which is what a
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds, the first not counted (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--pair", choices=PAIRS, default="pythia")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--busy", type=int, default=0, help="other processes spinning on the CPU meanwhile")
     parser.add_argument("--rows", default="ar,block:4,hf-plain,hf-assisted")
     parser.add_argument("--per-round", action="store_true",
