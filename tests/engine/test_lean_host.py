@@ -230,6 +230,9 @@ def test_fp16_runs_in_float32(arch, monkeypatch):
                               temperature=temperature, max_new_tokens=16, seed=2, eos_token_id=[]).token_ids
                      for method, paths, temperature in (("ar", 1, 0.0), ("block", 1, 1.0), ("gbv", 3, 1.0))])
     assert runs[0] == runs[1]
+    from gbv.engine.tree_decoder import _DRAFT_LEAN
+
+    assert _DRAFT_LEAN[half_draft].host_forward.lm_head.panel.bf16  # (the draft rounded, as a float32 one)
     monkeypatch.setenv("GBV_HOST_KERNELS", "0")
     plain = LeanCausalLM(half)
     assert not plain.fp16_in_float32 and plain.dtype == torch.float16
