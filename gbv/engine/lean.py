@@ -597,18 +597,24 @@ def bf16_weights_in_float32_reason(model) -> str | None:
     path and the panels hold one and the same bfloat16 matrix. ``GBV_HOST_KERNELS=0`` keeps the model in
     bfloat16 throughout, as before.
     """
+    # (its float32 lean copies and bfloat16 panels beside the model: 6 bytes a parameter more than a bfloat16
+    # lean view, and a float32 copy of the model while they are built)
+    return _widened_reason(model, torch.bfloat16, 6)
+
+
+def _widened_reason(model, dtype: torch.dtype, bytes_per_parameter: int) -> str | None:
+    """None when ``model``'s lean view should compute in float32 over its ``dtype`` weights (on the CPU, with the
+    compiled kernels, ``bytes_per_parameter`` of copies and panels fitting in memory); else why not."""
     parameters = list(model.parameters())
-    if not parameters or parameters[0].dtype != torch.bfloat16 or parameters[0].device.type != "cpu":
-        return "not bfloat16 on the CPU"
+    if not parameters or parameters[0].dtype != dtype or parameters[0].device.type != "cpu":
+        return f"not {str(dtype).removeprefix('torch.')} on the CPU"
     if os.environ.get("GBV_HOST_FORWARD", "1") == "0":
         return "GBV_HOST_FORWARD=0"
     unavailable = host_kernels_unavailable()
     if unavailable is not None:
         return unavailable
-    # (its float32 lean copies and bfloat16 panels beside the model: 6 bytes a parameter more than a bfloat16
-    # lean view, and a float32 copy of the model while they are built)
     count = sum(p.numel() for p in parameters)
-    return panels_unfit_reason(count, 6 * count)
+    return panels_unfit_reason(count, bytes_per_parameter * count)
 
 
 def fp16_weights_in_float32_reason(model) -> str | None:
@@ -619,17 +625,7 @@ def fp16_weights_in_float32_reason(model) -> str | None:
     forward, 195 in float32 on the compiled one (docs/ENGINE.md, "Float16 models run in float32"). Unlike
     bfloat16's, float16 values do not fit bfloat16 panels: the panels hold float32, 4 bytes a parameter.
     ``GBV_HOST_KERNELS=0`` keeps the model in float16 throughout."""
-    parameters = list(model.parameters())
-    if not parameters or parameters[0].dtype != torch.float16 or parameters[0].device.type != "cpu":
-        return "not float16 on the CPU"
-    if os.environ.get("GBV_HOST_FORWARD", "1") == "0":
-        return "GBV_HOST_FORWARD=0"
-    unavailable = host_kernels_unavailable()
-    if unavailable is not None:
-        return unavailable
-    # (its float32 lean copies and float32 panels beside the model: 8 bytes a parameter)
-    count = sum(p.numel() for p in parameters)
-    return panels_unfit_reason(count, 8 * count)
+    return _widened_reason(model, torch.float16, 8)  # (float32 copies and float32 panels beside the model)
 
 
 def _float32_copy(model, matrices: bool = True, embedding: bool = True):
