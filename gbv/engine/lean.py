@@ -1133,12 +1133,12 @@ class LeanCausalLM:
         # most of them): only where they pay, and under the same size limit.
         self.transposed = fuse and transposed_weights_pay(dtype, device)
         # A large view keeps its matrices as the compiled products' panels alone, each packed as soon as it is
-        # folded and rounded, its transposed copy written in memory the next one reuses, and the model's own
-        # bfloat16 embedding, whose rows are widened as a call reads them (see _panels_only).
+        # folded (and rounded), its transposed copy written in memory the next one reuses; a bfloat16 one reads
+        # the model's own embedding, whose rows are widened as a call reads them (see _panels_only).
         self.panels_only = self._panels_only(count)
         if widened:  # a float32 copy to take the (exact) weights from; dropped after. (Fused, its matrices are
             # widened as they are transposed.)
-            model = _float32_copy(model, matrices=not fuse, embedding=not self.panels_only)
+            model = _float32_copy(model, matrices=not fuse, embedding=not (self.panels_only and self.bf16_in_float32))
         inner = text_decoder(model)
         embedding = _embedding_module(inner)
         self.embed = embedding.weight
@@ -1249,22 +1249,25 @@ class LeanCausalLM:
 
     def _panels_only(self, count: int) -> bool:
         """Whether this view (being built from a model of ``count`` parameters) keeps its matrices as the
-        compiled products' bfloat16 panels alone (:meth:`_pack_and_release`): a bfloat16 model run in float32 on
-        the CPU of at least ``PANELS_ONLY_MIN_PARAMETERS``, with fused transposed copies, where the compiled
-        kernels run and their panels fit, unless ``GBV_HOST_FORWARD`` is ``0`` or ``torch-products``. Such a
-        view's forward choice does not time torch's forms (:func:`choose_cpu_forward`)."""
-        return (self.bf16_in_float32 and self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS
+        compiled products' panels alone (:meth:`_pack_and_release`): a view of at least
+        ``PANELS_ONLY_MIN_PARAMETERS`` computing in float32 on the CPU with fused transposed copies (a float32
+        model, or a bfloat16 or float16 one run in float32), where the compiled kernels run and their panels fit,
+        unless ``GBV_HOST_FORWARD`` is ``0`` or ``torch-products``. Such a view's forward choice does not time
+        torch's forms (:func:`choose_cpu_forward`)."""
+        panel_bytes = 2 if self.bf16_in_float32 else 4
+        return (self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS
                 and os.environ.get("GBV_HOST_FORWARD", "1") not in ("0", "torch-products")
-                and host_kernels_unavailable() is None and panels_unfit_reason(count, 2 * count) is None)
+                and host_kernels_unavailable() is None and panels_unfit_reason(count, panel_bytes * count) is None)
 
-    @staticmethod
-    def _pack_and_release(matrices: Sequence[_Linear], staging: _Staging) -> None:
-        """Round ``matrices`` (their transposed copies, folded) to bfloat16 values, pack each as the host forward
-        would (``PanelWeight(weight_t, bf16=True)``: AMX panels where the CPU multiplies on them), keep the
-        panels alone (``_Linear.release``) and let the next copies reuse the memory."""
+    def _pack_and_release(self, matrices: Sequence[_Linear], staging: _Staging) -> None:
+        """Pack ``matrices`` (their transposed copies, folded) as the host forward would, keep the panels alone
+        (``_Linear.release``) and let the next copies reuse the memory. A bfloat16 model's are rounded to
+        bfloat16 values first and packed as bfloat16 panels (``PanelWeight(weight_t, bf16=True)``: AMX panels
+        where the CPU multiplies on them); others as float32 panels."""
         for matrix in matrices:
-            _round_to_bf16_values(matrix.weight_t)
-            matrix.release(PanelWeight(matrix.weight_t, bf16=True))
+            if self.bf16_in_float32:
+                _round_to_bf16_values(matrix.weight_t)
+            matrix.release(PanelWeight(matrix.weight_t, bf16=self.bf16_in_float32))
         staging.reuse()
 
     def round_to_bf16_weights(self) -> bool:
@@ -1274,12 +1277,19 @@ class LeanCausalLM:
         the bundled draft in float32 against 0.18 ms in bfloat16 on the Xeon of the twenty-eighth
         session), and any draft keeps decoding lossless, since the drafts are drawn from the laws q the
         verifier is given. Returns whether it did: only where the host forward's compiled products run
-        over this view's own transposed copies of float32 weights."""
+        over this view's own transposed copies of float32 weights (or their float32 panels, where the view
+        keeps those alone: each is unpacked, rounded and packed again)."""
         if not self.can_round_to_bf16_weights():
             return False
         with torch.no_grad(), building_threads(self.model):
             for matrix in self.matrices():
-                _round_to_bf16_values(matrix.weight_t)  # (the view's own copies)
+                if self.panels_only:  # (one matrix's copy at a time, from its panel)
+                    weight_t = torch.from_numpy(matrix.panel.unpacked())
+                    _round_to_bf16_values(weight_t)
+                    matrix.panel = PanelWeight(weight_t, bf16=True)
+                    matrix.__dict__.pop("weight_t", None)  # (a copy unpacked before: unpacked again if read)
+                else:
+                    _round_to_bf16_values(matrix.weight_t)  # (the view's own copies)
             return self.host_forward.pack_bf16_panels()
 
     def can_round_to_bf16_weights(self) -> bool:

@@ -437,10 +437,10 @@ class _Product:
             torch.mm(x_t, self.weight_t, out=out_t)
 
     def __getattr__(self, name: str):
-        # (``weight_t`` of a view that keeps its panels alone: the linear's, unpacked where first read)
+        # (``weight_t`` of a view that keeps its panels alone: the linear's, unpacked where first read; not kept
+        # here, so that it follows the linear's panel, which LeanCausalLM.round_to_bf16_weights may replace)
         if name == "weight_t":
-            self.weight_t = self.__dict__["linear"].weight_t
-            return self.weight_t
+            return self.__dict__["linear"].weight_t
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
@@ -620,7 +620,9 @@ class HostForward:
         ``LeanCausalLM.round_to_bf16_weights``); False where the compiled products do not run."""
         if self.layer_panels is None or self.panels_off is not None:
             return False
-        self.set_panels([PanelWeight(product.weight_t, True) for product in self.products()])
+        # (a view keeping its panels alone has packed them already: lean.LeanCausalLM.round_to_bf16_weights)
+        self.set_panels([product.linear.panel if self.lean.panels_only else PanelWeight(product.weight_t, True)
+                         for product in self.products()])
         return True
 
     def set_panels(self, panels: list[PanelWeight]) -> None:

@@ -1,10 +1,13 @@
-"""Large views keep their panels alone (gbv/engine/lean.py, ``PANELS_ONLY_MIN_PARAMETERS``): a bfloat16 model run in
-float32 packs each matrix as soon as it is folded and rounded, keeps the panels without the float32 transposed copy,
-and writes its copies in memory the next ones reuse (``_Staging``). Such a view must compute what a view with its
+"""Large views keep their panels alone (gbv/engine/lean.py, ``PANELS_ONLY_MIN_PARAMETERS``): a view computing in
+float32 on the CPU (a float32 model, or a bfloat16 or float16 one run in float32) packs each matrix as soon as it is
+folded (a bfloat16 model's rounded), keeps the panels without the float32 transposed copy, and writes its copies in
+memory the next ones reuse (``_Staging``). Such a view must compute what a view with its
 copies computes, bit for bit, on every path: the host forward's (the same panels) and torch's (the copies unpacked
 from the panels where first read). The toys here are small: the size limit is lowered to 0 for them."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -48,12 +51,14 @@ def _copies_held(lean) -> int:
     return sum("weight_t" in matrix.__dict__ for matrix in lean.matrices())
 
 
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("dtype,amx", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
+                                       (torch.float32, False)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_view_keeping_its_panels_alone_computes_the_same_bits(arch, amx, monkeypatch):
-    """The same panels as a view with its copies (kind and bits), no copy held, the model's bfloat16 embedding, and
-    the same logits, bit for bit, over a prompt, a step, a tree pass and a batch: on the host forward, and on
-    torch's forward through copies unpacked from the panels (then held: equal to the other view's)."""
+def test_a_view_keeping_its_panels_alone_computes_the_same_bits(arch, dtype, amx, monkeypatch):
+    """The same panels as a view with its copies (kind and bits), no copy held, the model's own embedding (a
+    bfloat16 one widened as read; a float16 one's float32 copy), and the same logits, bit for bit, over a prompt, a
+    step, a tree pass and a batch: on the host forward, and on torch's forward through copies unpacked from the
+    panels (then held: equal to the other view's)."""
     from gbv.engine import host_kernels
 
     before = host_kernels.amx_products()
@@ -63,17 +68,18 @@ def test_a_view_keeping_its_panels_alone_computes_the_same_bits(arch, amx, monke
         pytest.skip(str(error))
     try:
         target, _ = hf_pair(arch, vocab=48, seed=5, target_size=(64, 2))
-        model = target.to(torch.bfloat16)
+        model = target.to(dtype)
         only, copies = _views(model, monkeypatch)
         assert _copies_held(only) == 0 and _copies_held(copies) == len(copies.matrices())
-        # (the model's own bfloat16 embedding, no float32 copy; rows widened as read)
         embedding = model.get_input_embeddings().weight
-        assert only.embed.dtype == torch.bfloat16 and only.embed.data_ptr() == embedding.data_ptr()
+        assert only.embed.dtype == (torch.float32 if dtype == torch.float16 else dtype)
+        assert (only.embed.data_ptr() == embedding.data_ptr()) == (dtype != torch.float16)
         assert copies.embed.dtype == torch.float32
         products = [(a, b) for a, b in zip(only.host_forward.products(), copies.host_forward.products(), strict=True)]
         for a, b in products:
             assert a.panel.kind == b.panel.kind and np.array_equal(a.panel.panels, b.panel.panels)
         assert only.host_forward.rounds_inputs == copies.host_forward.rounds_inputs == amx
+        assert only.host_forward.lm_head.panel.bf16 == (dtype == torch.bfloat16)
         assert _largest_gap(only, copies) == 0.0
         assert _copies_held(only) == 0  # (the host forward reads the panels alone)
         only, copies = _views(model, monkeypatch, host=False)
@@ -101,12 +107,15 @@ def test_copies_written_over_one_another_are_caught(monkeypatch):
     assert _largest_gap(only, copies) > 1e-3
 
 
-def test_decoding_with_views_keeping_their_panels_alone(monkeypatch):
-    """A bfloat16 pair whose views keep their panels alone decodes the same tokens as with copies (greedy and
-    sampled, BV and GBV), and never unpacks a copy: its forward choice times no torch form."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_decoding_with_views_keeping_their_panels_alone(dtype, monkeypatch):
+    """A pair whose views keep their panels alone decodes the same tokens as with copies (greedy and sampled, BV
+    and GBV), and never unpacks a copy: its forward choice times no torch form. A float32 or float16 draft's
+    panels are rounded to bfloat16 from its float32 panels (``round_to_bf16_weights``), the same bits as from its
+    copies."""
     monkeypatch.delenv("GBV_HOST_FORWARD", raising=False)  # (the tests' conftest takes the host forward unmeasured)
     target, draft = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
-    target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
+    target, draft = target.to(dtype), draft.to(dtype)
     runs = {}
     for limit in (0, 1 << 62):
         monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", limit)
@@ -120,22 +129,27 @@ def test_decoding_with_views_keeping_their_panels_alone(monkeypatch):
                        for method, paths, temperature in (("block", 1, 0.0), ("block", 1, 1.0), ("gbv", 3, 1.0))]
         views = [tree_decoder._LEAN[target], tree_decoder._DRAFT_LEAN[draft]]
         assert all(view.panels_only == (limit == 0) for view in views)
+        draft_panels = [p.panel for p in views[1].host_forward.products()]
+        assert all(panel.bf16 for panel in draft_panels)  # (every draft streams bfloat16 panels here)
+        runs[limit].append([panel.panels for panel in draft_panels])
         if limit == 0:
             assert sum(_copies_held(view) for view in views) == 0
             choice, times = choose_cpu_forward(views[0], views[0].host_forward)
             assert choice == HOST and (times is None or set(times) <= {HOST, HOST_TEMPORAL})
             assert _copies_held(views[0]) == 0
-    assert runs[0] == runs[1 << 62]
+    assert runs[0][:-1] == runs[1 << 62][:-1]
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0][-1], runs[1 << 62][-1], strict=True))
     tree_decoder._LEAN.clear()
     tree_decoder._DRAFT_LEAN.clear()
 
 
 def test_which_views_keep_their_panels_alone(monkeypatch):
-    """Only bfloat16 models run in float32 past the limit, and not where the host forward is off or told to take
-    torch's products: a float32 model keeps its copies (its draft's rounding reads them)."""
+    """Views computing in float32 on the CPU past the limit (float32, bfloat16 and float16 models), not where the
+    host forward is off or told to take torch's products."""
     target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
     monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", 0)
-    assert not LeanCausalLM(target).panels_only  # (float32)
+    assert LeanCausalLM(target).panels_only  # (float32)
+    assert LeanCausalLM(copy.deepcopy(target).half()).panels_only
     model = target.to(torch.bfloat16)
     assert LeanCausalLM(model).panels_only
     for setting in ("0", "torch-products"):
