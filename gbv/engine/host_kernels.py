@@ -535,8 +535,9 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
     every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
-    tokens, positions: (n,) int64. embed: (V, H) float32, or uint16 holding bfloat16 (widened as read). rotary: (P, D/2) complex64, the rotation
-    of each position, or None (no rotation), or a tuple of such tables where each layer's entry names its own
+    tokens, positions: (n,) int64. embed: (V, H) float32, or uint16 holding bfloat16 (widened as read). rotary:
+    (P, D/2) complex64, the rotation of each position, or None (no rotation), or a tuple of such tables where each
+    layer's entry names its own
     (Gemma 3's per layer kind, SmolLM3's none in some layers). position_rows: (P', H) float32, the learned rows added at
     ``position + position_offset`` (GPT-2, OPT), or None. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up,
     w_down, eps_in, eps_post, scale, b_o, b_up, b_down, style[, qk_norm, qk_eps])`` per layer, the weights as
