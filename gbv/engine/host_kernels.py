@@ -279,7 +279,7 @@ class PanelWeight:
             wide = panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)
         wide = wide[:self.in_features, :self.out_features]
         if self.bf16:
-            return (wide.astype(np.uint32, order="C") << 16).view(np.float32)
+            return widened_bf16(wide)
         return np.ascontiguousarray(wide)
 
     @property
@@ -309,6 +309,20 @@ def kv_step_bytes(layers: int, batch: int, kv_heads: int, slots: int, head_dim: 
     """Bytes of keys and values a step of ``batch`` sequences reads over ``slots`` slots of every layer's
     cache (what :data:`KV_PREFETCH_MIN_BYTES` is compared with)."""
     return 2 * layers * batch * kv_heads * slots * head_dim * itemsize
+
+
+def host_array(tensor: Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (sharing its memory): bfloat16 as ``uint16`` bits, since numpy has no
+    bfloat16 (the kernels take such arrays: :func:`kv_bf16` caches, a bfloat16 embedding)."""
+    return (tensor.view(torch.uint16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def widened_bf16(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of bfloat16 ``bits`` (uint16, as :func:`host_array` gives them), exactly: a new
+    C-contiguous array."""
+    wide = bits.astype(np.uint32, order="C")
+    wide <<= 16
+    return wide.view(np.float32)
 
 
 def kv_bf16(keys: np.ndarray) -> bool:

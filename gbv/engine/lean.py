@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.host_kernels import PanelWeight, host_kernels_unavailable, move_slots, prefetch_temporal
+from gbv.engine.host_kernels import (PanelWeight, host_array, host_kernels_unavailable, move_slots,
+                                     prefetch_temporal)
 from gbv.engine.threads import building_threads, one_torch_thread
 from gbv.engine.sampling import SamplingConfig, host_samples
 from gbv.engine.static_steps import MAX_QUERIES, StaticSteps, steps_mode
@@ -251,9 +252,7 @@ class KVCache:
         they share the tensors' memory; made again after :meth:`grow`). A bfloat16 cache gives ``uint16``
         views of the bits (numpy has no bfloat16; ``host_kernels.kv_bf16``)."""
         if self._arrays is None:
-            def view(t: Tensor):
-                return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
-            self._arrays = (tuple(view(t) for t in self.keys), tuple(view(t) for t in self.values))
+            self._arrays = (tuple(host_array(t) for t in self.keys), tuple(host_array(t) for t in self.values))
             self._all_arrays = self._arrays[0] + self._arrays[1]  # (move's)
         return self._arrays
 
@@ -804,7 +803,7 @@ class _Linear:
         """Keep ``panel`` (a ``host_kernels.PanelWeight`` of this transposed copy's values) instead of the copy,
         whose memory may then be reused (:class:`_Staging`)."""
         self.panel = panel
-        del self.weight_t
+        self.__dict__.pop("weight_t", None)  # (a copy unpacked from an earlier panel too: unpacked again if read)
 
     def __getattr__(self, name: str):
         # (called only where an attribute is missing: ``weight_t`` after release(), unpacked from the panel, the
@@ -1116,7 +1115,8 @@ class LeanCausalLM:
         config = model.config.get_text_config()
         # The dtype the matrices' values are (bfloat16 ones may be run in float32: see
         # bf16_weights_in_float32_reason); ``self.dtype`` is the one the forward computes in.
-        self.weight_dtype = _embedding_module(text_decoder(model)).weight.dtype
+        held = _embedding_module(text_decoder(model)).weight
+        self.weight_dtype = held.dtype
         self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
         self.fp16_in_float32 = fp16_weights_in_float32_reason(model) is None
         widened = self.bf16_in_float32 or self.fp16_in_float32  # (computed in float32 from a float32 copy)
@@ -1126,7 +1126,6 @@ class LeanCausalLM:
         count = sum(p.numel() for p in model.parameters())
         fuse = count <= FUSE_MAX_PARAMETERS or large_copies_fit(model, count, self.bf16_in_float32,
                                                                 self.fp16_in_float32)
-        held = _embedding_module(text_decoder(model)).weight
         # (the dtype the forward computes in)
         dtype, device = torch.float32 if widened else held.dtype, held.device
         # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
@@ -1286,8 +1285,7 @@ class LeanCausalLM:
                 if self.panels_only:  # (one matrix's copy at a time, from its panel)
                     weight_t = torch.from_numpy(matrix.panel.unpacked())
                     _round_to_bf16_values(weight_t)
-                    matrix.panel = PanelWeight(weight_t, bf16=True)
-                    matrix.__dict__.pop("weight_t", None)  # (a copy unpacked before: unpacked again if read)
+                    matrix.release(PanelWeight(weight_t, bf16=True))
                 else:
                     _round_to_bf16_values(matrix.weight_t)  # (the view's own copies)
             return self.host_forward.pack_bf16_panels()
