@@ -35,12 +35,13 @@
 #define PANELS_F32 0
 #define PANELS_BF16 1
 #define PANELS_AMX 2
+#define PANELS_F16 3
 
 /* Bytes of a (K, N) weight packed as `kind` (float32 or bfloat16 panels of 16 columns; the AMX kind's
  * panels in pairs and K padded to a multiple of 32: see amx_pairs). */
 static Py_ssize_t panels_bytes(int kind, Py_ssize_t K, Py_ssize_t N) {
     if (kind == PANELS_AMX) return (N + 2 * PANEL - 1) / (2 * PANEL) * ((K + 31) / 32 * 32) * 2 * PANEL * 2;
-    return (N + PANEL - 1) / PANEL * K * PANEL * (kind == PANELS_BF16 ? 2 : 4);
+    return (N + PANEL - 1) / PANEL * K * PANEL * (kind == PANELS_F32 ? 4 : 2);
 }
 #define TILE_ROWS 6
 /* Panel rows (64 bytes each in float32) are prefetched 16 rows (this many bytes) ahead,
@@ -61,7 +62,9 @@ static Py_ssize_t panels_bytes(int kind, Py_ssize_t K, Py_ssize_t N) {
  * float32 panels: two loads. bfloat16 panels (the upper half of a float32's bits): one 32-byte load
  * and two interleaves with zeros, which turn each 16-bit value into the float32 it stands for
  * exactly. The interleave takes words 0-3 and 8-11 into lo and 4-7 and 12-15 into hi, so
- * host_kernels.py stores each bf16 panel row in the column order 0-3, 8-11, 4-7, 12-15. */
+ * host_kernels.py stores each bf16 panel row in the column order 0-3, 8-11, 4-7, 12-15. float16 panels
+ * (a float16 model's weights, PANELS_F16): two 16-byte loads, each widened by F16C's conversion, exact
+ * (every float16 value is a float32 value), in column order. */
 #define LOAD_F32(p, k, lo, hi)                                                                      \
     do {                                                                                            \
         lo = _mm256_loadu_ps((p) + (k) * PANEL);                                                    \
@@ -72,6 +75,11 @@ static Py_ssize_t panels_bytes(int kind, Py_ssize_t K, Py_ssize_t N) {
         const __m256i raw_ = _mm256_loadu_si256((const __m256i *)((p) + (k) * PANEL));              \
         lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw_));              \
         hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw_));              \
+    } while (0)
+#define LOAD_F16(p, k, lo, hi)                                                                      \
+    do {                                                                                            \
+        lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (k) * PANEL)));                \
+        hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (k) * PANEL + 8)));            \
     } while (0)
 /* Non-temporal (the default, above) or into every cache level (set_prefetch_temporal): on an Intel Xeon
  * with AVX-512 and a large L3 the non-temporal hint kept the weights out of the L3, and the bundled
@@ -131,8 +139,11 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  * on the machines measured), so a tile needs about 8 independent sums to keep two FMA units busy: a
  * tile of few rows takes them from several panels at once (P), not from splitting k (which made a
  * row's sums depend on its tile's height). */
+/* (F16C for the float16 panels' loads: every CPU with AVX2 and FMA has it, and the float32 and bfloat16
+ * tiles use none of its instructions; kind_error asks the CPU before float16 panels are multiplied.) */
+#define AVX2_TILE_TARGET "avx2,fma,f16c"
 #define DEFINE_TILE(R, P, NAME, WTYPE, LOAD)                                                        \
-    __attribute__((target("avx2,fma"))) static void tile##P##_##NAME##_##R(                         \
+    __attribute__((target(AVX2_TILE_TARGET))) static void tile##P##_##NAME##_##R(                         \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
         int width, int accumulate) {                                                                \
         const WTYPE *panel = (const WTYPE *)panel_bytes;                                            \
@@ -177,15 +188,19 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
 
 DEFINE_TILES(f32, float, LOAD_F32)
 DEFINE_TILES(bf16, uint16_t, LOAD_BF16)
+DEFINE_TILES(f16, uint16_t, LOAD_F16)
 
 typedef void (*tile_fn)(const float *, Py_ssize_t, const void *, Py_ssize_t, float *, Py_ssize_t, int, int);
 static const tile_fn TILES_F32[TILE_ROWS + 1] = {NULL, tile1_f32_1, tile1_f32_2, tile1_f32_3, tile1_f32_4,
                                                  tile1_f32_5, tile1_f32_6};
 static const tile_fn TILES_BF16[TILE_ROWS + 1] = {NULL, tile1_bf16_1, tile1_bf16_2, tile1_bf16_3, tile1_bf16_4,
                                                   tile1_bf16_5, tile1_bf16_6};
+static const tile_fn TILES_F16[TILE_ROWS + 1] = {NULL, tile1_f16_1, tile1_f16_2, tile1_f16_3, tile1_f16_4,
+                                                 tile1_f16_5, tile1_f16_6};
 /* Multi-panel AVX2 tiles by rows (products of 1 to 3 rows): the tile and its panel count. */
 static const tile_fn TILESP_F32[4] = {NULL, tile4_f32_1, tile2_f32_2, tile2_f32_3};
 static const tile_fn TILESP_BF16[4] = {NULL, tile4_bf16_1, tile2_bf16_2, tile2_bf16_3};
+static const tile_fn TILESP_F16[4] = {NULL, tile4_f16_1, tile2_f16_2, tile2_f16_3};
 static const int TILESP_PANELS[4] = {0, 4, 2, 2};
 
 /* AVX-512 tiles, for products where the CPU has AVX-512F (set_avx512). Why: a pass of several rows
@@ -210,6 +225,7 @@ static const int TILESP_PANELS[4] = {0, 4, 2, 2};
 #define LOAD512_BF16(p, k)                                                                          \
     _mm512_castsi512_ps(                                                                            \
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((p) + (k) * PANEL))), 16))
+#define LOAD512_F16(p, k) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((p) + (k) * PANEL)))
 #define DEFINE_TILE512(R, P, NAME, WTYPE, LOAD, BF16)                                               \
     __attribute__((target("avx512f"))) static void tile512x##P##_##NAME##_##R(                      \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
@@ -281,6 +297,7 @@ static const int TILESP_PANELS[4] = {0, 4, 2, 2};
 
 DEFINE_TILES512(f32, float, LOAD512_F32, 0)
 DEFINE_TILES512(bf16, uint16_t, LOAD512_BF16, 1)
+DEFINE_TILES512(f16, uint16_t, LOAD512_F16, 0)
 
 static const tile_fn TILES512_F32[TILE512_ROWS + 1] = {
     NULL, tile512x1_f32_1, tile512x1_f32_2, tile512x1_f32_3, tile512x1_f32_4, tile512x1_f32_5, tile512x1_f32_6,
@@ -290,6 +307,10 @@ static const tile_fn TILES512_BF16[TILE512_ROWS + 1] = {
     NULL, tile512x1_bf16_1, tile512x1_bf16_2, tile512x1_bf16_3, tile512x1_bf16_4, tile512x1_bf16_5,
     tile512x1_bf16_6, tile512x1_bf16_7, tile512x1_bf16_8, tile512x1_bf16_9, tile512x1_bf16_10, tile512x1_bf16_11,
     tile512x1_bf16_12, tile512x1_bf16_13, tile512x1_bf16_14, tile512x1_bf16_15, tile512x1_bf16_16};
+static const tile_fn TILES512_F16[TILE512_ROWS + 1] = {
+    NULL, tile512x1_f16_1, tile512x1_f16_2, tile512x1_f16_3, tile512x1_f16_4, tile512x1_f16_5, tile512x1_f16_6,
+    tile512x1_f16_7, tile512x1_f16_8, tile512x1_f16_9, tile512x1_f16_10, tile512x1_f16_11, tile512x1_f16_12,
+    tile512x1_f16_13, tile512x1_f16_14, tile512x1_f16_15, tile512x1_f16_16};
 /* Multi-panel AVX-512 tiles by rows: four panels for 1-3 rows, two for 4-14 (rows 8 and more are split
  * into tiles of at most TILE512X2_ROWS). */
 #define TILE512X2_ROWS 14
@@ -302,6 +323,10 @@ static const tile_fn TILES512P_BF16[TILE512X2_ROWS + 1] = {
     NULL, tile512x4_bf16_1, tile512x4_bf16_2, tile512x4_bf16_3, tile512x2_bf16_4, tile512x2_bf16_5,
     tile512x2_bf16_6, tile512x2_bf16_7, tile512x2_bf16_8, tile512x2_bf16_9, tile512x2_bf16_10, tile512x2_bf16_11,
     tile512x2_bf16_12, tile512x2_bf16_13, tile512x2_bf16_14};
+static const tile_fn TILES512P_F16[TILE512X2_ROWS + 1] = {
+    NULL, tile512x4_f16_1, tile512x4_f16_2, tile512x4_f16_3, tile512x2_f16_4, tile512x2_f16_5, tile512x2_f16_6,
+    tile512x2_f16_7, tile512x2_f16_8, tile512x2_f16_9, tile512x2_f16_10, tile512x2_f16_11, tile512x2_f16_12,
+    tile512x2_f16_13, tile512x2_f16_14};
 static const int TILES512P_PANELS[TILE512X2_ROWS + 1] = {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
 /* Whether products of TILE512X2_MIN_ROWS rows or more take the two-panel tiles (where the AVX-512 tiles
  * run); set_two_panel_tiles (GBV_HOST_TWO_PANEL=0 in gbv/engine/host_kernels.py) turns them off. */
@@ -529,15 +554,21 @@ static void rows_in_tiles(const tile_fn *tiles, Py_ssize_t max_rows, const float
     }
 }
 
+/* Each kind's tiles (by kind: PANELS_F32, PANELS_BF16, none for PANELS_AMX, PANELS_F16). */
+static const tile_fn *const KIND_TILES[4] = {TILES_F32, TILES_BF16, NULL, TILES_F16};
+static const tile_fn *const KIND_TILESP[4] = {TILESP_F32, TILESP_BF16, NULL, TILESP_F16};
+static const tile_fn *const KIND_TILES512[4] = {TILES512_F32, TILES512_BF16, NULL, TILES512_F16};
+static const tile_fn *const KIND_TILES512P[4] = {TILES512P_F32, TILES512P_BF16, NULL, TILES512P_F16};
+
 /* Panels first_panel .. end_panel - 1 of y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32
- * (kind PANELS_F32) or of bfloat16 (PANELS_BF16): the columns 16 * first_panel .. 16 * end_panel - 1. */
+ * (kind PANELS_F32), of bfloat16 (PANELS_BF16) or of float16 (PANELS_F16): the columns 16 * first_panel ..
+ * 16 * end_panel - 1. */
 static void panel_range(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
                         Py_ssize_t N, int accumulate, Py_ssize_t first_panel, Py_ssize_t end_panel) {
-    const int bf16 = kind == PANELS_BF16;
-    const Py_ssize_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
+    const Py_ssize_t panel_bytes = K * PANEL * (kind == PANELS_F32 ? 4 : 2);
     Py_ssize_t p = first_panel; /* the first panel the one-panel tiles take */
     if (use_avx512()) {
-        const tile_fn *multi = bf16 ? TILES512P_BF16 : TILES512P_F32;
+        const tile_fn *multi = KIND_TILES512P[kind];
         if (M < TILE512X2_MIN_ROWS) { /* one tile of M rows by P panels, then the panels left over */
             const int P = TILES512P_PANELS[M];
             for (; p + P <= end_panel; p += P) {
@@ -553,14 +584,14 @@ static void panel_range(const float *x, const void *panels, int kind, float *y, 
         }
         for (; p < end_panel; p++) {
             const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
-            rows_in_tiles(bf16 ? TILES512_BF16 : TILES512_F32, TILE512_ROWS, x, M, K,
+            rows_in_tiles(KIND_TILES512[kind], TILE512_ROWS, x, M, K,
                           (const char *)panels + p * panel_bytes, y + p * PANEL, N, width, accumulate);
         }
         return;
     }
     if (M < 4) { /* one tile of M rows by P panels, then the panels left over */
         const int P = TILESP_PANELS[M];
-        const tile_fn tile = (bf16 ? TILESP_BF16 : TILESP_F32)[M];
+        const tile_fn tile = KIND_TILESP[kind][M];
         for (; p + P <= end_panel; p += P) {
             const int width = (int)(N - (p + P - 1) * PANEL < PANEL ? N - (p + P - 1) * PANEL : PANEL);
             tile(x, K, (const char *)panels + p * panel_bytes, K, y + p * PANEL, N, width, accumulate);
@@ -568,16 +599,44 @@ static void panel_range(const float *x, const void *panels, int kind, float *y, 
     }
     for (; p < end_panel; p++) {
         const int width = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
-        rows_in_tiles(bf16 ? TILES_BF16 : TILES_F32, TILE_ROWS, x, M, K, (const char *)panels + p * panel_bytes,
+        rows_in_tiles(KIND_TILES[kind], TILE_ROWS, x, M, K, (const char *)panels + p * panel_bytes,
                       y + p * PANEL, N, width, accumulate);
     }
 }
 
+/* One panel row of float16 panels: `width` float32 values (float16 values: the caller checks) as float16,
+ * zeros after them to 16. */
+__attribute__((target("avx,f16c"))) static void pack_f16_row(const float *row, Py_ssize_t width, uint16_t *o) {
+    float values[PANEL] = {0};
+    memcpy(values, row, (size_t)width * sizeof(float));
+    _mm_storeu_si128((__m128i *)o, _mm256_cvtps_ph(_mm256_loadu_ps(values), _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128((__m128i *)(o + 8), _mm256_cvtps_ph(_mm256_loadu_ps(values + 8), _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* Whether every one of the n float32 values is a float16 value (it survives the round trip through float16,
+ * bit for bit): a float16 model's weights, widened. */
+__attribute__((target("avx2,f16c"))) static int float16_values_only(const float *w, Py_ssize_t n) {
+    __m256i differ = _mm256_setzero_si256();
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(w + i);
+        const __m256 back = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        differ = _mm256_or_si256(differ, _mm256_xor_si256(_mm256_castps_si256(v), _mm256_castps_si256(back)));
+    }
+    if (!_mm256_testz_si256(differ, differ)) return 0;
+    for (; i < n; i++) {
+        const float back = _cvtsh_ss(_cvtss_sh(w[i], _MM_FROUND_TO_NEAREST_INT));
+        if (memcmp(&back, w + i, sizeof back) != 0) return 0;
+    }
+    return 1;
+}
+
 /* Panels (pairs for AMX) first .. end - 1 of a (K, N) float32 weight w packed as `kind` into out
  * (panels_bytes(kind, K, N) bytes; host_kernels.PanelWeight says the layouts): float32 panels (ceil(N / 16),
- * K, 16); bfloat16 ones the same, each row in the column order 0-3, 8-11, 4-7, 12-15 (LOAD_BF16's); AMX
- * ones (pairs, K / 32, 2 panels, 16, 16 columns, 2 values of k). Zeros past N (and past K for AMX). A
- * bfloat16 value is a float32's upper half (the caller checks the lower halves are zero). */
+ * K, 16); bfloat16 ones the same, each row in the column order 0-3, 8-11, 4-7, 12-15 (LOAD_BF16's); float16
+ * ones as float32's; AMX ones (pairs, K / 32, 2 panels, 16, 16 columns, 2 values of k). Zeros past N (and
+ * past K for AMX). A bfloat16 value is a float32's upper half (the caller checks the lower halves are zero),
+ * and a float16 one is exact in float16 (the caller checks that too). */
 #define PACK_ROWS 64
 static void pack_range(const float *w, Py_ssize_t K, Py_ssize_t N, int kind, void *out, Py_ssize_t first,
                        Py_ssize_t end) {
@@ -614,6 +673,10 @@ static void pack_range(const float *w, Py_ssize_t K, Py_ssize_t N, int kind, voi
                 continue;
             }
             uint16_t *o = (uint16_t *)out + (p * K + k) * PANEL;
+            if (kind == PANELS_F16) {
+                pack_f16_row(row + c0, width, o);
+                continue;
+            }
             for (int j = 0; j < PANEL; j++) {
                 uint32_t bits = 0;
                 if (order[j] < width) memcpy(&bits, row + c0 + order[j], sizeof bits);
@@ -885,7 +948,8 @@ static void run_on_panels(product_job *job) {
 }
 
 /* y (M, N) = [y +] x (M, K) @ W (K, N), W as panels of float32 (kind PANELS_F32), of bfloat16
- * (PANELS_BF16) or of bfloat16 for the AMX products (PANELS_AMX: x rounded to bfloat16), on up to
+ * (PANELS_BF16), of float16 (PANELS_F16) or of bfloat16 for the AMX products (PANELS_AMX: x rounded to
+ * bfloat16), on up to
  * set_threads' threads where W is large enough (run_on_panels). 0 where done, -1 out of memory (the AMX
  * products' rounded copy of x). */
 static int panel_product(const float *x, const void *panels, int kind, float *y, Py_ssize_t M, Py_ssize_t K,
@@ -2120,7 +2184,7 @@ static void norm_or_copy(const float *hidden, float *normed, Py_ssize_t rows, Py
  * no query attends a slot before it, and `mask` (required then) covers slots attend_first .. start + n - 1 only,
  * n * (start + n - attend_first) bytes a sequence: attention reads the cache from that slot on.
  * normed, qkv, attn, gate_up, act are work buffers of n rows. The four weights are packed as one kind
- * (bf16: PANELS_F32, PANELS_BF16 or PANELS_AMX, see panel_product); the cache's keys and values are
+ * (bf16: PANELS_F32, PANELS_BF16, PANELS_AMX or PANELS_F16, see panel_product); the cache's keys and values are
  * float32 (kv_bf16 = 0) or bfloat16, rounded to nearest even as they are written (bf16_bits);
  * everything else is float32. 0 where done, -1 out of memory (panel_product). */
 __attribute__((target("avx2,fma"))) static int layer_forward(
@@ -2226,12 +2290,28 @@ static int amx_runs(void) {
 #endif
 }
 
+/* Whether float16 panels (PANELS_F16) can be multiplied here: the CPU's F16C. */
+static int f16_runs(void) {
+#ifdef GBV_PANELS_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+#define F16_ERROR "float16 panels need a CPU with F16C"
+#define KIND_RANGE_ERROR \
+    "the panels' kind must be 0 (float32), 1 (bfloat16), 2 (bfloat16 for the AMX products) or 3 (float16)"
+
 /* NULL where panels of `kind` can be multiplied here, else why not. */
 static const char *kind_error(int kind) {
-    if (kind < PANELS_F32 || kind > PANELS_AMX)
-        return "the panels' kind must be 0 (float32), 1 (bfloat16) or 2 (bfloat16 for the AMX products)";
+    if (kind < PANELS_F32 || kind > PANELS_F16)
+        return KIND_RANGE_ERROR;
     if (kind == PANELS_AMX && !amx_runs())
         return "AMX panels need a CPU with AMX-BF16 (and the kernel's permission to use it)";
+    if (kind == PANELS_F16 && !f16_runs())
+        return F16_ERROR;
     return NULL;
 }
 
@@ -2378,6 +2458,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     else if (panels.len != panels_bytes(kind, K, N))
         error = kind == PANELS_AMX ? "panels must hold ceil(N / 32) * ceil(K / 32) * 32 * 32 bfloat16 values"
                 : kind == PANELS_BF16 ? "panels must hold ceil(N / 16) * K * 16 bfloat16 values"
+                : kind == PANELS_F16  ? "panels must hold ceil(N / 16) * K * 16 float16 values"
                                       : "panels must hold ceil(N / 16) * K * 16 float32 values";
     else if (y.len != M * N * (Py_ssize_t)sizeof(float))
         error = "y must hold M * N float32 values";
@@ -2415,8 +2496,10 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     const char *error = NULL;
     if (!cpu_supported())
         error = "packing panels needs an x86-64 CPU with AVX2 and FMA";
-    else if (kind < PANELS_F32 || kind > PANELS_AMX)
-        error = "the panels' kind must be 0 (float32), 1 (bfloat16) or 2 (bfloat16 for the AMX products)";
+    else if (kind < PANELS_F32 || kind > PANELS_F16)
+        error = KIND_RANGE_ERROR;
+    else if (kind == PANELS_F16 && !f16_runs()) /* (AMX panels are packed anywhere) */
+        error = F16_ERROR;
     else if (K < 1 || N < 1)
         error = "shapes must be K >= 1, N >= 1";
     else if (w.len != K * N * (Py_ssize_t)sizeof(float))
@@ -2429,8 +2512,10 @@ static PyObject *pack(PyObject *self, PyObject *args) {
         /* bfloat16 panels hold each value's upper half: refused, before anything is written, where a lower
          * half is not zero (numpy's check, a masked copy of the whole matrix, took 1.8 s of a 360M-parameter
          * bfloat16 pair's first call: scripts/bench_first_call.py --profile; this one pass reads it once) */
-        if (kind != PANELS_F32 && !upper_halves_only((const uint32_t *)w.buf, K * N))
+        if ((kind == PANELS_BF16 || kind == PANELS_AMX) && !upper_halves_only((const uint32_t *)w.buf, K * N))
             error = "bf16 panels need weights that are bfloat16 values (round them first)";
+        else if (kind == PANELS_F16 && !float16_values_only((const float *)w.buf, K * N))
+            error = "float16 panels need weights that are float16 values";
         else
             pack_panels((const float *)w.buf, K, N, kind, out.buf);
         Py_END_ALLOW_THREADS
@@ -2446,6 +2531,8 @@ static PyObject *pack(PyObject *self, PyObject *args) {
 }
 
 static PyObject *amx(PyObject *self, PyObject *unused) { return PyBool_FromLong(amx_runs()); }
+
+static PyObject *f16(PyObject *self, PyObject *unused) { return PyBool_FromLong(f16_runs()); }
 
 static PyObject *attention(PyObject *self, PyObject *args) {
     Py_buffer q, keys, values, out, mask = {0};
@@ -3421,10 +3508,11 @@ static PyMethodDef METHODS[] = {
     {"amx", amx, METH_NOARGS,
      "Whether AMX panels (kind 2) can be multiplied here: AMX-BF16 and AVX512-BF16, and the kernel's "
      "permission to use the tile data (asked on the first call)."},
+    {"f16", f16, METH_NOARGS, "Whether float16 panels (kind 3) can be multiplied here: the CPU's F16C."},
     {"matmul", matmul, METH_VARARGS,
      "matmul(x, panels, y, M, K, N, accumulate, kind): y (M, N) = [y +] x (M, K) @ W (K, N), W packed as "
-     "(ceil(N/16), K, 16) panels of float32 (kind 0) or bfloat16 (1), or for the AMX products (2: x rounded "
-     "to bfloat16; host_kernels.PanelWeight); x and y C-contiguous float32."},
+     "(ceil(N/16), K, 16) panels of float32 (kind 0), bfloat16 (1) or float16 (3), or for the AMX products (2: x "
+     "rounded to bfloat16; host_kernels.PanelWeight); x and y C-contiguous float32."},
     {"pack", pack, METH_VARARGS,
      "pack(w, out, K, N, kind): the (K, N) C-contiguous float32 weight w packed into out as panels of kind (as "
      "matmul takes them; host_kernels.PanelWeight), on the products' threads where it is large."},

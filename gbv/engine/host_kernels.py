@@ -149,7 +149,7 @@ if _host_kernels is not None and os.environ.get("GBV_HOST_TWO_PANEL", "1") == "0
 
 
 # The kinds of packed weights (PanelWeight.kind; the C products' last argument).
-PANELS_F32, PANELS_BF16, PANELS_AMX = 0, 1, 2
+PANELS_F32, PANELS_BF16, PANELS_AMX, PANELS_F16 = 0, 1, 2, 3
 
 # Whether bfloat16 weights are packed for the AMX products (PanelWeight): None until asked, then what
 # _host_kernels.amx() says (GBV_HOST_AMX=0 in the environment: False), or what set_amx_products set.
@@ -180,6 +180,15 @@ def set_amx_products(on: bool) -> None:
         raise ValueError("the AMX products do not run here: this CPU has no AMX-BF16 and AVX512-BF16, or the "
                          "kernel refused this process the tile data")
     _amx_products = bool(on)
+
+
+def f16_panels() -> bool:
+    """Whether a float16 model's weights are packed as float16 panels (``PanelWeight(..., f16=True)``: half
+    the bytes of float32 panels, the same sums bit for bit) where its lean view runs in float32: where the
+    compiled kernels run and the CPU has F16C, unless ``GBV_HOST_F16_PANELS=0`` (float32 panels, as before:
+    for before/after measurements)."""
+    return (os.environ.get("GBV_HOST_F16_PANELS", "1") != "0" and host_kernels_unavailable() is None
+            and hasattr(_host_kernels, "f16") and _host_kernels.f16())
 
 
 # How the panel kernel prefetches its weights, process-wide: non-temporally (False, its default) or into
@@ -221,24 +230,35 @@ class PanelWeight:
     - ``PANELS_AMX`` (``bf16`` where :func:`amx_products`, or ``amx=True``): bfloat16 for the AMX tiles,
       which round ``x`` to bfloat16: panels in pairs (an odd last one paired with zeros), K padded
       with zeros to a multiple of 32, and per pair and step of 32 values of k two blocks of
-      (16, 32): row j holds (W[k + 2j, c], W[k + 2j + 1, c]) for the panel's 16 columns c.
+      (16, 32): row j holds (W[k + 2j, c], W[k + 2j + 1, c]) for the panel's 16 columns c;
+    - ``PANELS_F16`` (``f16``): the float32 panels in float16, in column order (a float16 model's weights:
+      half the bytes, and the kernel widens each value to the float32 it stands for, so that the sums are
+      those of float32 panels of the same values, bit for bit).
 
-    ``bf16``: every value of ``weight`` must be a bfloat16 value already (raises otherwise): the
-    panels never round.
+    ``bf16`` (``f16``): every value of ``weight`` must be a bfloat16 (float16) value already (raises
+    otherwise): the panels never round.
     """
 
-    def __init__(self, weight: Tensor | np.ndarray, bf16: bool = False, amx: bool | None = None) -> None:
+    def __init__(self, weight: Tensor | np.ndarray, bf16: bool = False, amx: bool | None = None,
+                 f16: bool = False) -> None:
         w = weight.detach().cpu().numpy() if isinstance(weight, Tensor) else np.asarray(weight)
         if w.ndim != 2 or w.dtype != np.float32:
             raise ValueError(f"a panel weight is a 2-D float32 matrix, got {w.dtype} {w.shape}")
         if amx and not bf16:
             raise ValueError("AMX panels hold bfloat16 weights: pass bf16=True")
+        if f16 and bf16:
+            raise ValueError("panels hold bfloat16 or float16, not both: pass one of bf16=True and f16=True")
         amx = bf16 and (amx_products() if amx is None else amx)
-        self.kind = PANELS_AMX if amx else PANELS_BF16 if bf16 else PANELS_F32
+        self.kind = PANELS_AMX if amx else PANELS_BF16 if bf16 else PANELS_F16 if f16 else PANELS_F32
         self.in_features, self.out_features = w.shape
         packs = _host_kernels is not None and hasattr(_host_kernels, "pack")  # (which checks the values itself)
         if bf16 and not packs and np.any(w.view(np.uint32) & 0xFFFF):
             raise ValueError("bf16 panels need weights that are bfloat16 values (round them first)")
+        if f16 and not packs:
+            with np.errstate(over="ignore"):  # (a value past float16's range is refused below)
+                round_trip = w.astype(np.float16).astype(np.float32)
+            if not np.array_equal(round_trip.view(np.uint32), w.view(np.uint32)):
+                raise ValueError("float16 panels need weights that are float16 values")
         width = 2 * PANEL if amx else PANEL
         num_panels = -(-self.out_features // width) * width // PANEL
         depth = -(-self.in_features // 32) * 32 if amx else self.in_features
@@ -246,11 +266,13 @@ class PanelWeight:
             # (one pass in C, on the products' threads: numpy's padded and transposed copies of a 405M-parameter
             # model took 4.5 s on one thread)
             shape = (num_panels // 2, depth // 32, 2, 16, PANEL, 2) if amx else (num_panels, depth, PANEL)
-            self.panels = np.empty(shape, dtype=np.uint16 if bf16 else np.float32)
+            self.panels = np.empty(shape, dtype=np.uint16 if bf16 else np.float16 if f16 else np.float32)
             sync_product_threads()
             _host_kernels.pack(np.ascontiguousarray(w), self.panels, self.in_features, self.out_features, self.kind)
             return
         self.panels = self._packed_by_numpy(w, amx, bf16, num_panels, depth)
+        if f16:
+            self.panels = self.panels.astype(np.float16)
 
     @staticmethod
     def _packed_by_numpy(w: np.ndarray, amx: bool, bf16: bool, num_panels: int, depth: int) -> np.ndarray:
@@ -280,12 +302,12 @@ class PanelWeight:
         wide = wide[:self.in_features, :self.out_features]
         if self.bf16:
             return widened_bf16(wide)
-        return np.ascontiguousarray(wide)
+        return np.ascontiguousarray(wide, dtype=np.float32)  # (float16 panels: widened, exactly)
 
     @property
     def bf16(self) -> bool:
         """Whether the panels hold bfloat16 (for the AVX tiles or the AMX products)."""
-        return self.kind != PANELS_F32
+        return self.kind in (PANELS_BF16, PANELS_AMX)
 
     def matmul_into(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
         """``out = x @ W`` (or ``out += x @ W``) in place; ``x`` (M, K) and ``out`` (M, N) C-contiguous

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gbv.engine.host_kernels import (PanelWeight, host_array, host_kernels_unavailable, move_slots,
+from gbv.engine.host_kernels import (PanelWeight, f16_panels, host_array, host_kernels_unavailable, move_slots,
                                      prefetch_temporal)
 from gbv.engine.threads import building_threads, one_torch_thread
 from gbv.engine.sampling import SamplingConfig, host_samples
@@ -653,26 +653,47 @@ def _float32_copy(model, matrices: bool = True, embedding: bool = True):
     return copy.deepcopy(model, memo)
 
 
-def _round_to_bf16_values(weight: Tensor, rows: int = 256) -> None:
+def _round_to_bf16_values(weight: Tensor, rows: int = 256, dtype: torch.dtype = torch.bfloat16) -> None:
     """Round a float32 ``weight`` to bfloat16 values in place (nearest even, as ``.to(torch.bfloat16)``),
-    ``rows`` rows at a time: a whole bfloat16 temporary was 2.5 GB of fresh memory for a 1.2B model."""
+    ``rows`` rows at a time: a whole bfloat16 temporary was 2.5 GB of fresh memory for a 1.2B model. (To
+    float16 values where ``dtype`` is ``torch.float16``: see :func:`_round_to_f16_values`.)"""
     for row in range(0, weight.shape[0], rows):
         block = weight[row:row + rows]
-        block.copy_(block.to(torch.bfloat16))
+        block.copy_(block.to(dtype))
 
 
-def large_copies_fit(model, count: int, bf16_in_float32: bool, fp16_in_float32: bool = False) -> bool:
+# float16's largest finite value, and the least magnitude that rounds to infinity in float16 (nearest even)
+_F16_OVERFLOW = 65520.0
+
+
+def _round_to_f16_values(weight: Tensor) -> bool:
+    """Round a float32 ``weight`` to float16 values in place, where every value's magnitude rounds to a finite
+    float16 (returns True); else leave it as it is and return False. For a float16 model's folded copies (a norm's
+    weight or a scale times a float16 matrix), packed as float16 panels (``LeanCausalLM.f16_panels``): one rounding
+    at load, as a bfloat16 model's folded copies are rounded to bfloat16, and of the size of the one Hugging Face's
+    float16 forward makes where it multiplies the norm's output in float16."""
+    if weight.numel() and float(weight.abs().amax()) >= _F16_OVERFLOW:
+        return False
+    _round_to_bf16_values(weight, dtype=torch.float16)
+    return True
+
+
+def large_copies_fit(model, count: int, bf16_in_float32: bool, fp16_in_float32: bool = False,
+                     panel_bytes: int | None = None) -> bool:
     """Whether a model of ``count`` parameters past ``FUSE_MAX_PARAMETERS`` (``model``: float32, or a bfloat16
     one to run in float32 where ``bf16_in_float32``, a float16 one where ``fp16_in_float32``) should get the lean
     view's fused and transposed copies: up to ``FUSE_MEMORY_MAX_PARAMETERS``, on the CPU, unless
-    ``GBV_HOST_FORWARD=0``, where they and the compiled products' panels (4 + 4 bytes a parameter; 4 + 2 for a
-    bfloat16 model's panels) fit in ``PANEL_MEMORY_SHARE`` of the memory available (:func:`panels_unfit_reason`)."""
+    ``GBV_HOST_FORWARD=0``, where they and the compiled products' panels (4 + ``panel_bytes`` bytes a parameter:
+    by default 4, 2 for a bfloat16 model's panels) fit in ``PANEL_MEMORY_SHARE`` of the memory available
+    (:func:`panels_unfit_reason`)."""
     first = next(iter(model.parameters()), None)
     held = torch.bfloat16 if bf16_in_float32 else torch.float16 if fp16_in_float32 else torch.float32
     if (first is None or count > FUSE_MEMORY_MAX_PARAMETERS or first.device.type != "cpu" or first.dtype != held
             or os.environ.get("GBV_HOST_FORWARD", "1") == "0"):
         return False
-    return panels_unfit_reason(count, count * (6 if bf16_in_float32 else 8)) is None
+    if panel_bytes is None:
+        panel_bytes = 2 if bf16_in_float32 else 4
+    return panels_unfit_reason(count, count * (4 + panel_bytes)) is None
 
 
 # Rows of W copied at a time into W^T by _transposed_copy, and outputs of W v widened at a time by
@@ -1119,13 +1140,17 @@ class LeanCausalLM:
         self.weight_dtype = held.dtype
         self.bf16_in_float32 = bf16_weights_in_float32_reason(model) is None
         self.fp16_in_float32 = fp16_weights_in_float32_reason(model) is None
+        # A float16 model's panels hold float16 (half the bytes of float32's, the same sums): host_kernels.f16_panels
+        self.f16_panels = self.fp16_in_float32 and f16_panels()
+        # (bytes of a panel's value: bfloat16 and float16 panels 2, float32 ones 4)
+        self.panel_bytes = 2 if self.bf16_in_float32 or self.f16_panels else 4
         widened = self.bf16_in_float32 or self.fp16_in_float32  # (computed in float32 from a float32 copy)
         # Fusing copies the q/k/v and gate/up weights: worth it for small models, whose forward is
         # dominated by per-call overhead; large models keep the Hugging Face tensors (no extra memory)
         # unless the copies fit (large_copies_fit).
         count = sum(p.numel() for p in model.parameters())
         fuse = count <= FUSE_MAX_PARAMETERS or large_copies_fit(model, count, self.bf16_in_float32,
-                                                                self.fp16_in_float32)
+                                                                self.fp16_in_float32, self.panel_bytes)
         # (the dtype the forward computes in)
         dtype, device = torch.float32 if widened else held.dtype, held.device
         # Transposed copies of every matrix (a second copy of the weights, as fusing already makes of
@@ -1205,6 +1230,13 @@ class LeanCausalLM:
             for matrix in self.matrices():                    # rounding, at load; _pack_and_release's own)
                 held = matrix.weight_t if matrix.weight is None else matrix.weight
                 _round_to_bf16_values(held)
+        if self.f16_panels and not self.panels_only:  # folded weights back to float16 values, all or none
+            held = [matrix.weight_t if matrix.weight is None else matrix.weight for matrix in self.matrices()]
+            if all(float(weight.abs().amax()) < _F16_OVERFLOW for weight in held):
+                for weight in held:
+                    _round_to_f16_values(weight)
+            else:
+                self._f16_panels_off()
         self.num_heads = config.num_attention_heads
         self.kv_heads = _kv_heads(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -1253,21 +1285,33 @@ class LeanCausalLM:
         model, or a bfloat16 or float16 one run in float32), where the compiled kernels run and their panels fit,
         unless ``GBV_HOST_FORWARD`` is ``0`` or ``torch-products``. Such a view's forward choice does not time
         torch's forms (:func:`choose_cpu_forward`)."""
-        panel_bytes = 2 if self.bf16_in_float32 else 4
         return (self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS
                 and os.environ.get("GBV_HOST_FORWARD", "1") not in ("0", "torch-products")
-                and host_kernels_unavailable() is None and panels_unfit_reason(count, panel_bytes * count) is None)
+                and host_kernels_unavailable() is None and panels_unfit_reason(count, self.panel_bytes * count) is None)
 
     def _pack_and_release(self, matrices: Sequence[_Linear], staging: _Staging) -> None:
         """Pack ``matrices`` (their transposed copies, folded) as the host forward would, keep the panels alone
         (``_Linear.release``) and let the next copies reuse the memory. A bfloat16 model's are rounded to
         bfloat16 values first and packed as bfloat16 panels (``PanelWeight(weight_t, bf16=True)``: AMX panels
-        where the CPU multiplies on them); others as float32 panels."""
+        where the CPU multiplies on them); a float16 model's as float16 panels (``f16_panels``); others as
+        float32 panels."""
         for matrix in matrices:
             if self.bf16_in_float32:
                 _round_to_bf16_values(matrix.weight_t)
-            matrix.release(PanelWeight(matrix.weight_t, bf16=self.bf16_in_float32))
+            if self.f16_panels and not _round_to_f16_values(matrix.weight_t):
+                self._f16_panels_off()
+            matrix.release(PanelWeight(matrix.weight_t, bf16=self.bf16_in_float32, f16=self.f16_panels))
         staging.reuse()
+
+    def _f16_panels_off(self) -> None:
+        """Pack this float16 model's matrices as float32 panels after all: a folded copy has a value past
+        float16's range (a norm's weight of thousands, which a float16 forward could hardly run with). Those
+        packed as float16 panels so far are packed again as float32 panels of the same values."""
+        self.f16_panels, self.panel_bytes = False, 4
+        built = [m for layer in getattr(self, "layers", []) for m in layer.matrices()] + [getattr(self, "lm_head", None)]
+        for matrix in built:
+            if matrix is not None and matrix.panel is not None:
+                matrix.release(PanelWeight(torch.from_numpy(matrix.panel.unpacked())))
 
     def round_to_bf16_weights(self) -> bool:
         """Round this view's matrices to bfloat16 values and stream them as bfloat16 panels (half the bytes),

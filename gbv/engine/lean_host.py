@@ -103,10 +103,10 @@ def host_forward_unsupported_reason(lean) -> str | None:
 
 
 def _panels_unfit(lean) -> str | None:
-    """:func:`panels_unfit_reason` for ``lean``'s matrices: their panels hold float32, or bfloat16 where the
-    model is a bfloat16 one run in float32."""
+    """:func:`panels_unfit_reason` for ``lean``'s matrices: their panels hold float32, or bfloat16 (float16)
+    where the model is a bfloat16 (float16) one run in float32 (``lean.panel_bytes``)."""
     count = sum(m.in_features * m.out_features for m in lean.matrices())
-    return panels_unfit_reason(count, count * (2 if lean.bf16_in_float32 else 4))
+    return panels_unfit_reason(count, count * lean.panel_bytes)
 
 
 def _layer_mlp(layer) -> int | None:
@@ -412,13 +412,13 @@ class _Product:
     copy ``linear``: torch's GEMM, or the panel kernel on a packed copy (``panel``, None where the kernels are
     not used: the linear's own where the view packed it, ``lean.LeanCausalLM.panels_only``)."""
 
-    def __init__(self, linear, panels: bool, bf16: bool = False) -> None:
+    def __init__(self, linear, panels: bool, bf16: bool = False, f16: bool = False) -> None:
         self.linear = linear
         self.out_features = linear.out_features
         if linear.panel is None:  # (else weight_t is unpacked from its panel where torch's products read it)
             self.weight_t = linear.weight_t
         self.panel = None if not panels else linear.panel if linear.panel is not None else PanelWeight(
-            self.weight_t, bf16)
+            self.weight_t, bf16, f16=f16)
         # x rounded to bfloat16 on torch's path too, where the panels are the AMX products' (which round it)
         self.round_inputs = self.panel is not None and self.panel.kind == PANELS_AMX
 
@@ -491,8 +491,9 @@ class HostForward:
         if self.panels_off is None:
             self.panels_off = _panels_unfit(lean)
         panels = self.panels_off is None
-        # A bfloat16 model run in float32 (lean.bf16_in_float32): its panels hold bfloat16, half the bytes.
-        bf16 = lean.bf16_in_float32
+        # A bfloat16 model run in float32 (lean.bf16_in_float32): its panels hold bfloat16, half the bytes; a
+        # float16 one's float16 (lean.f16_panels).
+        bf16, f16 = lean.bf16_in_float32, lean.f16_panels
         # Layers other than the Llama family's (LayerNorms, biases, MLPs without a gate, parallel blocks,
         # learned positions) run on the compiled kernels only (host_forward_unsupported_reason): takes().
         self.llama = _llama_layers(lean)
@@ -535,10 +536,10 @@ class HostForward:
                 table = self.table_kinds.index(layer.rope_kind) if layer.rope_kind != NO_ROTATION else -1
             else:
                 table = 0 if lean.rotary is not None else -1
-            self.layers.append((_Product(qkv, panels, bf16), array(qkv.bias),
-                                _Product(layer.o, panels, bf16),
-                                _Product(layer.gate_up.parts[0], panels, bf16),
-                                _Product(layer.down, panels, bf16),
+            self.layers.append((_Product(qkv, panels, bf16, f16), array(qkv.bias),
+                                _Product(layer.o, panels, bf16, f16),
+                                _Product(layer.gate_up.parts[0], panels, bf16, f16),
+                                _Product(layer.down, panels, bf16, f16),
                                 -1.0 if layer.input_eps is None else float(layer.input_eps),
                                 -1.0 if layer.post_eps is None else float(layer.post_eps), float(layer.scaling),
                                 array(layer.o.bias), array(layer.gate_up.parts[0].bias), array(layer.down.bias),
@@ -555,7 +556,7 @@ class HostForward:
         gated = not self.layers or lean.layers[0].gated
         self.up_width = self.layers[0][3].out_features if self.layers else 0
         self.intermediate = self.up_width // 2 if gated else self.up_width
-        self.lm_head = _Product(lean.lm_head, panels, bf16)
+        self.lm_head = _Product(lean.lm_head, panels, bf16, f16)
         self.head_bias = array(lean.lm_head.bias)
         self.norm_eps = float(lean.norm_eps)
         self.layer_norm = bool(lean.layer_norm)  # (the final norm's kind)

@@ -24,6 +24,20 @@ def _bf16_values(array: np.ndarray) -> np.ndarray:
     return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
 
 
+def _f16_values(array: np.ndarray) -> np.ndarray:
+    """float32 ``array`` rounded to float16 values (still float32)."""
+    return array.astype(np.float16).astype(np.float32)
+
+
+def _packed(weight: np.ndarray, values: str) -> PanelWeight:
+    """``weight`` (values of that kind already: :data:`_ROUNDED`) packed as panels of ``values`` ("f32", "bf16" or
+    "f16"; not for the AMX products)."""
+    return PanelWeight(weight, bf16=values == "bf16", amx=False, f16=values == "f16")
+
+
+_ROUNDED = {"f32": lambda a: a, "bf16": _bf16_values, "f16": _f16_values}
+
+
 @pytest.fixture(params=["avx2", "avx512", "avx512-one-panel"])
 def tiles(request):
     """The panel kernel's tiles for products of several rows: AVX2 (tiles of 6 rows) or AVX-512 (of 16,
@@ -44,22 +58,23 @@ def tiles(request):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("values", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("in_features,out_features",
                          [(1, 1), (7, 5), (16, 16), (8, 20), (33, 47), (64, 256), (256, 768)])
-def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
+def test_panel_products_equal_numpy(in_features, out_features, values, tiles):
     """Every row count the host forward gives the kernel (0 to 17, 25, 28, 29, 33, 37 and 64: tiles of 6,
     14 or 16 and their remainders), widths that are and are not multiples of 16 or 32 (pairs of panels,
-    a last odd one, a partial second one), written and accumulated; float32 and bfloat16 panels (the
-    latter of bf16 values: the same sums, bit for bit, as float32 panels of those values); every kind of
+    a last odd one, a partial second one), written and accumulated; float32, bfloat16 and float16 panels (the
+    latter two of such values: the same sums, bit for bit, as float32 panels of those values); every kind of
     tiles."""
     rng = np.random.default_rng(in_features * 1000 + out_features)
-    weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
+    weight = _ROUNDED[values](rng.standard_normal((in_features, out_features)).astype(np.float32))
+    bf16 = values != "f32"  # (whether to compare with float32 panels of the same values)
     if bf16:
-        weight = _bf16_values(weight)
         as_float32 = PanelWeight(weight)
-    panel = PanelWeight(weight, bf16=bf16, amx=False)  # (AMX panels: test_amx_products_*)
-    assert panel.panels.dtype == (np.uint16 if bf16 else np.float32)
+    panel = _packed(weight, values)  # (AMX panels: test_amx_products_*)
+    assert panel.panels.dtype == {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}[values]
+    assert panel.panels.nbytes == (4 if values == "f32" else 2) * panel.panels.size
     for rows in [*range(0, 18), 25, 28, 29, 33, 37, 64]:
         x = rng.standard_normal((rows, in_features)).astype(np.float32)
         exact = x.astype(np.float64) @ weight.astype(np.float64)
@@ -77,8 +92,8 @@ def test_panel_products_equal_numpy(in_features, out_features, bf16, tiles):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bf16", [False, True])
-def test_a_rows_products_do_not_depend_on_the_row_count_nor_the_tiles(bf16):
+@pytest.mark.parametrize("values", ["f32", "bf16", "f16"])
+def test_a_rows_products_do_not_depend_on_the_row_count_nor_the_tiles(values):
     """Every tile sums each output over k in one accumulator, in order, whatever its height and panel
     count, so a row's products are the same bits in a product of 1 row, of 5 (a block's pass) or of
     102 (a batch), with the AVX-512 tiles of one or two panels and with the AVX2 tiles: a token's
@@ -87,10 +102,8 @@ def test_a_rows_products_do_not_depend_on_the_row_count_nor_the_tiles(bf16):
     between those groups (scripts/product_row_invariance.py)."""
     import gbv.engine.host_kernels as host_kernels
     rng = np.random.default_rng(7)
-    weight = rng.standard_normal((768, 300)).astype(np.float32)  # (300: panels that are not a multiple of 4)
-    if bf16:
-        weight = _bf16_values(weight)
-    panel = PanelWeight(weight, bf16=bf16, amx=False)
+    weight = _ROUNDED[values](rng.standard_normal((768, 300)).astype(np.float32))  # (300: not a multiple of 4)
+    panel = _packed(weight, values)
     x = rng.standard_normal((102, 768)).astype(np.float32)
     had_avx512 = host_kernels.avx512_tiles()
     kinds = ("two", "one", "avx2") if had_avx512 else ("avx2",)
@@ -196,17 +209,42 @@ def test_amx_panels_hold_pairs_of_k_per_column():
         PanelWeight(weight, amx=True)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "amx"])
+@pytest.mark.parametrize("packer", ["c", "numpy"])
+def test_f16_panels_hold_the_values_in_column_order(packer, monkeypatch):
+    """Each float16 panel row holds the float16 of each weight, in column order, zeros past the last column;
+    weights that are not float16 values are refused (the panels never round), one value off anywhere (the
+    compiled check's vector part and its tail) or one past float16's range. ``packer="numpy"``: the packing
+    of a module without the compiled one."""
+    if packer == "c" and host_kernels_unavailable() is not None:
+        pytest.skip(host_kernels_unavailable())
+    if packer == "numpy":
+        monkeypatch.setattr(host_kernels, "_host_kernels", None)
+    weight = _f16_values(np.arange(3 * 20, dtype=np.float32).reshape(3, 20) * 0.37 + 1)
+    panel = PanelWeight(weight, f16=True)
+    assert panel.panels.shape == (2, 3, 16) and panel.panels.dtype == np.float16
+    np.testing.assert_array_equal(panel.panels[0].astype(np.float32), weight[:, :16])
+    np.testing.assert_array_equal(panel.panels[1][:, :4].astype(np.float32), weight[:, 16:])
+    assert not panel.panels[1][:, 4:].any()  # padding
+    for row, column in ((0, 0), (1, 7), (2, 19)):
+        off = weight.copy()
+        off.view(np.uint32)[row, column] |= 1
+        with pytest.raises(ValueError, match="float16 values"):
+            PanelWeight(off, f16=True)
+    with pytest.raises(ValueError, match="float16 values"):
+        PanelWeight(np.full((2, 3), 65520.0, dtype=np.float32), f16=True)
+    with pytest.raises(ValueError, match="not both"):
+        PanelWeight(weight, bf16=True, f16=True)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "amx", "f16"])
 @pytest.mark.parametrize("in_features,out_features", [(1, 1), (5, 7), (31, 16), (33, 17), (64, 48), (70, 130)])
 def test_unpacked_panels_are_the_packed_matrix(kind, in_features, out_features):
     """``PanelWeight.unpacked`` inverts the packing of each kind exactly (what a lean view that keeps its
     panels alone gives torch's products), whatever the padding of K and of the columns; the compiled
     packing and numpy's alike. Control: a matrix one value off is not what the panels unpack to."""
     rng = np.random.default_rng(in_features * 131 + out_features)
-    weight = rng.standard_normal((in_features, out_features)).astype(np.float32)
-    if kind != "f32":
-        weight = _bf16_values(weight)
-    panel = PanelWeight(weight, bf16=kind != "f32", amx=kind == "amx")
+    weight = _ROUNDED["bf16" if kind == "amx" else kind](rng.standard_normal((in_features, out_features)).astype(np.float32))
+    panel = PanelWeight(weight, bf16=kind in ("bf16", "amx"), amx=kind == "amx", f16=kind == "f16")
     unpacked = panel.unpacked()
     assert unpacked.dtype == np.float32 and unpacked.flags.c_contiguous
     assert unpacked.shape == weight.shape and np.array_equal(unpacked, weight)
@@ -216,7 +254,10 @@ def test_unpacked_panels_are_the_packed_matrix(kind, in_features, out_features):
         width = 2 * host_kernels.PANEL if kind == "amx" else host_kernels.PANEL
         num_panels = -(-out_features // width) * width // host_kernels.PANEL
         depth = -(-in_features // 32) * 32 if kind == "amx" else in_features
-        reference.panels = PanelWeight._packed_by_numpy(weight, kind == "amx", kind != "f32", num_panels, depth)
+        reference.panels = PanelWeight._packed_by_numpy(weight, kind == "amx", kind in ("bf16", "amx"), num_panels,
+                                                        depth)
+        if kind == "f16":
+            reference.panels = reference.panels.astype(np.float16)
         assert np.array_equal(reference.panels, panel.panels)
         assert np.array_equal(reference.unpacked(), weight)
     off = weight.copy()
@@ -226,10 +267,10 @@ def test_unpacked_panels_are_the_packed_matrix(kind, in_features, out_features):
 
 @needs_kernels
 def test_products_refuse_a_kind_they_cannot_run():
-    """A panel kind outside 0-2, and AMX panels where the CPU cannot run them, get one clear ValueError."""
+    """A panel kind outside 0-3, and AMX panels where the CPU cannot run them, get one clear ValueError."""
     x, y = np.ones((1, 32), dtype=np.float32), np.zeros((1, 32), dtype=np.float32)
     with pytest.raises(ValueError, match="kind must be"):
-        host_kernels._host_kernels.matmul(x, np.zeros(2048, dtype=np.uint16), y, 1, 32, 32, False, 3)
+        host_kernels._host_kernels.matmul(x, np.zeros(2048, dtype=np.uint16), y, 1, 32, 32, False, 4)
     if not host_kernels._host_kernels.amx():
         with pytest.raises(ValueError, match="AMX"):
             host_kernels._host_kernels.matmul(x, np.zeros(1024, dtype=np.uint16), y, 1, 32, 32, False, 2)

@@ -201,29 +201,61 @@ def test_bf16_runs_in_float32(arch, monkeypatch):
 @pytest.mark.skipif(host_kernels_unavailable() is not None, reason="float16 runs in float32 only with the kernels")
 @pytest.mark.parametrize("arch", ["llama", "gptneox", "gemma3"])
 def test_fp16_runs_in_float32(arch, monkeypatch):
-    """A float16 model on the CPU, where the compiled kernels run, is run as the float32 model of the same weight
-    values (float32 copies, panels and cache): its lean view computes the logits of the lean view of that float32
-    model bit for bit (host forward and torch's), decodes the same tokens as it, and stays within float16 rounding
-    of Hugging Face's float16 forward. The Hugging Face model is left as it was. With GBV_HOST_KERNELS=0 it stays
-    float16."""
+    """A float16 model on the CPU, where the compiled kernels run, is run in float32 over its weight values, its
+    matrices packed as float16 panels (half the bytes of float32 panels, the same sums). Its folded copies (a norm's
+    weight times a matrix) are rounded to float16 values for them, once; the norms, the embedding and the cache
+    stay float32. So its logits are bit for bit those of the same view multiplying float32 panels of those values,
+    and within float16 rounding of the float32 model's view and of Hugging Face's float16 forward. With
+    ``GBV_HOST_F16_PANELS=0`` its panels are float32 and its logits bit for bit the float32 model's view's (host
+    forward and torch's), and it decodes the same tokens. The Hugging Face model is left as it was. With
+    GBV_HOST_KERNELS=0 it stays float16."""
+    from gbv.engine.host_kernels import PANELS_F16, PanelWeight, f16_panels
+
     if arch not in ARCHITECTURES:
         pytest.skip(f"no {arch} in this transformers")
     target, draft = hf_pair(arch, vocab=48, seed=7, target_size=(64, 2))
+    for module in target.modules():  # (norm weights other than ones, so that folding them makes other values)
+        if "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
+            with torch.no_grad():
+                module.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
     half, half_draft = copy.deepcopy(target).half(), copy.deepcopy(draft).half()
     wide, wide_draft = copy.deepcopy(half).float(), copy.deepcopy(half_draft).float()  # (the same values)
     before = {name: t.clone() for name, t in half.state_dict().items()}
-    lean, reference = LeanCausalLM(half), LeanCausalLM(wide)
-    assert lean.fp16_in_float32 and not lean.bf16_in_float32 and not reference.fp16_in_float32
-    assert lean.dtype == lean.cache_dtype == torch.float32 and lean.host_forward is not None
-    assert all(torch.equal(t, before[name]) and t.dtype == torch.float16 for name, t in half.state_dict().items())
-    assert _largest_gap(lean, reference) == 0.0
-    lean.host_forward = reference.host_forward = None
-    assert _largest_gap(lean, reference) == 0.0
+    reference = LeanCausalLM(wide)
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     with torch.inference_mode():
         logits = reference.forward(tokens, torch.arange(10)[None], 0, reference.new_cache(1, 16), None, causal=True)
         hf_half = half(input_ids=tokens).logits.float()
     assert (logits - hf_half).abs().max() < 0.02 * float(logits.abs().max())
+
+    # float16 panels
+    assert f16_panels()
+    lean, swapped = LeanCausalLM(half), LeanCausalLM(half)
+    assert lean.fp16_in_float32 and lean.f16_panels and not lean.bf16_in_float32 and not reference.fp16_in_float32
+    assert lean.dtype == lean.cache_dtype == torch.float32 and lean.host_forward is not None
+    assert all(torch.equal(t, before[name]) and t.dtype == torch.float16 for name, t in half.state_dict().items())
+    products = lean.host_forward.products()
+    assert all(product.panel.kind == PANELS_F16 for product in products)
+    for product in products:
+        values = product.panel.unpacked()
+        assert np.array_equal(values.astype(np.float16).astype(np.float32), values)
+        assert np.array_equal(values, product.weight_t.numpy())  # (the copy torch's products read: rounded too)
+    swapped.host_forward.set_panels([PanelWeight(torch.from_numpy(product.panel.unpacked()))
+                                     for product in swapped.host_forward.products()])
+    assert _largest_gap(lean, swapped) == 0.0
+    gap = _largest_gap(lean, reference)
+    assert 0 < gap < 0.005 * float(logits.abs().max())  # (the rounding of the folded copies: there, and small)
+    with torch.inference_mode():
+        rounded = lean.forward(tokens, torch.arange(10)[None], 0, lean.new_cache(1, 16), None, causal=True)
+    assert (rounded - hf_half).abs().max() < 0.02 * float(logits.abs().max())
+
+    # float32 panels: the float32 model's view, bit for bit
+    monkeypatch.setenv("GBV_HOST_F16_PANELS", "0")
+    lean = LeanCausalLM(half)
+    assert lean.fp16_in_float32 and not lean.f16_panels and lean.host_forward.lm_head.panel.kind != PANELS_F16
+    assert _largest_gap(lean, reference) == 0.0
+    lean.host_forward = reference.host_forward = None
+    assert _largest_gap(lean, reference) == 0.0
     runs = []
     for pair in (ModelPair(half, half_draft), ModelPair(wide, wide_draft)):
         runs.append([generate(pair, prompt_ids=[3, 1, 4], method=method, num_paths=paths, block_len=4,

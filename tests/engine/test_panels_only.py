@@ -15,7 +15,7 @@ import torch
 
 import gbv.engine.lean as lean_module
 from gbv.engine.generate import generate
-from gbv.engine.host_kernels import host_kernels_unavailable
+from gbv.engine.host_kernels import PANELS_F16, f16_panels, host_kernels_unavailable
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.lean_host import HOST, HOST_TEMPORAL, choose_cpu_forward
 from gbv.models.loading import ModelPair
@@ -80,6 +80,7 @@ def test_a_view_keeping_its_panels_alone_computes_the_same_bits(arch, dtype, amx
             assert a.panel.kind == b.panel.kind and np.array_equal(a.panel.panels, b.panel.panels)
         assert only.host_forward.rounds_inputs == copies.host_forward.rounds_inputs == amx
         assert only.host_forward.lm_head.panel.bf16 == (dtype == torch.bfloat16)
+        assert (only.host_forward.lm_head.panel.kind == PANELS_F16) == (dtype == torch.float16 and f16_panels())
         assert _largest_gap(only, copies) == 0.0
         assert _copies_held(only) == 0  # (the host forward reads the panels alone)
         only, copies = _views(model, monkeypatch, host=False)
@@ -159,3 +160,38 @@ def test_which_views_keep_their_panels_alone(monkeypatch):
     count = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", count + 1)
     assert not LeanCausalLM(model).panels_only
+
+
+@pytest.mark.parametrize("panels_only", [True, False])
+def test_a_float16_model_folded_past_float16s_range_keeps_float32_panels(panels_only, monkeypatch):
+    """A float16 model whose folded copy (a norm's weight times a matrix) has a value past float16's range is packed
+    as float32 panels: a view with its copies rounds none of them, and computes the float32 model's logits bit for
+    bit; a view keeping its panels alone packs again those it had packed as float16 (the last layer's up rows are the
+    ones past the range, found after the head and the layers before), and computes within float16 rounding of it."""
+    from gbv.engine.host_kernels import PANELS_F32
+
+    if not f16_panels():
+        pytest.skip("no float16 panels here")
+    target, _ = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    last = target.model.layers[-1]
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))  # (rounded folded)
+        last.post_attention_layernorm.weight.fill_(1000.0)
+        last.mlp.up_proj.weight[3, 5] = 100.0  # (1e5 folded: past float16's 65504)
+    half = copy.deepcopy(target).half()
+    reference = LeanCausalLM(copy.deepcopy(half).float())
+    monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", 0 if panels_only else 1 << 62)
+    lean = LeanCausalLM(half)
+    assert lean.panels_only == panels_only and lean.fp16_in_float32
+    assert not lean.f16_panels and lean.panel_bytes == 4
+    assert all(product.panel.kind == PANELS_F32 for product in lean.host_forward.products())
+    gap = _largest_gap(lean, reference)
+    if panels_only:
+        with torch.inference_mode():
+            logits = reference.forward(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None], 0,
+                                       reference.new_cache(1, 8), None, causal=True)
+        assert 0 < gap < 0.005 * float(logits.abs().max())
+        head = lean.lm_head.panel.unpacked()  # (packed first as float16: rounded, then packed again)
+        assert np.array_equal(head.astype(np.float16).astype(np.float32), head)
+    else:
+        assert gap == 0.0
