@@ -631,6 +631,13 @@ __attribute__((target("avx2,f16c"))) static int float16_values_only(const float 
     return 1;
 }
 
+/* The n float16 values at src as float32, exactly, into out (a float16 embedding's row). */
+__attribute__((target("avx,f16c"))) static void widen_f16(const uint16_t *src, Py_ssize_t n, float *out) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(src[i]);
+}
+
 /* Panels (pairs for AMX) first .. end - 1 of a (K, N) float32 weight w packed as `kind` into out
  * (panels_bytes(kind, K, N) bytes; host_kernels.PanelWeight says the layouts): float32 panels (ceil(N / 16),
  * K, 16); bfloat16 ones the same, each row in the column order 0-3, 8-11, 4-7, 12-15 (LOAD_BF16's); float16
@@ -3032,16 +3039,16 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     Py_ssize_t window_first = 0; /* (the windowed layers' first slot: their mask's columns start there) */
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
-    int embed_bf16 = 0; /* (the embedding's rows bfloat16 bits, widened as read) */
+    int embed_kind = 0; /* (the embedding's rows: 0 float32, 1 bfloat16 bits, 2 float16; widened as read) */
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddnp", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddni", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
                           &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale, &window_first,
-                          &embed_bf16))
+                          &embed_kind))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -3049,6 +3056,11 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
     if (kind_error(bf16) != NULL) {
         PyErr_SetString(PyExc_ValueError, kind_error(bf16));
+        return NULL;
+    }
+    if (embed_kind < 0 || embed_kind > 2 || (embed_kind == 2 && !f16_runs())) {
+        PyErr_SetString(PyExc_ValueError, embed_kind == 2 ? "a float16 embedding needs a CPU with F16C"
+                                                          : "embed_kind must be 0 (float32), 1 (bfloat16) or 2 (float16)");
         return NULL;
     }
     if (!PyTuple_Check(layers) || !PyTuple_Check(keys_list) || !PyTuple_Check(values_list) ||
@@ -3176,14 +3188,14 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                             &have_head_bias) != 0;
     Py_ssize_t vocab_rows = 0, position_count = 0;
     if (!failed) {
-        const Py_ssize_t embed_size = embed_bf16 ? 2 : f;
+        const Py_ssize_t embed_size = embed_kind ? 2 : f;
         vocab_rows = fixed[2].len / (H * embed_size);
         position_count = have_positions ? position_rows.len / (H * f) : 0;
         if (fixed[2].len != vocab_rows * H * embed_size ||
             (have_positions && position_rows.len != position_count * H * f)) {
             PyErr_SetString(PyExc_ValueError, "embed and position rows must be (V, H) (float32, or bfloat16 bits "
-                                              "with embed_bf16) and (P, H) float32, rotary (P, head_dim / 2) "
-                                              "complex64");
+                                              "with embed_kind 1, or float16 with 2) and (P, H) float32, rotary "
+                                              "(P, head_dim / 2) complex64");
             failed = 1;
         }
     }
@@ -3200,9 +3212,11 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                 break;
             }
             float *hidden_row = (float *)fixed[4].buf + i * H;
-            if (embed_bf16) {
+            if (embed_kind == 1) {
                 const uint16_t *embed_row = (const uint16_t *)fixed[2].buf + tokens[i] * H;
                 for (int h = 0; h < H; h++) hidden_row[h] = bf16_value(embed_row[h]);
+            } else if (embed_kind == 2) {
+                widen_f16((const uint16_t *)fixed[2].buf + tokens[i] * H, H, hidden_row);
             } else {
                 memcpy(hidden_row, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
             }
@@ -3549,7 +3563,7 @@ static PyMethodDef METHODS[] = {
      "normed, qkv, attn, gate_up, act, head, logits, n, H, heads, kv_heads, head_dim, intermediate, vocab, "
      "final_eps, bf16, last_only, draw_vocab, temperature, u, probs, tokens, below_one[, kv_bf16, position_rows, "
      "position_offset, final_layer_norm, head_bias, window_mask, logits_softcap, embed_scale, window_first, "
-     "embed_bf16]): the host forward of one "
+     "embed_kind (0 float32, 1 bfloat16 bits, 2 float16)]): the host forward of one "
      "sequence (host_kernels.forward_into), and with draw_vocab > 0 the softmax of its logits' first draw_vocab "
      "columns at temperature (0: greedy) into probs (or a scratch row) and, where tokens is given, one draw "
      "per output row with u (one output row with u a float and no tokens: returns its token)."},

@@ -333,6 +333,11 @@ def kv_step_bytes(layers: int, batch: int, kv_heads: int, slots: int, head_dim: 
     return 2 * layers * batch * kv_heads * slots * head_dim * itemsize
 
 
+# The compiled forward's kinds of embedding rows (its ``embed_kind``), by the numpy dtype of the embedding: float32,
+# bfloat16 bits (uint16: host_array) and float16, the latter two widened as read.
+EMBED_KINDS = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.float16): 2}
+
+
 def host_array(tensor: Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (sharing its memory): bfloat16 as ``uint16`` bits, since numpy has no
     bfloat16 (the kernels take such arrays: :func:`kv_bf16` caches, a bfloat16 embedding)."""
@@ -571,9 +576,9 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
     every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
-    tokens, positions: (n,) int64. embed: (V, H) float32, or uint16 holding bfloat16 (widened as read). rotary:
-    (P, D/2) complex64, the rotation of each position, or None (no rotation), or a tuple of such tables where each
-    layer's entry names its own
+    tokens, positions: (n,) int64. embed: (V, H) float32, uint16 holding bfloat16, or float16 (widened as read).
+    rotary: (P, D/2) complex64, the rotation of each position, or None (no rotation), or a tuple of such tables where
+    each layer's entry names its own
     (Gemma 3's per layer kind, SmolLM3's none in some layers). position_rows: (P', H) float32, the learned rows added at
     ``position + position_offset`` (GPT-2, OPT), or None. layers: one ``(w_qkv, b_qkv, w_o, w_gate_up,
     w_down, eps_in, eps_post, scale, b_o, b_up, b_down, style[, qk_norm, qk_eps])`` per layer, the weights as
@@ -606,8 +611,8 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
     # (the trailing arguments as one tuple, without a loop over defaults: this runs every step; an older C
     # module takes the calls it knows, scripts/kernels_at.py)
-    embed_bf16 = embed.dtype == np.uint16
-    later = window_mask is not None or logits_softcap or embed_scale != 1.0 or window_first or embed_bf16
+    embed_kind = EMBED_KINDS[embed.dtype]
+    later = window_mask is not None or logits_softcap or embed_scale != 1.0 or window_first or embed_kind
     if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
             and not later):
         extra = _kv_flag(keys[0])  # (the Llama family's call as it was)
@@ -615,7 +620,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
         extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias)
     else:
         extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias, window_mask,
-                 float(logits_softcap), float(embed_scale), int(window_first), *((True,) if embed_bf16 else ()))
+                 float(logits_softcap), float(embed_scale), int(window_first), *((embed_kind,) if embed_kind else ()))
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,

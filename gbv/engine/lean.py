@@ -1157,12 +1157,14 @@ class LeanCausalLM:
         # most of them): only where they pay, and under the same size limit.
         self.transposed = fuse and transposed_weights_pay(dtype, device)
         # A large view keeps its matrices as the compiled products' panels alone, each packed as soon as it is
-        # folded (and rounded), its transposed copy written in memory the next one reuses; a bfloat16 one reads
-        # the model's own embedding, whose rows are widened as a call reads them (see _panels_only).
+        # folded (and rounded), its transposed copy written in memory the next one reuses; a bfloat16 one (a float16
+        # one with float16 panels) reads the model's own embedding, whose rows are widened as a call reads them (see
+        # _panels_only).
         self.panels_only = self._panels_only(count)
         if widened:  # a float32 copy to take the (exact) weights from; dropped after. (Fused, its matrices are
             # widened as they are transposed.)
-            model = _float32_copy(model, matrices=not fuse, embedding=not (self.panels_only and self.bf16_in_float32))
+            model = _float32_copy(model, matrices=not fuse,
+                                  embedding=not (self.panels_only and (self.bf16_in_float32 or self.f16_panels)))
         inner = text_decoder(model)
         embedding = _embedding_module(inner)
         self.embed = embedding.weight

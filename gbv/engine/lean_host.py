@@ -475,7 +475,8 @@ class HostForward:
         self.lean = lean
         self.heads, self.kv_heads, self.head_dim = lean.num_heads, lean.kv_heads, lean.head_dim
         self.hidden = lean.embed.shape[1]
-        # (float32 rows, or the bits of the bfloat16 embedding a view keeping its panels alone reads, uint16)
+        # (float32 rows, or the bits of the bfloat16 embedding a view keeping its panels alone reads, uint16, or the
+        # float16 one such a view of a float16 model reads)
         self.embed = host_kernels.host_array(lean.embed.detach())
         # The embedding rows' factor where the torch forward scales them (Gemma, Granite): applied to each
         # call's rows (a scaled copy of a 262k-row Gemma 3 table took 1.9 s and 1.2 GB at its first call).
@@ -781,6 +782,8 @@ class HostForward:
         rows = self.rows(batch, n)
         if self.embed.dtype == np.uint16:  # (bfloat16 rows, widened exactly)
             rows.hidden[...] = host_kernels.widened_bf16(np.take(self.embed, tokens.reshape(-1), axis=0))
+        elif self.embed.dtype == np.float16:  # (float16 rows, widened exactly)
+            rows.hidden[...] = np.take(self.embed, tokens.reshape(-1), axis=0)
         else:
             np.take(self.embed, tokens.reshape(-1), axis=0, out=rows.hidden)
         if self.embed_scale is not None:  # (float32 products, as the torch forward's and the one-call forward's)

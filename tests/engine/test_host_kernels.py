@@ -733,7 +733,7 @@ def test_sampled_forward_draws_what_process_logits_and_sample_give(temperature):
 
 
 @needs_kernels
-def test_one_call_kernels_refuse_bad_input():
+def test_one_call_kernels_refuse_bad_input(monkeypatch):
     from gbv.engine.host_kernels import softmax_into
 
     with pytest.raises(ValueError, match="logits must be"):
@@ -750,10 +750,15 @@ def test_one_call_kernels_refuse_bad_input():
     with torch.inference_mode(), pytest.raises(ValueError, match="out of range"):
         forward(np.array([[48]]), np.array([[0]]), 0, cache, None, causal=True)  # no token 48
     embed = forward.embed
-    forward.embed = embed.view(np.uint16)[:, :-1].copy()  # (bfloat16 bits: a row one value short of H)
-    with torch.inference_mode(), pytest.raises(ValueError, match="embed and position rows must be"):
-        forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)
+    for short in (embed.view(np.uint16)[:, :-1].copy(), embed.astype(np.float16)[:, :-1].copy()):
+        forward.embed = short  # (bfloat16 bits, float16: a row one value short of H)
+        with torch.inference_mode(), pytest.raises(ValueError, match="embed and position rows must be"):
+            forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)
     forward.embed = embed
+    with monkeypatch.context() as patch:  # (a kind of embedding rows the compiled forward does not know)
+        patch.setitem(host_kernels.EMBED_KINDS, np.dtype(np.float32), 3)
+        with torch.inference_mode(), pytest.raises(ValueError, match="embed_kind must be"):
+            forward(np.array([[1]]), np.array([[0]]), 0, cache, None, causal=True)
     panels = forward.layer_panels
     broken = list(panels)
     broken[0] = broken[0][:7]
