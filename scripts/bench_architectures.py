@@ -14,7 +14,7 @@ on how well their drafts agree (the table's last column), and only ``ar`` compar
 
     python scripts/bench_architectures.py --families llama,gemma2,gemma3
 
-``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo2``, ``olmo3`` and ``gptj``
+``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo``, ``olmo2``, ``olmo3`` and ``gptj``
 (``SHAPED_LIKE`` in engine_toy.py; not in the default list) cannot compute the bundled function at all
 (LayerNorms, MLPs without a gate, norms after the blocks only): their pairs are random models of the
 bundled target's and draft's shapes (seeded; ``shaped_like``; StarCoder2 and OLMo 3 with windows of
@@ -22,7 +22,7 @@ bundled target's and draft's shapes (seeded; ``shaped_like``; StarCoder2 and OLM
 and the peer, with whatever agreement random models have:
 
     python scripts/bench_architectures.py --families llama,gptneox,gpt2,opt,gpt-bigcode,starcoder2,phi
-    python scripts/bench_architectures.py --families llama,olmo2,olmo3
+    python scripts/bench_architectures.py --families llama,olmo,olmo2,olmo3
     python scripts/bench_architectures.py --families llama,gptj
 
     python scripts/bench_architectures.py --out docs/results/engine/architectures-thirtyseventh.json

@@ -36,8 +36,8 @@ gap would be a bug.
 
 ``--family``: the bundled pair rewritten in another family's layout (``tests/engine/engine_toy.py``,
 ``as_family``: phi3, granite, gemma, gemma2, gemma3, mistral, smollm3; the windowed ones slide over 128
-positions, so long prompts pass their windows); gptneox, gpt2, opt, gpt-bigcode, starcoder2, phi, olmo2,
-olmo3, gptj: random models of the bundled shapes (``shaped_like``: their layers cannot compute the
+positions, so long prompts pass their windows); gptneox, gpt2, opt, gpt-bigcode, starcoder2, phi, olmo,
+olmo2, olmo3, gptj: random models of the bundled shapes (``shaped_like``: their layers cannot compute the
 bundled function). Only Phi-3 runs on the compiled kernels like the bundled pair; the others run on the
 torch forward, where differences are reported, not failed.
 """
@@ -270,7 +270,7 @@ def main() -> int:
     parser.add_argument("--family", default="llama", choices=("llama", "phi3", "granite", "gemma", "gemma2", "gemma3",
                                                               "mistral", "smollm3", *SHAPED_LIKE),
                         help="the bundled pair as is (llama) or rewritten in this family's layout (gptneox, gpt2, "
-                             "opt, gpt-bigcode, starcoder2, phi, olmo2, olmo3, gptj, qwen3: random models of its "
+                             "opt, gpt-bigcode, starcoder2, phi, olmo, olmo2, olmo3, gptj, qwen3: random models of its "
                              "shapes)")
     parser.add_argument("--product-threads", type=int, default=1,
                         help="the compiled products' threads (torch keeps one; the same bits at any count)")

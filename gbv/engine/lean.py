@@ -66,7 +66,7 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                       "GraniteForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM",
                       "GPT2LMHeadModel", "OPTForCausalLM", "GPTBigCodeForCausalLM", "Starcoder2ForCausalLM",
-                      "PhiForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GPTJForCausalLM")
+                      "PhiForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GPTJForCausalLM")
 # What the Llama-shaped families change, each taken from the Hugging Face modules (docs/ENGINE.md, "More
 # architectures on the lean path"):
 # - Gemma: RMSNorms scale by 1 + weight in float32 before their cast (_norm_scale_and_eps), the embedding
@@ -97,6 +97,8 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   window;
 # - Phi (phi-1, 1.5, 2): one LayerNorm per layer, read by attention and the MLP in parallel, a partial
 #   rotation, biases on every matrix and on the LM head;
+# - OLMo (1): Llama's layout with LayerNorms that have no weight nor bias (``OlmoLayerNorm``, eps 1e-5, computed
+#   in float32), q/k/v clipped where ``clip_qkv`` is set (not here: such a model takes the plain path);
 # - OLMo 2 / 3: no norm before attention or the MLP, each block's output normed before its residual add
 #   (as Gemma 2's), q and k normed over all heads at once (not per head), every RMSNorm scaling before
 #   its cast; OLMo 3 slides windows on some layers and rotates each layer kind by its own table;
@@ -154,6 +156,8 @@ def lean_unsupported_reason(model) -> str | None:
         # there and no pass across it. docs/ENGINE.md, "More architectures on the lean path".)
         if isinstance(parameters, dict) and parameters.get("rope_type", "default") in ("dynamic", "longrope"):
             return f"rope type {parameters.get('rope_type')} (its frequencies depend on the sequence length)"
+    if getattr(config, "clip_qkv", None) is not None:
+        return "q, k and v clipped (OLMo's clip_qkv)"
     if getattr(config, "add_cross_attention", False):
         return "cross-attention layers"
     if getattr(config, "reorder_and_upcast_attn", False):
@@ -355,11 +359,19 @@ def _eps_tensor(eps: float, device: torch.device) -> Tensor:
     return _EPS_TENSORS[key]
 
 
-def _norm_scale_and_eps(norm) -> tuple[Tensor, float]:
-    """An RMSNorm module's scale and epsilon. Gemma's norms multiply the normalised float32 values by
-    ``1 + weight`` before casting back (GemmaRMSNorm): their scale is that float32 ``1 + weight``, which
-    :func:`_rms_norm` applies before its cast because its dtype is not the input's (in a float32 model the
-    two orders are the same computation)."""
+def _is_layer_norm(norm) -> bool:
+    """Whether a norm module is a LayerNorm (its input's mean subtracted), not an RMSNorm: torch's (GPT-NeoX, GPT-2,
+    OPT, ...), or OLMo 1's ``OlmoLayerNorm`` (no weight nor bias)."""
+    return isinstance(norm, torch.nn.LayerNorm) or type(norm).__name__ == "OlmoLayerNorm"
+
+
+def _norm_scale_and_eps(norm) -> tuple[Tensor | None, float]:
+    """An RMSNorm module's scale and epsilon (a LayerNorm's weight, None where it has none). Gemma's norms multiply
+    the normalised float32 values by ``1 + weight`` before casting back (GemmaRMSNorm): their scale is that float32
+    ``1 + weight``, which :func:`_rms_norm` applies before its cast because its dtype is not the input's (in a
+    float32 model the two orders are the same computation)."""
+    if type(norm).__name__ == "OlmoLayerNorm":  # (F.layer_norm(x, ..., None, None, eps=1e-5) in float32)
+        return None, 1e-5
     eps = getattr(norm, "variance_epsilon", None)
     eps = norm.eps if eps is None else eps
     if type(norm).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
@@ -370,7 +382,7 @@ def _norm_scale_and_eps(norm) -> tuple[Tensor, float]:
 
 
 def _norm_bias(norm) -> Tensor | None:
-    """A LayerNorm's bias (GPT-NeoX); None for RMSNorms and LayerNorms without one."""
+    """A LayerNorm's bias (GPT-NeoX); None for RMSNorms and LayerNorms without one (OLMo 1's has none)."""
     return getattr(norm, "bias", None) if isinstance(norm, torch.nn.LayerNorm) else None
 
 
@@ -970,7 +982,7 @@ class _Layer:
         # GPT-NeoX, GPT-2, OPT, ...: LayerNorms (with biases) rather than RMSNorms; GPT-NeoX where
         # ``use_parallel_residual``, and Phi: attention and the MLP both read the layer's input,
         # h + attn(ln1(h)) + mlp(ln2(h)) (Phi: ln1 = ln2).
-        self.layer_norm = isinstance(input_norm, torch.nn.LayerNorm)
+        self.layer_norm = _is_layer_norm(input_norm)
         self.shared_norm = input_norm is not None and post_norm is input_norm  # (Phi: the MLP reads attention's x)
         self.parallel = bool(getattr(layer, "use_parallel_residual", False)) or self.shared_norm
         self.input_bias, self.post_bias = _norm_bias(input_norm), _norm_bias(post_norm)
@@ -1266,7 +1278,7 @@ class LeanCausalLM:
         final = _final_norm_module(inner)
         final_norm, self.norm_eps = _norm_scale_and_eps(final)
         self.norm_bias = _norm_bias(final)
-        self.layer_norm = isinstance(final, torch.nn.LayerNorm)  # (the final norm's kind: its layers' too)
+        self.layer_norm = _is_layer_norm(final)  # (the final norm's kind: its layers' too)
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.transposed,
                                self.upcast, staging=staging)
         self.norm = final_norm

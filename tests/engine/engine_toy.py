@@ -270,6 +270,15 @@ def _phi(vocab, hidden, layers):
         "_proj.weight")
 
 
+def _olmo(vocab, hidden, layers):
+    """OLMo (1): Llama's layout with LayerNorms that have no weight nor bias."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    return OlmoForCausalLM(OlmoConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, **NO_SPECIAL))
+
+
 def _olmo2(vocab, hidden, layers):
     """OLMo 2: no norms before attention or the MLP, norms after each block, q and k normed over all heads
     (random norm weights: the ones they start from would hide their order)."""
@@ -323,7 +332,7 @@ ARCHITECTURES = {"bloom": _bloom, "falcon": _falcon, "gptj": _gptj, "gpt2": _gpt
                  "phi3": _phi3, "mistral": _mistral, "gemma2": _gemma2, "gemma3": _gemma3, "gemma3mm": _gemma3mm,
                  "smollm3": _smollm3, "gptneox": _gptneox, "gptneox-sequential": _gptneox_sequential,
                  "gpt-bigcode": _gpt_bigcode, "gpt-bigcode-heads": _gpt_bigcode_heads, "starcoder2": _starcoder2,
-                 "phi": _phi, "olmo2": _olmo2, "olmo3": _olmo3}
+                 "phi": _phi, "olmo": _olmo, "olmo2": _olmo2, "olmo3": _olmo3}
 if Qwen3ForCausalLM is not None:
     ARCHITECTURES["qwen3"] = _qwen3
 
@@ -331,7 +340,7 @@ if Qwen3ForCausalLM is not None:
 # The architectures the lean tree engine runs (the rest, BLOOM and Falcon, take the plain Hugging Face path).
 LEAN = ("llama", "qwen2", "qwen3", "gemma", "granite", "phi3", "mistral", "gemma2", "gemma3", "gemma3mm", "smollm3",
         "gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
-        "phi", "olmo2", "olmo3", "gptj")
+        "phi", "olmo", "olmo2", "olmo3", "gptj")
 
 
 def hf_pair(arch: str = "llama", vocab: int = 32, seed: int = 0, target_size=(32, 2), draft_size=(16, 1)):
@@ -495,7 +504,8 @@ def as_family(model, family: str, window: int = 128):
 
 
 # Families whose layers cannot compute a Llama model's function: their pairs are random models of its shapes.
-SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo2", "olmo3", "gptj", "qwen3")
+SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo", "olmo2", "olmo3", "gptj",
+               "qwen3")
 
 
 def family_models(target, draft, family: str):
@@ -512,7 +522,7 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
     vocabulary, context and special tokens; float32, eval mode, weights from ``seed``), for the families
     whose layers cannot compute a Llama model's function (LayerNorms, MLPs without a gate; see
     ``as_family``): ``"gptneox"``, ``"gpt2"``, ``"opt"``, ``"gpt-bigcode"`` (multi-query), ``"starcoder2"``
-    (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo2"``, ``"olmo3"`` (a sliding
+    (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo"``, ``"olmo2"``, ``"olmo3"`` (a sliding
     ``window`` on three layers of four), ``"gptj"`` and ``"qwen3"`` (q/k norms, random weights about 1)."""
     from transformers import (GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, GPTNeoXConfig,
                               GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM,
@@ -543,10 +553,13 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
 
         head_dim = like.hidden_size // like.num_attention_heads
         return GPTJForCausalLM(GPTJConfig(**shape, n_inner=like.intermediate_size, rotary_dim=head_dim // 4)).eval()
-    if family in ("olmo2", "olmo3"):
-        from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+    if family in ("olmo", "olmo2", "olmo3"):
+        from transformers import (Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, OlmoConfig,
+                                  OlmoForCausalLM)
 
         settings = dict(**shape, intermediate_size=like.intermediate_size, num_key_value_heads=like.num_key_value_heads)
+        if family == "olmo":
+            return OlmoForCausalLM(OlmoConfig(**settings)).eval()
         if family == "olmo2":
             return Olmo2ForCausalLM(Olmo2Config(**settings)).eval()
         kinds = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(like.num_hidden_layers)]

@@ -21,7 +21,7 @@ from engine_toy import hf_pair, sharpen
 
 NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3mm", "granite", "phi3", "smollm3", "gptneox",
                 "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "starcoder2",
-                "phi", "olmo2", "olmo3", "gptj")
+                "phi", "olmo", "olmo2", "olmo3", "gptj")
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
@@ -81,7 +81,7 @@ def _break(arch: str, lean: LeanCausalLM) -> None:
     elif arch in ("phi", "gptj"):  # the MLP on the attention's output
         for layer in lean.layers:
             layer.parallel = False
-    elif arch in ("gptneox-sequential", "starcoder2"):  # RMSNorms for the LayerNorms (weights, biases folded)
+    elif arch in ("gptneox-sequential", "starcoder2", "olmo"):  # RMSNorms for the LayerNorms (weights, biases folded)
         lean.layer_norm = False
         for layer in lean.layers:
             layer.layer_norm = False
@@ -162,7 +162,7 @@ def test_which_forward_runs_each_family():
                        "gemma3": compiled, "gemma3mm": compiled, "starcoder2": compiled, "smollm3": compiled,
                        "gptneox": compiled, "gptneox-sequential": compiled, "phi": compiled,
                        "gpt2": compiled, "opt": compiled, "gpt-bigcode": compiled, "gpt-bigcode-heads": compiled,
-                       "olmo2": compiled, "olmo3": compiled, "gptj": compiled,
+                       "olmo": compiled, "olmo2": compiled, "olmo3": compiled, "gptj": compiled,
                        "phi3": lean_host.host_forward_unsupported_reason(LeanCausalLM(hf_pair("llama", vocab=32)[0]))}
     gemma = LeanCausalLM(hf_pair("gemma", vocab=32)[0])
     assert gemma.layers[0].act is lean_module._gelu_tanh
@@ -402,6 +402,25 @@ def test_longrope_stays_on_the_plain_path():
     model = Phi3ForCausalLM(config)
     assert lean_unsupported_reason(model) == "rope type longrope (its frequencies depend on the sequence length)"
     assert engine_for(model, None) == "hf"
+
+
+def test_olmo_clip_qkv_stays_on_the_plain_path():
+    """OLMo 1's ``clip_qkv`` (OLMo-7B-0424's 8) clamps q, k and v after their projection, which the lean path does
+    not: such a model is declined with the reason, and decodes on the plain path (greedy: Hugging Face's tokens)."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    torch.manual_seed(0)
+    config = OlmoConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, clip_qkv=0.05,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = OlmoForCausalLM(config).eval()
+    assert lean_unsupported_reason(model) == "q, k and v clipped (OLMo's clip_qkv)"
+    assert engine_for(model, None) == "hf"
+    out = generate(ModelPair(model, model), prompt_ids=[3, 1, 4], method="block", block_len=3, temperature=0.0,
+                   max_new_tokens=8, eos_token_id=[])
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([[3, 1, 4]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert out.token_ids == expected
 
 
 def test_gptj_tree_passes_reach_past_its_rotary_table():

@@ -55,10 +55,10 @@ def amx_products(request):
 # parallel blocks, learned positions, multi-query attention, partial and adjacent-pair rotations, Qwen3's
 # q/k norms, Gemma's GELU-tanh gate, sliding windows (Mistral, StarCoder2), norms after each block and tables per
 # layer kind (Gemma 3, OLMo 3), OLMo 2's q/k norms over all heads, SmolLM3's layers without rotation, Gemma 2's
-# soft caps).
+# soft caps, OLMo 1's LayerNorms without weights).
 OTHER_FAMILIES = ("gptneox", "gptneox-sequential", "gpt2", "opt", "gpt-bigcode", "gpt-bigcode-heads", "phi", "gptj",
-                  *(arch for arch in ("qwen3", "gemma", "gemma2", "gemma3", "gemma3mm", "olmo2", "olmo3", "starcoder2",
-                                      "smollm3", "mistral") if arch in ARCHITECTURES))
+                  *(arch for arch in ("qwen3", "gemma", "gemma2", "gemma3", "gemma3mm", "olmo", "olmo2", "olmo3",
+                                      "starcoder2", "smollm3", "mistral") if arch in ARCHITECTURES))
 
 
 def _skip_without_kernels(arch: str) -> None:

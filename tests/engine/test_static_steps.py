@@ -69,7 +69,7 @@ def _calls(gen: torch.Generator, vocab: int):
                                         ("gptneox-sequential", torch.bfloat16), ("gpt2", torch.float32),
                                         ("opt", torch.bfloat16), ("gpt-bigcode", torch.float32),
                                         ("starcoder2", torch.float32), ("olmo2", torch.float32),
-                                        ("olmo3", torch.bfloat16), ("gptj", torch.float32)])
+                                        ("olmo3", torch.bfloat16), ("gptj", torch.float32), ("olmo", torch.float32)])
 def test_static_steps_equal_the_eager_forward(arch, dtype):
     """Logits and every cache entry written agree with the eager forward, through a cache that grows
     on the way (its steps dropped and made again). llama: grouped-query attention, interleaved
