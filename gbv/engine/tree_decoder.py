@@ -66,13 +66,15 @@ def draft_lean_model(model, target) -> LeanCausalLM:
         # One view built, not two: the shared view where it was built already, or where this one has
         # nothing to round (it becomes the shared view); else this one, rounded, the draft's own. (Before,
         # the shared view and then a copy to round: two builds, two forward choices.)
+        # (built for rounding, bf16_draft: a view keeping its panels alone packs them as bfloat16 at once. Another
+        # that cannot round has nothing rounded: it may serve as the shared view.)
         shared = _LEAN.get(model)
-        draft = shared if shared is not None else LeanCausalLM(model)
+        draft = shared if shared is not None else LeanCausalLM(model, bf16_draft=True)
         if draft.can_round_to_bf16_weights():
             if draft is shared:
-                draft = LeanCausalLM(model)
+                draft = LeanCausalLM(model, bf16_draft=True)
             draft.round_to_bf16_weights()
-        elif shared is None:
+        elif shared is None and not draft.panels_only:
             _LEAN[model] = draft
         _DRAFT_LEAN[model] = draft
     return draft

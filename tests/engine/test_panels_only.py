@@ -196,3 +196,39 @@ def test_a_float16_model_folded_past_float16s_range_keeps_float32_panels(panels_
         assert np.array_equal(head.astype(np.float16).astype(np.float32), head)
     else:
         assert gap == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_draft_keeping_its_panels_alone_packs_bfloat16_panels_at_once(dtype, monkeypatch):
+    """A draft's view built to be rounded (``bf16_draft``, as ``draft_lean_model`` builds it) that keeps its panels
+    alone rounds each matrix and packs it as bfloat16 at build, unpacking nothing: the bits of a view with its copies
+    rounded after the build, and for a float32 model the bits of the path before, which packed float32 panels and
+    unpacked them to round them. Its logits are then those of the view rounded the old way."""
+    from gbv.engine.host_kernels import PanelWeight
+
+    _, draft = hf_pair("llama", vocab=48, seed=5, target_size=(64, 2))
+    for module in draft.modules():  # (norm weights other than ones: the folded copies are not the matrices)
+        if "norm" in type(module).__name__.lower():
+            with torch.no_grad():
+                module.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    draft = draft.to(dtype)
+    monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", 1 << 62)
+    copies = LeanCausalLM(draft, bf16_draft=True)
+    assert copies.round_to_bf16_weights() and not copies.f16_panels
+    monkeypatch.setattr(lean_module, "PANELS_ONLY_MIN_PARAMETERS", 0)
+    before = LeanCausalLM(draft)  # (packed as float32 or float16 panels, then unpacked and rounded)
+    assert before.round_to_bf16_weights()
+
+    def no_unpacking(self):
+        raise AssertionError("a panel unpacked")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PanelWeight, "unpacked", no_unpacking)
+        at_once = LeanCausalLM(draft, bf16_draft=True)
+        assert at_once.panels_only and at_once.round_to_bf16_weights()
+    for a, b, c in zip(at_once.host_forward.products(), copies.host_forward.products(),
+                       before.host_forward.products(), strict=True):
+        assert a.panel.bf16 and a.panel.kind == b.panel.kind and np.array_equal(a.panel.panels, b.panel.panels)
+        if dtype == torch.float32:
+            assert np.array_equal(a.panel.panels, c.panel.panels)
+    assert _largest_gap(at_once, copies) == 0.0
