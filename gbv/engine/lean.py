@@ -1192,8 +1192,9 @@ class LeanCausalLM:
         self.panels_only = self._panels_only(count)
         if widened:  # a float32 copy to take the (exact) weights from; dropped after. (Fused, its matrices are
             # widened as they are transposed.)
-            model = _float32_copy(model, matrices=not fuse,
-                                  embedding=not (self.panels_only and (self.bf16_in_float32 or self.f16_panels)))
+            # (a float16 embedding is read as it is wherever the kernels widen float16: a bf16_draft's too)
+            own_embedding = self.bf16_in_float32 or (self.fp16_in_float32 and f16_panels())
+            model = _float32_copy(model, matrices=not fuse, embedding=not (self.panels_only and own_embedding))
         inner = text_decoder(model)
         embedding = _embedding_module(inner)
         self.embed = embedding.weight

@@ -226,6 +226,8 @@ def test_a_draft_keeping_its_panels_alone_packs_bfloat16_panels_at_once(dtype, m
         patch.setattr(PanelWeight, "unpacked", no_unpacking)
         at_once = LeanCausalLM(draft, bf16_draft=True)
         assert at_once.panels_only and at_once.round_to_bf16_weights()
+    embedding = draft.get_input_embeddings().weight  # (the model's own, a float16 one widened as read)
+    assert at_once.embed.data_ptr() == embedding.data_ptr() and at_once.embed.dtype == dtype
     for a, b, c in zip(at_once.host_forward.products(), copies.host_forward.products(),
                        before.host_forward.products(), strict=True):
         assert a.panel.bf16 and a.panel.kind == b.panel.kind and np.array_equal(a.panel.panels, b.panel.panels)
