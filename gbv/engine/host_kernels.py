@@ -611,7 +611,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
     # (the trailing arguments as one tuple, without a loop over defaults: this runs every step; an older C
     # module takes the calls it knows, scripts/kernels_at.py)
-    embed_kind = EMBED_KINDS[embed.dtype]
+    embed_kind = EMBED_KINDS.get(embed.dtype, 0)  # (another dtype: refused by the call's size check)
     later = window_mask is not None or logits_softcap or embed_scale != 1.0 or window_first or embed_kind
     if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
             and not later):

@@ -665,10 +665,14 @@ def _float32_copy(model, matrices: bool = True, embedding: bool = True):
     return copy.deepcopy(model, memo)
 
 
-def _round_to_bf16_values(weight: Tensor, rows: int = 256, dtype: torch.dtype = torch.bfloat16) -> None:
+def _round_to_bf16_values(weight: Tensor, rows: int = 256) -> None:
     """Round a float32 ``weight`` to bfloat16 values in place (nearest even, as ``.to(torch.bfloat16)``),
-    ``rows`` rows at a time: a whole bfloat16 temporary was 2.5 GB of fresh memory for a 1.2B model. (To
-    float16 values where ``dtype`` is ``torch.float16``: see :func:`_round_to_f16_values`.)"""
+    ``rows`` rows at a time: a whole bfloat16 temporary was 2.5 GB of fresh memory for a 1.2B model."""
+    _round_in_place(weight, torch.bfloat16, rows)
+
+
+def _round_in_place(weight: Tensor, dtype: torch.dtype, rows: int = 256) -> None:
+    """Round a float32 ``weight`` to values of ``dtype`` (bfloat16 or float16) in place, ``rows`` rows at a time."""
     for row in range(0, weight.shape[0], rows):
         block = weight[row:row + rows]
         block.copy_(block.to(dtype))
@@ -686,7 +690,7 @@ def _round_to_f16_values(weight: Tensor) -> bool:
     float16 forward makes where it multiplies the norm's output in float16."""
     if not _within_f16_range(weight):
         return False
-    _round_to_bf16_values(weight, dtype=torch.float16)
+    _round_in_place(weight, torch.float16)
     return True
 
 
@@ -1266,7 +1270,7 @@ class LeanCausalLM:
             held = [matrix.weight_t if matrix.weight is None else matrix.weight for matrix in self.matrices()]
             if all(_within_f16_range(weight) for weight in held):
                 for weight in held:
-                    _round_to_f16_values(weight)
+                    _round_in_place(weight, torch.float16)
             else:
                 self._f16_panels_off()
         self.num_heads = config.num_attention_heads
