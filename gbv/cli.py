@@ -93,7 +93,7 @@ class _Version(argparse.Action):
         self.version = version
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from gbv.engine.host_kernels import amx_products, avx512_tiles, host_kernels_unavailable
+        from gbv.engine.host_kernels import amx_products, avx512_tiles, f16_panels, host_kernels_unavailable
 
         from gbv.verify.common import compiled_kernels
 
@@ -101,7 +101,8 @@ class _Version(argparse.Action):
         kernels = "on" if reason is None else f"off: {reason}"
         if reason is None:  # (which tiles: the speed of several rows, and the bf16 products' rounding)
             kernels += f" ({'AVX-512' if avx512_tiles() else 'AVX2'} tiles" + (
-                "; bfloat16 weights on AMX, inputs rounded to bfloat16)" if amx_products() else ")")
+                "; bfloat16 weights on AMX, inputs rounded to bfloat16" if amx_products() else "") + (
+                "; float16 weights as float16 panels)" if f16_panels() else ")")
         helpers = "on" if compiled_kernels is not None else "off: not built (no C compiler at install); numpy runs"
         sys.stdout.write(f"{self.version}\nCPU kernels: {kernels}\nverifier helpers: {helpers}\n")
         parser.exit()

@@ -32,12 +32,13 @@ def test_version(capsys):
         assert exc.code == 0
     version, kernels, helpers = capsys.readouterr().out.strip().split("\n")
     assert version == f"gbv {gbv.__version__}"
-    from gbv.engine.host_kernels import amx_products, avx512_tiles, host_kernels_unavailable
+    from gbv.engine.host_kernels import amx_products, avx512_tiles, f16_panels, host_kernels_unavailable
     from gbv.verify.common import compiled_kernels
     reason = host_kernels_unavailable()
     if reason is None:
         assert kernels.startswith(f"CPU kernels: on ({'AVX-512' if avx512_tiles() else 'AVX2'} tiles")
         assert ("AMX" in kernels) == amx_products()
+        assert ("float16 panels" in kernels) == f16_panels() and kernels.endswith(")")
     else:
         assert kernels == f"CPU kernels: off: {reason}"
     assert helpers.startswith("verifier helpers: on" if compiled_kernels is not None else "verifier helpers: off")
