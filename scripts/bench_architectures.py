@@ -14,7 +14,8 @@ on how well their drafts agree (the table's last column), and only ``ar`` compar
 
     python scripts/bench_architectures.py --families llama,gemma2,gemma3
 
-``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo``, ``olmo2``, ``olmo3`` and ``gptj``
+``gptneox``, ``gpt2``, ``opt``, ``gpt-bigcode``, ``starcoder2``, ``phi``, ``olmo`` (``olmo-clip``: with OLMo 1.7's
+``clip_qkv``), ``olmo2``, ``olmo3`` and ``gptj``
 (``SHAPED_LIKE`` in engine_toy.py; not in the default list) cannot compute the bundled function at all
 (LayerNorms, MLPs without a gate, norms after the blocks only): their pairs are random models of the
 bundled target's and draft's shapes (seeded; ``shaped_like``; StarCoder2 and OLMo 3 with windows of

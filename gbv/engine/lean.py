@@ -98,7 +98,8 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 # - Phi (phi-1, 1.5, 2): one LayerNorm per layer, read by attention and the MLP in parallel, a partial
 #   rotation, biases on every matrix and on the LM head;
 # - OLMo (1): Llama's layout with LayerNorms that have no weight nor bias (``OlmoLayerNorm``, eps 1e-5, computed
-#   in float32), q/k/v clipped where ``clip_qkv`` is set (not here: such a model takes the plain path);
+#   in float32), q/k/v clamped to [-clip_qkv, clip_qkv] after their projection where ``clip_qkv`` is set (OLMo 1.7:
+#   torch's forward only, ``LeanCausalLM.clip_qkv``);
 # - OLMo 2 / 3: no norm before attention or the MLP, each block's output normed before its residual add
 #   (as Gemma 2's), q and k normed over all heads at once (not per head), every RMSNorm scaling before
 #   its cast; OLMo 3 slides windows on some layers and rotates each layer kind by its own table;
@@ -156,8 +157,6 @@ def lean_unsupported_reason(model) -> str | None:
         # there and no pass across it. docs/ENGINE.md, "More architectures on the lean path".)
         if isinstance(parameters, dict) and parameters.get("rope_type", "default") in ("dynamic", "longrope"):
             return f"rope type {parameters.get('rope_type')} (its frequencies depend on the sequence length)"
-    if getattr(config, "clip_qkv", None) is not None:
-        return "q, k and v clipped (OLMo's clip_qkv)"
     if getattr(config, "add_cross_attention", False):
         return "cross-attention layers"
     if getattr(config, "reorder_and_upcast_attn", False):
@@ -633,10 +632,11 @@ def fp16_weights_in_float32_reason(model) -> str | None:
     (float32 copies and panels, float32 KV cache: a float32 model with these weight values); else why not (one
     phrase). Why: torch has no fast float16 kernels on most CPUs, and float16 checkpoints (Pythia, OPT) load as
     float16 by default: a random Pythia-70m / 14m pair decoded ``ar`` at 64 tokens/s in float16 on torch's
-    forward, 195 in float32 on the compiled one (docs/ENGINE.md, "Float16 models run in float32"). Unlike
-    bfloat16's, float16 values do not fit bfloat16 panels: the panels hold float32, 4 bytes a parameter.
+    forward, 195 in float32 on the compiled one (docs/ENGINE.md, "Float16 models run in float32"). The panels hold
+    float16 where the CPU has F16C (:func:`host_kernels.f16_panels`; 2 bytes a parameter), else float32.
     ``GBV_HOST_KERNELS=0`` keeps the model in float16 throughout."""
-    return _widened_reason(model, torch.float16, 8)  # (float32 copies and float32 panels beside the model)
+    # (float32 copies and the panels beside the model)
+    return _widened_reason(model, torch.float16, 6 if f16_panels() else 8)
 
 
 def _float32_copy(model, matrices: bool = True, embedding: bool = True):
@@ -1166,6 +1166,10 @@ class LeanCausalLM:
             raise ValueError(f"no lean forward for this model: {reason}")
         self.model = model
         config = model.config.get_text_config()
+        # OLMo 1.7's bound on q, k and v after their projection (None: not clamped): torch's forward clamps them,
+        # the compiled layers do not (host_forward_unsupported_reason), so such a view keeps its copies.
+        clip = getattr(config, "clip_qkv", None)
+        self.clip_qkv = None if clip is None else float(clip)
         # The dtype the matrices' values are (bfloat16 ones may be run in float32: see
         # bf16_weights_in_float32_reason); ``self.dtype`` is the one the forward computes in.
         held = _embedding_module(text_decoder(model)).weight
@@ -1321,7 +1325,7 @@ class LeanCausalLM:
         model, or a bfloat16 or float16 one run in float32), where the compiled kernels run and their panels fit,
         unless ``GBV_HOST_FORWARD`` is ``0`` or ``torch-products``. Such a view's forward choice does not time
         torch's forms (:func:`choose_cpu_forward`)."""
-        return (self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS
+        return (self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS and self.clip_qkv is None
                 and os.environ.get("GBV_HOST_FORWARD", "1") not in ("0", "torch-products")
                 and host_kernels_unavailable() is None and panels_unfit_reason(count, self.panel_bytes * count) is None)
 
@@ -1467,6 +1471,8 @@ class LeanCausalLM:
         ``rot`` None: a layer without rotation."""
         heads = self.num_heads + 2 * self.kv_heads
         qkv = layer.qkv.parts[0](x).view(batch, n, heads, self.head_dim)  # x: (B * N, hidden)
+        if self.clip_qkv is not None:  # (OLMo 1.7; elementwise, so the interleaved order does not matter)
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         qk = qkv[:, :, :self.num_heads + self.kv_heads]
         if layer.q_norm is not None:
             q_part, k_part = qk[:, :, :self.num_heads], qk[:, :, self.num_heads:]
@@ -1702,6 +1708,8 @@ class LeanCausalLM:
                 q, k, v = self._qkv_interleaved(layer, x, rot, batch, n)
             else:
                 q, k, v = layer.qkv(x)
+                if self.clip_qkv is not None:  # (OLMo 1.7)
+                    q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
                 if layer.qk_norm_all_heads:  # (OLMo 2 / 3: before the split into heads)
                     q, k = layer.q_norm(q), layer.k_norm(k)
                 q = q.reshape(batch, n, self.num_heads, self.head_dim)

@@ -68,6 +68,8 @@ def host_forward_unsupported_reason(lean) -> str | None:
         return "not float32 on the CPU"
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
+    if lean.clip_qkv is not None:
+        return "q, k and v clamped (OLMo 1.7's clip_qkv; torch's forward clamps them)"
     for layer in lean.layers:
         if layer.q_norm is not None and layer.q_norm_eps != layer.k_norm_eps:
             return "q/k norms of two eps"

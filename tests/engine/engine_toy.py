@@ -504,8 +504,8 @@ def as_family(model, family: str, window: int = 128):
 
 
 # Families whose layers cannot compute a Llama model's function: their pairs are random models of its shapes.
-SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo", "olmo2", "olmo3", "gptj",
-               "qwen3")
+SHAPED_LIKE = ("gptneox", "gpt2", "opt", "gpt-bigcode", "starcoder2", "phi", "olmo", "olmo-clip", "olmo2", "olmo3",
+               "gptj", "qwen3")
 
 
 def family_models(target, draft, family: str):
@@ -522,7 +522,8 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
     vocabulary, context and special tokens; float32, eval mode, weights from ``seed``), for the families
     whose layers cannot compute a Llama model's function (LayerNorms, MLPs without a gate; see
     ``as_family``): ``"gptneox"``, ``"gpt2"``, ``"opt"``, ``"gpt-bigcode"`` (multi-query), ``"starcoder2"``
-    (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo"``, ``"olmo2"``, ``"olmo3"`` (a sliding
+    (its kv heads as ``model``'s, a sliding ``window``), ``"phi"``, ``"olmo"`` (``"olmo-clip"``: OLMo 1.7's
+    ``clip_qkv`` of 8, on torch's lean forward), ``"olmo2"``, ``"olmo3"`` (a sliding
     ``window`` on three layers of four), ``"gptj"`` and ``"qwen3"`` (q/k norms, random weights about 1)."""
     from transformers import (GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, GPTNeoXConfig,
                               GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM,
@@ -553,13 +554,13 @@ def shaped_like(model, family: str, seed: int, window: int = 128):
 
         head_dim = like.hidden_size // like.num_attention_heads
         return GPTJForCausalLM(GPTJConfig(**shape, n_inner=like.intermediate_size, rotary_dim=head_dim // 4)).eval()
-    if family in ("olmo", "olmo2", "olmo3"):
+    if family in ("olmo", "olmo-clip", "olmo2", "olmo3"):
         from transformers import (Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, OlmoConfig,
                                   OlmoForCausalLM)
 
         settings = dict(**shape, intermediate_size=like.intermediate_size, num_key_value_heads=like.num_key_value_heads)
-        if family == "olmo":
-            return OlmoForCausalLM(OlmoConfig(**settings)).eval()
+        if family in ("olmo", "olmo-clip"):
+            return OlmoForCausalLM(OlmoConfig(**settings, clip_qkv=8.0 if family == "olmo-clip" else None)).eval()
         if family == "olmo2":
             return Olmo2ForCausalLM(Olmo2Config(**settings)).eval()
         kinds = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(like.num_hidden_layers)]
