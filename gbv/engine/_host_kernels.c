@@ -2114,6 +2114,7 @@ typedef struct {
     int qk_all_heads; /* OLMo 2 / 3: q normed over all its heads' values at once and k over all of its own
                        * (qk_norm then heads * D q weights, then kv_heads * D k weights) */
     float softcap;    /* Gemma 2: the attention scores capped, softcap * tanh(s / softcap) (0: not capped) */
+    float clip;       /* OLMo 1.7: q, k and v clamped to [-clip, clip] after their product (0: not clamped) */
 } layer_style;
 enum { LAYER_SEQUENTIAL = 0, LAYER_PARALLEL = 1, LAYER_PARALLEL_SHARED = 2 };
 /* A style's bits as Python packs them (host_kernels.layer_style): norm, parallel, MLP. */
@@ -2210,6 +2211,9 @@ __attribute__((target("avx2,fma"))) static int layer_forward(
         const Py_ssize_t i = r % n, first = (r / n) * sequence; /* query i of sequence r / n */
         float *row = qkv + r * width;
         add_bias_rows(row, b_qkv, 1, width);
+        if (style->clip > 0.0f) /* (OLMo 1.7's clip_qkv: as torch's clamp, a NaN stays NaN) */
+            for (Py_ssize_t c = 0; c < width; c++)
+                row[c] = row[c] > style->clip ? style->clip : row[c] < -style->clip ? -style->clip : row[c];
         if (style->qk_norm && style->qk_all_heads) { /* (q over all its heads' values, k likewise: OLMo 2 / 3) */
             rms_head(row, heads * D, style->qk_norm, style->qk_eps);
             rms_head(row + (Py_ssize_t)heads * D, kv_heads * D, style->qk_norm + (Py_ssize_t)heads * D, style->qk_eps);
@@ -2755,15 +2759,15 @@ static PyObject *layer(PyObject *self, PyObject *args) {
     int H, heads, kv_heads, D, I, bf16, kv_bf16 = 0, prefetch_values = 0, out_of_memory = 0, style_bits = 0;
     int qk_all_heads = 0;
     Py_ssize_t attend_first = 0;
-    double eps_in, eps_post, scale, qk_eps = 0.0, attn_out_eps = 0.0, mlp_out_eps = 0.0, softcap = 0.0;
+    double eps_in, eps_post, scale, qk_eps = 0.0, attn_out_eps = 0.0, mlp_out_eps = 0.0, softcap = 0.0, clip = 0.0;
     for (int b = 15; b < OBJECTS; b++) objects[b] = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOdOdOdpdn", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOniiiiindddi|pnpOOOiOdOdOdpdnd", &objects[0], &objects[1], &objects[2],
                           &objects[3], &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &objects[12], &objects[13], &objects[14], &n, &H, &heads,
                           &kv_heads, &D, &I, &start, &eps_in, &eps_post, &scale, &bf16, &kv_bf16, &batch,
                           &prefetch_values, &objects[15], &objects[16], &objects[17], &style_bits, &objects[18],
                           &qk_eps, &objects[19], &attn_out_eps, &objects[20], &mlp_out_eps, &qk_all_heads, &softcap,
-                          &attend_first))
+                          &attend_first, &clip))
         return NULL;
     if (style_error(style_bits) != NULL) {
         PyErr_SetString(PyExc_ValueError, style_error(style_bits));
@@ -2845,7 +2849,7 @@ static PyObject *layer(PyObject *self, PyObject *args) {
                                    given[18] ? (const float *)views[18].buf : NULL, qk_eps,
                                    given[19] ? (const float *)views[19].buf : NULL,
                                    given[20] ? (const float *)views[20].buf : NULL, attn_out_eps, mlp_out_eps,
-                                   qk_all_heads, (float)softcap};
+                                   qk_all_heads, (float)softcap, (float)clip};
         Py_BEGIN_ALLOW_THREADS
         out_of_memory = layer_forward(
             (float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, (float *)views[3].buf,
@@ -3083,19 +3087,20 @@ static PyObject *forward(PyObject *self, PyObject *args) {
      * OLMo 2 / 3's, SmolLM3's and the windowed ones attn_out_norm attn_out_eps mlp_out_norm mlp_out_eps flags
      * rotary softcap (EXTRA: flags LAYER_QK_ALL_HEADS | LAYER_WINDOWED; rotary the index of its table in
      * `rotary`, a tuple of them there, or -1 for none; softcap Gemma 2's cap of the scores, 0 for none) */
-    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12, QK_ENTRY = 14, EXTRA_ENTRY = 21 };
+    enum { LLAMA_ENTRY = 8, STYLED_ENTRY = 12, QK_ENTRY = 14, EXTRA_ENTRY = 21, CLIP_ENTRY = 22 };
     enum { LAYER_QK_ALL_HEADS = 1, LAYER_WINDOWED = 2, MAX_TABLES = 8 };
     for (Py_ssize_t l = 0; l < num_layers; l++) {
         PyObject *entry = PyTuple_GET_ITEM(layers, l);
         const Py_ssize_t size = PyTuple_Check(entry) ? PyTuple_GET_SIZE(entry) : 0;
-        if ((size != LLAMA_ENTRY && size != STYLED_ENTRY && size != QK_ENTRY && size != EXTRA_ENTRY) ||
+        if ((size != LLAMA_ENTRY && size != STYLED_ENTRY && size != QK_ENTRY && size != EXTRA_ENTRY &&
+             size != CLIP_ENTRY) ||
             (size >= STYLED_ENTRY && !PyLong_Check(PyTuple_GET_ITEM(entry, 11))) ||
             (size >= EXTRA_ENTRY && (!PyLong_Check(PyTuple_GET_ITEM(entry, 18)) ||
                                      !PyLong_Check(PyTuple_GET_ITEM(entry, 19))))) {
             PyErr_SetString(PyExc_ValueError, "each layer must be (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, "
                                               "eps_post, scale[, b_o, b_up, b_down, style[, qk_norm, qk_eps[, "
                                               "attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, "
-                                              "rotary, softcap]]])");
+                                              "rotary, softcap[, clip]]]])");
             return NULL;
         }
         if (size >= STYLED_ENTRY) {
@@ -3133,8 +3138,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     Py_buffer fixed[13];
     int fixed_given[13] = {0};
     /* per layer: w_qkv b_qkv w_o w_gate_up w_down keys values b_o b_up b_down qk_norm attn_out_norm mlp_out_norm,
-     * then eps_in eps_post scale qk_eps attn_out_eps mlp_out_eps softcap */
-    enum { PER_LAYER = 13, CONSTANTS = 7 };
+     * then eps_in eps_post scale qk_eps attn_out_eps mlp_out_eps softcap clip */
+    enum { PER_LAYER = 13, CONSTANTS = 8 };
     Py_buffer *views = (Py_buffer *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(Py_buffer));
     int *given = (int *)PyMem_Calloc((size_t)(num_layers * PER_LAYER) + 1, sizeof(int));
     double *constants = (double *)PyMem_Calloc((size_t)(CONSTANTS * num_layers) + 1, sizeof(double));
@@ -3288,9 +3293,9 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             failed = 1;
             break;
         }
-        /* (eps_in eps_post scale at 5-7; qk_eps at 13, attn_out_eps at 15, mlp_out_eps at 17, softcap at 20,
-         * or 0) */
-        static const int constant_at[CONSTANTS] = {5, 6, 7, 13, 15, 17, 20};
+        /* (eps_in eps_post scale at 5-7; qk_eps at 13, attn_out_eps at 15, mlp_out_eps at 17, softcap at 20, clip
+         * at 21, or 0) */
+        static const int constant_at[CONSTANTS] = {5, 6, 7, 13, 15, 17, 20, 21};
         for (int c = 0; c < CONSTANTS && !failed; c++) {
             PyObject *value = c < 3 ? PyTuple_GET_ITEM(entry, constant_at[c]) : ENTRY_BIAS(entry, constant_at[c]);
             constants[CONSTANTS * l + c] = value == Py_None ? 0.0 : PyFloat_AsDouble(value);
@@ -3300,6 +3305,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         styles[l].attn_out_eps = constants[CONSTANTS * l + 4];
         styles[l].mlp_out_eps = constants[CONSTANTS * l + 5];
         styles[l].softcap = (float)constants[CONSTANTS * l + 6];
+        styles[l].clip = (float)constants[CONSTANTS * l + 7];
 #undef ENTRY_BIAS
     }
     /* the draw: uniforms, probabilities (or a scratch row) and tokens of the output rows; one output

@@ -431,7 +431,7 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, style: int = LLAMA_STYLE,
                qk_norm: np.ndarray | None = None, qk_eps: float = 0.0, attn_out_norm: np.ndarray | None = None,
                attn_out_eps: float = 0.0, mlp_out_norm: np.ndarray | None = None, mlp_out_eps: float = 0.0,
-               qk_all_heads: bool = False, softcap: float = 0.0, attend_first: int = 0) -> None:
+               qk_all_heads: bool = False, softcap: float = 0.0, attend_first: int = 0, clip: float = 0.0) -> None:
     """One decoder layer of the host forward for the n rows of one sequence, in place on
     ``rows.hidden`` (n, H) (``rows``: the host forward's work buffers, lean_host._Rows), in one call;
     with ``batch`` > 1, for ``batch`` sequences of n rows each (``rows.hidden`` (batch * n, H),
@@ -464,7 +464,8 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
     block (OLMo 2 / 3). ``mask`` is the layer's own: a windowed layer's holds its window. ``softcap`` > 0
     (Gemma 2): the attention scores capped as :func:`attention_into` caps them. ``attend_first`` > 0 (a windowed
     layer past its window): no query attends a slot before it, and ``mask`` (then required) covers slots
-    ``attend_first .. start + n - 1`` only, (``[batch,]`` n, start + n - attend_first).
+    ``attend_first .. start + n - 1`` only, (``[batch,]`` n, start + n - attend_first). ``clip`` > 0 (OLMo 1.7's
+    ``clip_qkv``): q, k and v clamped to [-clip, clip] after their product (and bias).
     """
     total, hidden = rows.hidden.shape
     n = total // batch
@@ -480,7 +481,7 @@ def layer_into(rows, w_qkv: PanelWeight, b_qkv: np.ndarray | None, w_o: PanelWei
                                                           (qk_norm, None), (qk_eps, 0.0), (attn_out_norm, None),
                                                           (attn_out_eps, 0.0), (mlp_out_norm, None),
                                                           (mlp_out_eps, 0.0), (qk_all_heads, False), (softcap, 0.0),
-                                                          (attend_first, 0)))
+                                                          (attend_first, 0), (clip, 0.0)))
 
 
 def _trailing(*given: tuple) -> tuple:
@@ -587,7 +588,8 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     norms as :func:`layer_into` takes them, then optionally ``attn_out_norm, attn_out_eps, mlp_out_norm,
     mlp_out_eps, flags, rotary, softcap`` (a 21-item entry: the block output norms as :func:`layer_into`
     takes them, ``flags`` LAYER_QK_ALL_HEADS | LAYER_WINDOWED, ``rotary`` the index of the layer's table in the
-    tuple ``rotary``, or -1 for none, ``softcap`` Gemma 2's cap of the attention scores, 0 for none).
+    tuple ``rotary``, or -1 for none, ``softcap`` Gemma 2's cap of the attention scores, 0 for none), and then
+    ``clip`` (a 22-item entry: OLMo 1.7's bound on q, k and v, as :func:`layer_into` takes it).
     window_mask: (n, start + n - window_first) bool/uint8, the mask of the windowed layers where their window
     binds, over slots ``window_first ..`` (none before it is attended: their attention reads from there), or
     None (they take ``mask``). logits_softcap > 0 (Gemma 2): the logits capped (:func:`soft_cap_into`) before any draw.

@@ -99,7 +99,7 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 #   rotation, biases on every matrix and on the LM head;
 # - OLMo (1): Llama's layout with LayerNorms that have no weight nor bias (``OlmoLayerNorm``, eps 1e-5, computed
 #   in float32), q/k/v clamped to [-clip_qkv, clip_qkv] after their projection where ``clip_qkv`` is set (OLMo 1.7:
-#   torch's forward only, ``LeanCausalLM.clip_qkv``);
+#   ``LeanCausalLM.clip_qkv``, the compiled layers' ``clip``);
 # - OLMo 2 / 3: no norm before attention or the MLP, each block's output normed before its residual add
 #   (as Gemma 2's), q and k normed over all heads at once (not per head), every RMSNorm scaling before
 #   its cast; OLMo 3 slides windows on some layers and rotates each layer kind by its own table;
@@ -1166,8 +1166,8 @@ class LeanCausalLM:
             raise ValueError(f"no lean forward for this model: {reason}")
         self.model = model
         config = model.config.get_text_config()
-        # OLMo 1.7's bound on q, k and v after their projection (None: not clamped): torch's forward clamps them,
-        # the compiled layers do not (host_forward_unsupported_reason), so such a view keeps its copies.
+        # OLMo 1.7's bound on q, k and v after their projection (None: not clamped): every forward clamps them (the
+        # compiled layers' ``clip``).
         clip = getattr(config, "clip_qkv", None)
         self.clip_qkv = None if clip is None else float(clip)
         # The dtype the matrices' values are (bfloat16 ones may be run in float32: see
@@ -1325,7 +1325,7 @@ class LeanCausalLM:
         model, or a bfloat16 or float16 one run in float32), where the compiled kernels run and their panels fit,
         unless ``GBV_HOST_FORWARD`` is ``0`` or ``torch-products``. Such a view's forward choice does not time
         torch's forms (:func:`choose_cpu_forward`)."""
-        return (self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS and self.clip_qkv is None
+        return (self.transposed and count >= PANELS_ONLY_MIN_PARAMETERS
                 and os.environ.get("GBV_HOST_FORWARD", "1") not in ("0", "torch-products")
                 and host_kernels_unavailable() is None and panels_unfit_reason(count, self.panel_bytes * count) is None)
 

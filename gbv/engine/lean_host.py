@@ -68,8 +68,6 @@ def host_forward_unsupported_reason(lean) -> str | None:
         return "not float32 on the CPU"
     if not (lean.transposed and lean.interleaved):
         return "no fused transposed copies"
-    if lean.clip_qkv is not None:
-        return "q, k and v clamped (OLMo 1.7's clip_qkv; torch's forward clamps them)"
     for layer in lean.layers:
         if layer.q_norm is not None and layer.q_norm_eps != layer.k_norm_eps:
             return "q/k norms of two eps"
@@ -518,14 +516,15 @@ class HostForward:
             return None if weight is None else np.ascontiguousarray(weight.detach().float().numpy())
 
         # per layer: (qkv, b_qkv, o, gate_up, down, eps_in, eps_post, scaling, b_o, b_up, b_down, style, qk_norm,
-        # qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary, softcap):
+        # qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary, softcap, clip):
         # - qk_norm: the q and k norm weights, one (2 * head_dim,) array in the rows' interleaved order (Qwen3,
         #   Gemma 3; OLMo 2 / 3's over all heads: flags LAYER_QK_ALL_HEADS), or None;
         # - eps_in, eps_post: -1 where no norm comes before the block (OLMo 2 / 3);
         # - attn_out_norm, mlp_out_norm: the blocks' output norms (Gemma 2 / 3, OLMo 2 / 3), or None;
         # - flags: LAYER_QK_ALL_HEADS, LAYER_WINDOWED;
         # - rotary: the layer's table in table_kinds (see above), else 0, or -1 for none;
-        # - softcap: Gemma 2's cap of the attention scores (0: none).
+        # - softcap: Gemma 2's cap of the attention scores (0: none);
+        # - clip: OLMo 1.7's bound on q, k and v after their product (0: none).
         self.layers = []
         for layer in lean.layers:
             qkv = layer.qkv.parts[0]
@@ -550,10 +549,12 @@ class HostForward:
                                 float(layer.attn_out_eps) if layer.attn_out_norm is not None else 0.0,
                                 float_array(layer.mlp_out_norm),
                                 float(layer.mlp_out_eps) if layer.mlp_out_norm is not None else 0.0, flags, table,
-                                float(layer.softcap or 0.0)))
-        # whether the layers need the 21-item entries (forward_into): output norms, flags, tables by kind, caps
+                                float(layer.softcap or 0.0), float(lean.clip_qkv or 0.0)))
+        # whether the layers need the 21-item entries (forward_into): output norms, flags, tables by kind, caps;
+        # and the 22-item ones, with the bound on q, k and v (clips)
+        self.clips = lean.clip_qkv is not None
         self.extra_entries = any(entry[14] is not None or entry[18] or entry[20] for entry in self.layers) or (
-            self.table_kinds is not None)
+            self.table_kinds is not None) or self.clips
         self.logits_softcap = float(lean.logits_softcap or 0.0)  # (Gemma 2's cap of the logits; 0: none)
         # the MLP's width, and the up projection's (gate and up: twice it)
         gated = not self.layers or lean.layers[0].gated
@@ -579,11 +580,12 @@ class HostForward:
         """What forward_into takes per layer: (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scale),
         and (b_o, b_up, b_down, style) after it for layers other than the Llama family's, and (qk_norm, qk_eps)
         after those for Qwen3's, and (attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags, rotary,
-        softcap) after those where the layers need them (:attr:`extra_entries`)."""
+        softcap) after those where the layers need them (:attr:`extra_entries`), and (clip,) after those where
+        they clamp q, k and v (:attr:`clips`)."""
         return tuple((w_qkv.panel.panels, b_qkv, w_o.panel.panels, w_gate_up.panel.panels, w_down.panel.panels,
                       eps_in, eps_post, scaling, *(() if self.llama else (b_o, b_up, b_down, style)),
                       *(() if qk_norm is None and not self.extra_entries else (qk_norm, qk_eps)),
-                      *(() if not self.extra_entries else extra))
+                      *(() if not self.extra_entries else extra if self.clips else extra[:-1]))
                      for (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down, style,
                           qk_norm, qk_eps, *extra) in self.layers)
 
@@ -824,7 +826,7 @@ class HostForward:
             # Both kernels on one sequence: each layer is one compiled call (host_kernels.layer_into).
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
                         style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
-                        table, softcap) in enumerate(self.layers):
+                        table, softcap, clip) in enumerate(self.layers):
                 masks, first = layer_mask(flags)
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
                            rotations[table] if table >= 0 else None,
@@ -833,7 +835,7 @@ class HostForward:
                            b_o=b_o, b_up=b_up, b_down=b_down, style=style, qk_norm=qk_norm, qk_eps=qk_eps,
                            attn_out_norm=attn_out_norm, attn_out_eps=attn_out_eps, mlp_out_norm=mlp_out_norm,
                            mlp_out_eps=mlp_out_eps, qk_all_heads=bool(flags & host_kernels.LAYER_QK_ALL_HEADS),
-                           softcap=softcap, attend_first=first)
+                           softcap=softcap, attend_first=first, clip=clip)
             layers = ()
         elif panels and attend and BATCH_LAYERS:
             # Several sequences (a batch): each layer is one compiled call too, the products over all
@@ -848,14 +850,14 @@ class HostForward:
             prefetch_values = kv_bytes > host_kernels.KV_PREFETCH_MIN_BYTES
             for index, (w_qkv, b_qkv, w_o, w_gate_up, w_down, eps_in, eps_post, scaling, b_o, b_up, b_down,
                         style, qk_norm, qk_eps, attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps, flags,
-                        table, softcap) in enumerate(self.layers):
+                        table, softcap, clip) in enumerate(self.layers):
                 masks, first = layer_mask(flags)
                 layer_into(rows, w_qkv.panel, b_qkv, w_o.panel, w_gate_up.panel, w_down.panel,
                            rotations[table] if table >= 0 else None,
                            all_keys[index][sequences], all_values[index][sequences], masks, start, eps_in,
                            eps_post, scaling, batch, prefetch_values, b_o, b_up, b_down, style, qk_norm, qk_eps,
                            attn_out_norm, attn_out_eps, mlp_out_norm, mlp_out_eps,
-                           bool(flags & host_kernels.LAYER_QK_ALL_HEADS), softcap, first)
+                           bool(flags & host_kernels.LAYER_QK_ALL_HEADS), softcap, first, clip)
             layers = ()
         else:
             # (the Llama family's layers, numpy between the products: takes() gives the others no call here)

@@ -404,33 +404,43 @@ def test_longrope_stays_on_the_plain_path():
     assert engine_for(model, None) == "hf"
 
 
-def test_olmo_clip_qkv_runs_on_the_lean_torch_forward(monkeypatch):
-    """OLMo 1.7's ``clip_qkv`` (OLMo-7B-0424's 8) clamps q, k and v after their projection. The lean view clamps
-    them on torch's forward (both q/k/v layouts), and the compiled layers, which do not, are declined with the
-    reason: the logits are Hugging Face's (control: the same view unclamped is not), and greedy decoding gives
-    Hugging Face's tokens."""
+def test_olmo_clip_qkv_on_the_lean_path(monkeypatch):
+    """OLMo 1.7's ``clip_qkv`` (OLMo-7B-0424's 8) clamps q, k and v after their projection. The lean view clamps them
+    on every forward: torch's (both q/k/v layouts) and the compiled one (its layers' ``clip``: one call per forward,
+    a layer per call for a batch, a tree pass). The logits are Hugging Face's, and a control without the clamp on
+    either path is not; greedy decoding gives Hugging Face's tokens."""
+    from test_lean_host import _largest_gap
     from transformers import OlmoConfig, OlmoForCausalLM
 
     torch.manual_seed(0)
-    config = OlmoConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = OlmoConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, clip_qkv=0.05,
                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = OlmoForCausalLM(config).eval()
     assert lean_unsupported_reason(model) is None and engine_for(model, None) == "tree"
-    lean = LeanCausalLM(model)
-    assert lean.clip_qkv == 0.05 and lean.interleaved and lean.host_forward is None
-    assert "clip_qkv" in lean_host.host_forward_unsupported_reason(lean)
+    lean, plain = LeanCausalLM(model), LeanCausalLM(model)
+    assert lean.clip_qkv == 0.05 and lean.interleaved
+    plain.host_forward = None
     with monkeypatch.context() as patch:  # (a view of the model's own tensors: q, k and v apart, not interleaved)
         patch.setattr(lean_module, "FUSE_MAX_PARAMETERS", 0)
         patch.setattr(lean_module, "FUSE_MEMORY_MAX_PARAMETERS", 0)
         in_place = LeanCausalLM(model)
     assert not in_place.interleaved
     expected = _reference(model, TOKENS)
-    for view in (lean, in_place):
+    views = (plain, in_place) if lean.host_forward is None else (lean, plain, in_place)
+    for view in views:
         torch.testing.assert_close(_logits(view, TOKENS), expected, atol=1e-5, rtol=0)
+    for view in (plain, in_place):
         view.clip_qkv = None
         assert (_logits(view, TOKENS) - expected).abs().max() > 1e-3
         view.clip_qkv = 0.05
+    if lean.host_forward is not None:
+        assert _largest_gap(lean, plain) < 1e-4  # (a prompt, a step, a tree pass, a batch of two)
+        forward = lean.host_forward
+        assert forward.clips and all(len(entry) == 22 for entry in forward.layer_panels)
+        forward.layers = [(*entry[:-1], 0.0) for entry in forward.layers]
+        forward.layer_panels = forward._layer_panels()
+        assert (_logits(lean, TOKENS) - expected).abs().max() > 1e-3
     out = generate(ModelPair(model, model), prompt_ids=[3, 1, 4], method="block", block_len=3, temperature=0.0,
                    max_new_tokens=8, eos_token_id=[])
     with torch.inference_mode():
