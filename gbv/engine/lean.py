@@ -703,21 +703,18 @@ def _within_f16_range(weight: Tensor) -> bool:
     return float(high) < _F16_OVERFLOW and float(low) > -_F16_OVERFLOW
 
 
-def large_copies_fit(model, count: int, bf16_in_float32: bool, fp16_in_float32: bool = False,
-                     panel_bytes: int | None = None) -> bool:
+def large_copies_fit(model, count: int, bf16_in_float32: bool, fp16_in_float32: bool, panel_bytes: int) -> bool:
     """Whether a model of ``count`` parameters past ``FUSE_MAX_PARAMETERS`` (``model``: float32, or a bfloat16
     one to run in float32 where ``bf16_in_float32``, a float16 one where ``fp16_in_float32``) should get the lean
     view's fused and transposed copies: up to ``FUSE_MEMORY_MAX_PARAMETERS``, on the CPU, unless
     ``GBV_HOST_FORWARD=0``, where they and the compiled products' panels (4 + ``panel_bytes`` bytes a parameter:
-    by default 4, 2 for a bfloat16 model's panels) fit in ``PANEL_MEMORY_SHARE`` of the memory available
+    ``LeanCausalLM.panel_bytes``) fit in ``PANEL_MEMORY_SHARE`` of the memory available
     (:func:`panels_unfit_reason`)."""
     first = next(iter(model.parameters()), None)
     held = torch.bfloat16 if bf16_in_float32 else torch.float16 if fp16_in_float32 else torch.float32
     if (first is None or count > FUSE_MEMORY_MAX_PARAMETERS or first.device.type != "cpu" or first.dtype != held
             or os.environ.get("GBV_HOST_FORWARD", "1") == "0"):
         return False
-    if panel_bytes is None:
-        panel_bytes = 2 if bf16_in_float32 else 4
     return panels_unfit_reason(count, count * (4 + panel_bytes)) is None
 
 
