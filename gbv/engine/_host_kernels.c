@@ -142,6 +142,16 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
 /* (F16C for the float16 panels' loads: every CPU with AVX2 and FMA has it, and the float32 and bfloat16
  * tiles use none of its instructions; kind_error asks the CPU before float16 panels are multiplied.) */
 #define AVX2_TILE_TARGET "avx2,fma,f16c"
+/* Whether a tile of R rows by P panels loads x's broadcasts again for each panel: where its 2 R P
+ * accumulators, its R broadcasts and a panel row's 2 vectors pass the 16 AVX2 registers. GCC loaded
+ * each broadcast once per k for all P panels, and for 3 rows by 2 panels (17 registers) kept one
+ * accumulator on the stack: a store and a load in that sum's chain at every k. The tile ran at 0.88
+ * fused multiply-adds a cycle on a Zen 3 core (weights in the L1), below the 1.5 of the one-panel tile
+ * of 3 rows. An empty asm that clobbers memory after each panel makes GCC load the broadcasts again
+ * (from the L1: x is a few rows) and keep every sum in a register: 1.77-1.93 FMAs a cycle for float32,
+ * bfloat16 and float16 panels (docs/ENGINE.md, "The AVX2 tile of 3 rows"). Only the loads change:
+ * every sum is the same, bit for bit. */
+#define RELOAD_X(R, P) ((P) > 1 && 2 * (R) * (P) + (R) + 2 > 16)
 #define DEFINE_TILE(R, P, NAME, WTYPE, LOAD)                                                        \
     __attribute__((target(AVX2_TILE_TARGET))) static void tile##P##_##NAME##_##R(                         \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
@@ -165,6 +175,7 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
                     lo[p][r] = _mm256_fmadd_ps(b, w_lo, lo[p][r]);                                  \
                     hi[p][r] = _mm256_fmadd_ps(b, w_hi, hi[p][r]);                                  \
                 }                                                                                   \
+                if (RELOAD_X(R, P)) __asm__ volatile("" ::: "memory");                               \
             }                                                                                       \
         }                                                                                           \
         _Pragma("GCC unroll 4") for (int p = 0; p < P; p++)                                         \
