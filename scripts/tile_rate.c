@@ -34,11 +34,16 @@ int main(int argc, char **argv) {
         const int M = rows[t];
         double rate[2];
         for (int bf16 = 0; bf16 < 2; bf16++) {
-            const long repeats = 200000 / M;
+            const long repeats = 40000 / M;
             panel_product(x, panels, bf16, y, M, K, N, 0);
-            const double start = seconds_now();
-            for (long r = 0; r < repeats; r++) panel_product(x, panels, bf16, y, M, K, N, 0);
-            rate[bf16] = 2.0 * M * K * N * repeats / (seconds_now() - start) / 1e9;
+            double best = 1e30; /* the best of 7 timings: on a shared machine the others carry its load */
+            for (int round = 0; round < 7; round++) {
+                const double start = seconds_now();
+                for (long r = 0; r < repeats; r++) panel_product(x, panels, bf16, y, M, K, N, 0);
+                const double seconds = seconds_now() - start;
+                best = seconds < best ? seconds : best;
+            }
+            rate[bf16] = 2.0 * M * K * N * repeats / best / 1e9;
         }
         printf("| %d | %.1f | %.1f |", M, rate[0], rate[1]);
         if (ghz > 0) printf(" %.2f | %.2f |", rate[0] / 16 / ghz, rate[1] / 16 / ghz);
