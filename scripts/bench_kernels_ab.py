@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                 cache = lean.new_cache(1, prefix + 64)
                 lean.forward(torch.arange(prefix)[None] % 100, torch.arange(prefix)[None], 0, cache, None,
                              causal=True)
-                for n in (1, 3, 5, 12, 25):
+                for n in (1, 2, 3, 4, 5, 8, 9, 12, 25):
                     tokens = torch.full((1, n), 7)
                     positions = prefix + torch.arange(n)[None]
                     mask = prefix_then(torch.tril(torch.ones(n, n, dtype=torch.bool)), prefix) if n > 1 else None

@@ -148,8 +148,8 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  * accumulator on the stack: a store and a load in that sum's chain at every k. The tile ran at 0.88
  * fused multiply-adds a cycle on a Zen 3 core (weights in the L1), below the 1.5 of the one-panel tile
  * of 3 rows. An empty asm that clobbers memory after each panel makes GCC load the broadcasts again
- * (from the L1: x is a few rows) and keep every sum in a register: 1.77-1.93 FMAs a cycle for float32,
- * bfloat16 and float16 panels (docs/ENGINE.md, "The AVX2 tile of 3 rows"). Only the loads change:
+ * (from the L1: x is a few rows) and keep every sum in a register: 1.47-1.93 FMAs a cycle for float32,
+ * bfloat16 and float16 panels (scripts/tile_fma.c; docs/ENGINE.md, "The AVX2 tile of 3 rows"). Only the loads change:
  * every sum is the same, bit for bit. */
 #define RELOAD_X(R, P) ((P) > 1 && 2 * (R) * (P) + (R) + 2 > 16)
 #define DEFINE_TILE(R, P, NAME, WTYPE, LOAD, UNROLL)                                                \
@@ -188,8 +188,9 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  * row); the one-panel tiles take the panels left over.
  *
  * The loop over k is unrolled U times: twice for float32 panels, once for bfloat16 and float16 ones, whose
- * one-panel tiles of 4 rows ran at 1.70 FMAs a cycle unrolled twice and 1.89-1.90 once on a Zen 3 core
- * (and the tile of 2 rows by 2 panels 1.5 against 1.6; weights in the L1; the others within noise). The tile
+ * one-panel tiles of 4 rows ran at 1.52-1.72 FMAs a cycle unrolled twice and 1.74-1.91 once on a Zen 3 core
+ * (and the tile of 2 rows by 2 panels 1.5 against 1.5-1.7; weights in the L1, scripts/tile_fma.c; the others within
+ * noise). The tile
  * of 3 rows by 2 panels keeps 2 in every kind (1.78-1.93 against 1.73-1.76 once for 16-bit panels). In the
  * engine, bfloat16 passes of 4, 8 and 9 tokens and trees of 13 nodes took 0.93-0.96x the time
  * (scripts/bench_kernels_ab.py). The sums are the same either way. */
