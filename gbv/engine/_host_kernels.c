@@ -149,8 +149,8 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  * fused multiply-adds a cycle on a Zen 3 core (weights in the L1), below the 1.5 of the one-panel tile
  * of 3 rows. An empty asm that clobbers memory after each panel makes GCC load the broadcasts again
  * (from the L1: x is a few rows) and keep every sum in a register: 1.47-1.93 FMAs a cycle for float32,
- * bfloat16 and float16 panels (scripts/tile_fma.c; docs/ENGINE.md, "The AVX2 tile of 3 rows"). Only the loads change:
- * every sum is the same, bit for bit. */
+ * bfloat16 and float16 panels (scripts/tile_fma.c; docs/ENGINE.md, "The AVX2 tile of 3 rows"). Only the
+ * loads change: every sum is the same, bit for bit. */
 #define RELOAD_X(R, P) ((P) > 1 && 2 * (R) * (P) + (R) + 2 > 16)
 #define DEFINE_TILE(R, P, NAME, WTYPE, LOAD, UNROLL)                                                \
     __attribute__((target(AVX2_TILE_TARGET))) static void tile##P##_##NAME##_##R(                         \
@@ -163,7 +163,7 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
                 lo[p][r] = _mm256_setzero_ps();                                                     \
                 hi[p][r] = _mm256_setzero_ps();                                                     \
             }                                                                                       \
-        PRAGMA(GCC unroll UNROLL) for      (Py_ssize_t k = 0; k < K; k++) {                                \
+        PRAGMA(GCC unroll UNROLL) for (Py_ssize_t k = 0; k < K; k++) {                              \
             _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) {                                   \
                 const WTYPE *this_panel = panel + p * K * PANEL;                                    \
                 if (sizeof(WTYPE) == 4 || k % 2 == 0) /* once per 64-byte line */                   \
@@ -187,13 +187,12 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
 /* The AVX2 tiles: P panels by R rows, about 8 sums each (2 R P: the lo and hi halves of each panel
  * row); the one-panel tiles take the panels left over.
  *
- * The loop over k is unrolled U times: twice for float32 panels, once for bfloat16 and float16 ones, whose
- * one-panel tiles of 4 rows ran at 1.52-1.72 FMAs a cycle unrolled twice and 1.74-1.91 once on a Zen 3 core
- * (and the tile of 2 rows by 2 panels 1.5 against 1.5-1.7; weights in the L1, scripts/tile_fma.c; the others within
- * noise). The tile
- * of 3 rows by 2 panels keeps 2 in every kind (1.78-1.93 against 1.73-1.76 once for 16-bit panels). In the
- * engine, bfloat16 passes of 4, 8 and 9 tokens and trees of 13 nodes took 0.93-0.96x the time
- * (scripts/bench_kernels_ab.py). The sums are the same either way. */
+ * The loop over k is unrolled U times: twice for float32 panels, once for bfloat16 and float16 ones,
+ * whose one-panel tiles of 4 rows ran at 1.52-1.72 FMAs a cycle unrolled twice and 1.74-1.91 once on a
+ * Zen 3 core (the tile of 2 rows by 2 panels 1.5 against 1.5-1.7, the others within noise; weights in
+ * the L1, scripts/tile_fma.c). The tile of 3 rows by 2 panels keeps 2 in every kind (1.78-1.93 against
+ * 1.73-1.76 once for 16-bit panels). In the engine, bfloat16 passes of 4, 8 and 9 tokens and trees of
+ * 13 nodes took 0.93-0.96x the time (scripts/bench_kernels_ab.py). The sums are the same either way. */
 #define PRAGMA(text) _Pragma(#text)
 #define DEFINE_TILES(NAME, WTYPE, LOAD, U)                                                          \
     DEFINE_TILE(1, 4, NAME, WTYPE, LOAD, U)                                                         \
