@@ -1360,7 +1360,8 @@ class LeanCausalLM:
         session), and any draft keeps decoding lossless, since the drafts are drawn from the laws q the
         verifier is given. Returns whether it did: only where the host forward's compiled products run
         over this view's own transposed copies of float32 weights (or their float32 panels, where the view
-        keeps those alone: each is unpacked, rounded and packed again)."""
+        keeps those alone: each is unpacked, rounded and packed again; a view built with ``bf16_draft`` packed
+        them as bfloat16 already, and they are left as they are)."""
         if not self.can_round_to_bf16_weights():
             return False
         with torch.no_grad(), building_threads(self.model):
