@@ -17,20 +17,26 @@ def kernels_at(revision: str):
     thirty-fifth session), so that the engine's calls still resolve when it is swapped in."""
     source = subprocess.run(["git", "show", f"{revision}:gbv/engine/_host_kernels.c"], check=True,
                             capture_output=True, text=True).stdout
+    return kernels_from_source(source, "_host_kernels_before")
+
+
+def kernels_from_source(source: str, name: str):
+    """The kernels of the C text ``source`` (a version of ``gbv/engine/_host_kernels.c``), built as
+    :func:`kernels_at` builds them, as the module ``name``."""
     folder = tempfile.mkdtemp(prefix="gbv-kernels-")
-    path = os.path.join(folder, "_host_kernels_before.c")
+    path = os.path.join(folder, name + ".c")
     with open(path, "w") as handle:
         handle.write(source)
-    library = os.path.join(folder, "_host_kernels_before" + sysconfig.get_config_var("EXT_SUFFIX"))
+    library = os.path.join(folder, name + sysconfig.get_config_var("EXT_SUFFIX"))
     flags = (sysconfig.get_config_var("CFLAGS") or "").split()  # what setup.py's build uses, then -O3
     subprocess.run(["gcc", *flags, "-O3", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                    "-DPyInit__host_kernels=PyInit__host_kernels_before", path, "-o", library], check=True)
-    spec = importlib.util.spec_from_file_location("_host_kernels_before", library)
+                    f"-DPyInit__host_kernels=PyInit_{name}", path, "-o", library], check=True)
+    spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     from gbv.engine import host_kernels  # (the installed build, imported here: the caller's path is set up)
 
-    for name in dir(host_kernels._host_kernels):
-        if not name.startswith("_") and not hasattr(module, name):
-            setattr(module, name, getattr(host_kernels._host_kernels, name))
+    for attribute in dir(host_kernels._host_kernels):
+        if not attribute.startswith("_") and not hasattr(module, attribute):
+            setattr(module, attribute, getattr(host_kernels._host_kernels, attribute))
     return module

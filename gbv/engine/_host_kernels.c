@@ -152,6 +152,21 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  * bfloat16 and float16 panels (scripts/tile_fma.c; docs/ENGINE.md, "The AVX2 tile of 3 rows"). Only the
  * loads change: every sum is the same, bit for bit. */
 #define RELOAD_X(R, P) ((P) > 1 && 2 * (R) * (P) + (R) + 2 > 16)
+/* How far ahead, in bytes, a tile of R rows by P panels prefetches each panel's stream: PREFETCH_BYTES / P
+ * for one row (the streams share the distance: see PREFETCH_AHEAD), 2 R PREFETCH_BYTES / P for more. Why:
+ * a tile of R rows spends about R times as long on each panel row as a one-row tile, so the same bytes
+ * ahead are R times fewer nanoseconds ahead of its loads. With the one-row distance at every height, the
+ * float32 target's passes of a few tokens on a Zen 3 core took about as long as their stream plus their
+ * arithmetic, one after the other: 5 rows of products 1.75 ms, one row 0.97 ms, the 5 rows' arithmetic
+ * alone 0.78 ms (scripts/pass_products.py). Against that distance, on that core (1 thread, bundled pair;
+ * docs/ENGINE.md, "Prefetching further ahead in taller tiles"): float32 target passes of 4-5 tokens took
+ * 0.80-0.85x the time, of 2-3 and 8-12 0.91-0.97x, of 25 and trees 0.96-0.98x; bfloat16 ones of 4-9
+ * tokens 0.85-0.92x (scripts/bench_kernels_ab.py). 1, 4 and 8 times R PREFETCH_BYTES / P did no better
+ * (scripts/bench_prefetch_distance.py), and at 4 the draft, whose weights stay in the caches, lost 3-11%
+ * on passes of 2-13 rows; at 2 its passes are within the noise. A one-row tile keeps its distance (a
+ * half, 2 or 4 times it: within the noise). The AVX-512 tiles keep theirs (no machine with AVX-512 to
+ * measure on since). Only prefetches move: every sum is the same, bit for bit. */
+#define AVX2_AHEAD(R, P) ((R) == 1 ? PREFETCH_BYTES / (P) : 2 * PREFETCH_BYTES * (R) / (P))
 #define DEFINE_TILE(R, P, NAME, WTYPE, LOAD, UNROLL)                                                \
     __attribute__((target(AVX2_TILE_TARGET))) static void tile##P##_##NAME##_##R(                         \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
@@ -167,7 +182,7 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
             _Pragma("GCC unroll 4") for (int p = 0; p < P; p++) {                                   \
                 const WTYPE *this_panel = panel + p * K * PANEL;                                    \
                 if (sizeof(WTYPE) == 4 || k % 2 == 0) /* once per 64-byte line */                   \
-                    PREFETCH_AHEAD(this_panel, k, R < 8 ? PREFETCH_BYTES / P : PREFETCH_BYTES);    \
+                    PREFETCH_AHEAD(this_panel, k, AVX2_AHEAD(R, P));                               \
                 __m256 w_lo, w_hi;                                                                  \
                 LOAD(this_panel, k, w_lo, w_hi);                                                    \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
