@@ -2335,11 +2335,17 @@ static int amx_runs(void) {
 #endif
 }
 
-/* Whether float16 panels (PANELS_F16) can be multiplied here: the CPU's F16C. */
+/* Whether float16 panels (PANELS_F16) can be multiplied here: the CPU's F16C, asked once (kind_error asks on
+ * every product call). */
+static int f16_supported = -1;
+
 static int f16_runs(void) {
 #ifdef GBV_PANELS_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c");
+    if (f16_supported < 0) {
+        __builtin_cpu_init();
+        f16_supported = __builtin_cpu_supports("f16c") != 0;
+    }
+    return f16_supported;
 #else
     return 0;
 #endif
