@@ -3,6 +3,7 @@ the compiled kernels built at several distances, in one process, alternating (1 
 
     python scripts/bench_prefetch_distance.py                          # float32 target, factors one,1,2,4,8
     python scripts/bench_prefetch_distance.py --dtype bfloat16 --model draft --factors one,4
+    python scripts/bench_prefetch_distance.py --tiles avx512 --factors one,1,2,4   # on a CPU with AVX-512
 
 ``gbv/engine/_host_kernels.c``'s ``AVX2_AHEAD`` sets a tile of R >= 2 rows by P panels to prefetch
 2 R PREFETCH_BYTES / P bytes ahead in each panel's stream. Each factor F here builds the working tree's
@@ -13,6 +14,10 @@ medians over ``--rounds`` alternations of 5 calls each (after one untimed call; 
 every other round); ratios against the first factor. The machine is
 shared: only ratios within one run mean anything. On a CPU without AVX2 tiles in use (AVX-512) nothing
 changes (the AVX-512 tiles have their own distance) unless ``GBV_HOST_AVX512=0`` switches them off.
+
+``--tiles avx512`` varies the AVX-512 tiles' distance instead (``DEFINE_TILE512``: ``PREFETCH_BYTES / P`` below 8
+rows, as AVX2's was, and ``PREFETCH_BYTES`` from 8): factor F sets tiles of 2-7 rows to F R PREFETCH_BYTES / P,
+``one`` leaves them as they are. Not measured yet: no machine with AVX-512 since the forty-sixth session.
 """
 from __future__ import annotations
 
@@ -31,17 +36,26 @@ from gbv.models.loading import load_pair
 from kernels_at import kernels_from_source
 
 SOURCE = Path(__file__).resolve().parent.parent / "gbv" / "engine" / "_host_kernels.c"
-RULE = "2 * PREFETCH_BYTES * (R) / (P))"
+# the distance each kind of tile takes in the working tree, and what a factor F puts in its place
+RULES = {
+    "avx2": ("2 * PREFETCH_BYTES * (R) / (P))",
+             lambda factor: "PREFETCH_BYTES / (P))" if factor == "one" else f"{factor} * PREFETCH_BYTES * (R) / (P))"),
+    "avx512": ("R < 8 ? PREFETCH_BYTES / P : PREFETCH_BYTES);",
+               lambda factor: "R < 8 ? PREFETCH_BYTES / P : PREFETCH_BYTES);" if factor == "one" else
+               f"R == 1 ? PREFETCH_BYTES / P : R < 8 ? {factor} * PREFETCH_BYTES * R / P : PREFETCH_BYTES);"),
+}
 
 
-def build(factor: str):
-    """The working tree's kernels with the tiles of several rows prefetching ``factor`` R PREFETCH_BYTES / P
-    ahead (``one``: PREFETCH_BYTES / P)."""
+def build(tiles: str, factor: str):
+    """The working tree's kernels with ``tiles``' tiles of several rows prefetching ``factor`` R PREFETCH_BYTES / P
+    ahead (``one``: AVX2 tiles at PREFETCH_BYTES / P, AVX-512 ones as they are)."""
     source = SOURCE.read_text()
-    if source.count(RULE) != 1:
-        raise SystemExit(f"{SOURCE} no longer defines AVX2_AHEAD with {RULE!r}: update this script")
-    distance = "PREFETCH_BYTES / (P))" if factor == "one" else f"{int(factor)} * PREFETCH_BYTES * (R) / (P))"
-    return kernels_from_source(source.replace(RULE, distance), f"_host_kernels_ahead_{factor}")
+    rule, replace = RULES[tiles]
+    if source.count(rule) != 1:
+        raise SystemExit(f"{SOURCE} no longer has {rule!r} once for the {tiles} tiles: update this script")
+    if factor != "one" and not factor.isdigit():
+        raise SystemExit(f"--factors takes 'one' or whole numbers, not {factor!r}")
+    return kernels_from_source(source.replace(rule, replace(factor)), f"_host_kernels_ahead_{tiles}_{factor}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,18 +65,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--factors", default="one,1,2,4,8", help="comma-separated: one, or whole numbers")
     parser.add_argument("--tokens", default="1,3,5,9,25", help="comma-separated pass sizes (and a tree of 13)")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--tiles", choices=tuple(RULES), default="avx2", help="whose distance to vary")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     factors = args.factors.split(",")
     if host_kernels.host_kernels_unavailable() is not None:
         raise SystemExit(f"the compiled kernels do not run here: {host_kernels.host_kernels_unavailable()}")
-    builds = {factor: build(factor) for factor in factors}
+    if (args.tiles == "avx512") != host_kernels.avx512_tiles():
+        raise SystemExit(f"the {args.tiles} tiles do not run here (AVX-512 tiles in use: {host_kernels.avx512_tiles()}; "
+                         "GBV_HOST_AVX512=0 switches them off)")
+    builds = {factor: build(args.tiles, factor) for factor in factors}
     installed = host_kernels._host_kernels
     lean = lean_model(getattr(load_pair("bundled", dtype=args.dtype), args.model))
     temporal = host_kernels.prefetch_temporal()  # (the hint chosen at load: every build takes it)
     prefix = 150
     avx512 = host_kernels.avx512_tiles()  # (GBV_HOST_AVX512=0: the AVX2 tiles on a CPU with AVX-512)
-    print(f"{args.model}, {args.dtype}, medians over {args.rounds} rounds (ms); AVX-512 tiles: {avx512}\n")
+    print(f"{args.model}, {args.dtype}, {args.tiles} tiles' distance, medians over {args.rounds} rounds (ms)\n")
     print("| tokens | " + " | ".join(factors) + " | " + " | ".join(f"{f} / {factors[0]}" for f in factors[1:]) + " |")
     print("|---:|" + "---:|" * (2 * len(factors) - 1))
     try:
