@@ -153,20 +153,26 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  * loads change: every sum is the same, bit for bit. */
 #define RELOAD_X(R, P) ((P) > 1 && 2 * (R) * (P) + (R) + 2 > 16)
 /* How far ahead, in bytes, a tile of R rows by P panels prefetches each panel's stream: PREFETCH_BYTES / P
- * for one row (the streams share the distance: see PREFETCH_AHEAD), 2 R PREFETCH_BYTES / P for more. Why:
- * a tile of R rows spends about R times as long on each panel row as a one-row tile, so the same bytes
- * ahead are R times fewer nanoseconds ahead of its loads. With the one-row distance at every height, the
+ * for one row (the streams share the distance: see PREFETCH_AHEAD), 2 R PREFETCH_BYTES for a one-panel tile of
+ * R >= 2 rows (4-6 rows, and the panels left over), 16 R PREFETCH_BYTES / 2 for the two-panel tiles of 2 and 3
+ * rows. Why: a tile of R rows spends about R times as long on each panel row as a one-row tile, so the same
+ * bytes ahead are R times fewer nanoseconds ahead of its loads. With the one-row distance at every height, the
  * float32 target's passes of a few tokens on a Zen 3 core took about as long as their stream plus their
  * arithmetic, one after the other: 5 rows of products 1.75 ms, one row 0.97 ms, the 5 rows' arithmetic
  * alone 0.78 ms (scripts/pass_products.py). Against that distance, on that core (1 thread, bundled pair;
  * docs/ENGINE.md, "Prefetching further ahead in taller tiles"): float32 target passes of 4-5 tokens took
- * 0.80-0.85x the time, of 2-3 and 8-12 0.91-0.97x, of 25 and trees 0.96-0.98x; bfloat16 ones of 4-9
- * tokens 0.85-0.92x (scripts/bench_kernels_ab.py). 1, 4 and 8 times R PREFETCH_BYTES / P did no better
- * (scripts/bench_prefetch_distance.py), and at 4 the draft, whose weights stay in the caches, lost 3-11%
- * on passes of 2-13 rows; at 2 its passes are within the noise. A one-row tile keeps its distance (a
- * half, 2 or 4 times it: within the noise). The AVX-512 tiles keep theirs (no machine with AVX-512 to
- * measure on since). Only prefetches move: every sum is the same, bit for bit. */
-#define AVX2_AHEAD(R, P) ((R) == 1 ? PREFETCH_BYTES / (P) : 2 * PREFETCH_BYTES * (R) / (P))
+ * 0.80-0.85x the time, of 8-12 0.91-0.93x, of 25 and trees 0.96-0.98x; bfloat16 ones of 4-9 tokens
+ * 0.85-0.92x (scripts/bench_kernels_ab.py). 1, 4 and 8 times R PREFETCH_BYTES did no better for one-panel
+ * tiles (scripts/bench_prefetch_distance.py), and at 4 the draft, whose weights stay in the caches, lost 3-11%
+ * on passes of 2-13 rows; at 2 its passes are within the noise. The two-panel tiles gained nothing at 2 and
+ * want more: at 16, passes of 2-3 tokens took 0.77-0.94x the time of 2's, with the target's weights in the
+ * caches or after draft steps (8: 0.85-1.0x). A one-row tile keeps its distance (a half, 2 or 4 times it:
+ * within the noise; 2 and 4 times after draft steps, 1.13x the time). The AVX-512 tiles keep theirs (no
+ * machine with AVX-512 to measure on since). Only prefetches move: every sum is the same, bit for bit. */
+#define AHEAD_ONE_PANEL 2 /* tiles of R >= 2 rows by one panel: 2 R PREFETCH_BYTES ahead */
+#define AHEAD_PANELS 16   /* tiles of 2-3 rows by 2 panels: 16 R PREFETCH_BYTES / 2 in each stream */
+#define AVX2_AHEAD(R, P) \
+    ((R) == 1 ? PREFETCH_BYTES / (P) : ((P) > 1 ? AHEAD_PANELS : AHEAD_ONE_PANEL) * PREFETCH_BYTES * (R) / (P))
 #define DEFINE_TILE(R, P, NAME, WTYPE, LOAD, UNROLL)                                                \
     __attribute__((target(AVX2_TILE_TARGET))) static void tile##P##_##NAME##_##R(                         \
         const float *x, Py_ssize_t xs, const void *panel_bytes, Py_ssize_t K, float *y, Py_ssize_t ys, \
