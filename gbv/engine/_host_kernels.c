@@ -160,15 +160,18 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  * float32 target's passes of a few tokens on a Zen 3 core took about as long as their stream plus their
  * arithmetic, one after the other: 5 rows of products 1.75 ms, one row 0.97 ms, the 5 rows' arithmetic
  * alone 0.78 ms (scripts/pass_products.py). Against that distance, on that core (1 thread, bundled pair;
- * docs/ENGINE.md, "Prefetching further ahead in taller tiles"): float32 target passes of 4-5 tokens took
- * 0.80-0.85x the time, of 8-12 0.91-0.93x, of 25 and trees 0.96-0.98x; bfloat16 ones of 4-9 tokens
- * 0.85-0.92x (scripts/bench_kernels_ab.py). 1, 4 and 8 times R PREFETCH_BYTES did no better for one-panel
- * tiles (scripts/bench_prefetch_distance.py), and at 4 the draft, whose weights stay in the caches, lost 3-11%
- * on passes of 2-13 rows; at 2 its passes are within the noise. The two-panel tiles gained nothing at 2 and
- * want more: at 16, passes of 2-3 tokens took 0.77-0.94x the time of 2's, with the target's weights in the
- * caches or after draft steps (8: 0.85-1.0x). A one-row tile keeps its distance (a half, 2 or 4 times it:
- * within the noise; 2 and 4 times after draft steps, 1.13x the time). The AVX-512 tiles keep theirs (no
- * machine with AVX-512 to measure on since). Only prefetches move: every sum is the same, bit for bit. */
+ * scripts/bench_prefetch_distance.py; docs/ENGINE.md, "Prefetching further ahead in taller tiles"):
+ *   - after 4 steps of the draft, as decoding runs them (--after-draft): passes of 2-3 tokens 0.93-0.95x the
+ *     time in float32 and 0.74-0.85x in bfloat16, of 5-9 tokens 1.0x in float32 and 0.93-0.94x in bfloat16;
+ *   - passes back to back (the target's weights partly in the L3): float32 passes of 2-5 tokens 0.77-0.89x, of
+ *     8-12 0.91-0.94x, bfloat16 ones of 2-12 tokens 0.76-0.97x (scripts/bench_kernels_ab.py);
+ *   - 1, 4 and 8 times R PREFETCH_BYTES did no better for one-panel tiles, and at 4 the draft, whose weights
+ *     stay in the caches, lost 3-11% on passes of 2-13 rows; at 2 its passes are within the noise. The
+ *     two-panel tiles gained nothing at 2 and want more: after draft steps, bfloat16 passes of 2-3 tokens
+ *     took 0.90-0.98x the time of 2's at 8 and 0.91-0.92x at 16.
+ * A one-row tile keeps its distance, and the hint stays non-temporal: probes of other one-row distances and of
+ * _MM_HINT_T0, T1 and T2 for the taller tiles gained nothing. The AVX-512 tiles keep theirs (no machine with
+ * AVX-512 to measure on since). Only prefetches move: every sum is the same, bit for bit. */
 #define AHEAD_ONE_PANEL 2 /* tiles of R >= 2 rows by one panel: 2 R PREFETCH_BYTES ahead */
 #define AHEAD_PANELS 16   /* tiles of 2-3 rows by 2 panels: 16 R PREFETCH_BYTES / 2 in each stream */
 #define AVX2_AHEAD(R, P) \
