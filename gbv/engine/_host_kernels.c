@@ -165,10 +165,11 @@ __attribute__((target("avx2,fma"))) static inline void store_panel_row(float *ou
  *     time in float32 and 0.74-0.85x in bfloat16, of 5-9 tokens 1.0x in float32 and 0.93-0.94x in bfloat16;
  *   - passes back to back (the target's weights partly in the L3): float32 passes of 2-5 tokens 0.77-0.89x, of
  *     8-12 0.91-0.94x, bfloat16 ones of 2-12 tokens 0.76-0.97x (scripts/bench_kernels_ab.py);
- *   - 1, 4 and 8 times R PREFETCH_BYTES did no better for one-panel tiles, and at 4 the draft, whose weights
- *     stay in the caches, lost 3-11% on passes of 2-13 rows; at 2 its passes are within the noise. The
- *     two-panel tiles gained nothing at 2 and want more: after draft steps, bfloat16 passes of 2-3 tokens
- *     took 0.90-0.98x the time of 2's at 8 and 0.91-0.92x at 16.
+ *   - 1, 4 and 8 times R PREFETCH_BYTES did no better for one-panel tiles. The two-panel tiles gained nothing
+ *     at 2 and want more: after draft steps, bfloat16 passes of 2-3 tokens took 0.90-0.98x the time of 2's
+ *     at 8 and 0.91-0.92x at 16;
+ *   - the draft, whose weights stay in the caches, pays for it: its float32 passes of 3-9 rows took 1.04-1.07x
+ *     the time of the one-row distance's (at 4 for every tile, 1.03-1.09x the kept distances').
  * A one-row tile keeps its distance, and the hint stays non-temporal: probes of other one-row distances and of
  * _MM_HINT_T0, T1 and T2 for the taller tiles gained nothing. The AVX-512 tiles keep theirs (no machine with
  * AVX-512 to measure on since). Only prefetches move: every sum is the same, bit for bit. */
