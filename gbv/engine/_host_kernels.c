@@ -92,7 +92,9 @@ static Py_ssize_t panels_bytes(int kind, Py_ssize_t K, Py_ssize_t N) {
  * and with the distance shared, 2.1 ms (0.51x; 0.69x on AVX2); a 3-row pass 1.39x with the full
  * distance, 0.76x shared. Tiles of 8 rows or more (two panels, compute-bound) keep the full distance
  * per stream, as before: shared, a 1,000-token prefill took 1.32x. Prefetching into every level, the
- * distance changed nothing measurable (docs/ENGINE.md, "One sum order for every pass"). */
+ * distance changed nothing measurable (docs/ENGINE.md, "One sum order for every pass"). That is the AVX-512
+ * tiles' rule still; the AVX2 tiles of several rows prefetch further ahead since the forty-sixth session
+ * (AVX2_AHEAD). */
 static int prefetch_temporal = 0;
 #define PREFETCH(p, k) PREFETCH_AHEAD(p, k, PREFETCH_BYTES)
 #define PREFETCH_AHEAD(p, k, ahead)                                                                 \
