@@ -92,18 +92,18 @@ def main(argv: list[str] | None = None) -> None:
     factors = args.factors.split(",")
     if host_kernels.host_kernels_unavailable() is not None:
         raise SystemExit(f"the compiled kernels do not run here: {host_kernels.host_kernels_unavailable()}")
-    if (args.tiles == "avx512") != host_kernels.avx512_tiles():
-        raise SystemExit(f"the {args.tiles} tiles do not run here (AVX-512 tiles in use: {host_kernels.avx512_tiles()}; "
+    avx512 = host_kernels.avx512_tiles()  # (GBV_HOST_AVX512=0: the AVX2 tiles on a CPU with AVX-512)
+    if (args.tiles == "avx512") != avx512:
+        raise SystemExit(f"the {args.tiles} tiles do not run here (AVX-512 tiles in use: {avx512}; "
                          "GBV_HOST_AVX512=0 switches them off)")
+    if args.after_draft and args.model == "draft":
+        raise SystemExit("--after-draft times the target: leave --model as it is")
     builds = {factor: build(args.tiles, factor) for factor in factors}
     installed = host_kernels._host_kernels
     pair = load_pair("bundled", dtype=args.dtype)
     lean, draft = lean_model(getattr(pair, args.model)), lean_model(pair.draft)
-    if args.after_draft and args.model == "draft":
-        raise SystemExit("--after-draft times the target: leave --model as it is")
     temporal = host_kernels.prefetch_temporal()  # (the hint chosen at load: every build takes it)
     prefix = 150
-    avx512 = host_kernels.avx512_tiles()  # (GBV_HOST_AVX512=0: the AVX2 tiles on a CPU with AVX-512)
     print(f"{args.model}, {args.dtype}, {args.tiles} tiles' distance, medians over {args.rounds} rounds (ms)"
           + (", after 4 draft steps each" if args.after_draft else "") + "\n")
     print("| tokens | " + " | ".join(factors) + " | " + " | ".join(f"{f} / {factors[0]}" for f in factors[1:]) + " |")
