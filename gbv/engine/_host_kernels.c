@@ -3087,6 +3087,30 @@ static PyObject *softmax_draw(PyObject *self, PyObject *args) {
 
 /* The whole host forward of one sequence (host_kernels.forward_into says what each argument is):
  * the embedding rows, every layer as layer_forward, the final norm and the head, in one call. */
+#define NO_BAD_TOKEN (-0x7fffffffffffffffLL)
+/* Query i's row of the one-call forward: its token's embedding row (float32, or bfloat16 bits / float16 widened,
+ * embed_kind 1 / 2) times embed_scale, plus its learned position row where given, into hidden_row (H floats), and
+ * its rotation row of each of the num_tables tables (table t's row at rotation + (t n + i) D). The caller has
+ * checked the token and the position against the tables. */
+static void query_row(const Py_buffer *embed, int embed_kind, int H, long long token, double embed_scale,
+                      const float *position_row, const Py_buffer *tables, Py_ssize_t num_tables, long long position,
+                      Py_ssize_t n, Py_ssize_t i, int D, float *hidden_row, float *rotation) {
+    if (embed_kind == 1) {
+        const uint16_t *embed_row = (const uint16_t *)embed->buf + token * H;
+        for (int h = 0; h < H; h++) hidden_row[h] = bf16_value(embed_row[h]);
+    } else if (embed_kind == 2) {
+        widen_f16((const uint16_t *)embed->buf + token * H, H, hidden_row);
+    } else {
+        memcpy(hidden_row, (const float *)embed->buf + token * H, (size_t)H * sizeof(float));
+    }
+    if (embed_scale != 1.0) /* (Gemma, Granite: the rows times the scale in float32, as the torch forward) */
+        for (int h = 0; h < H; h++) hidden_row[h] *= (float)embed_scale;
+    if (position_row != NULL)
+        for (int h = 0; h < H; h++) hidden_row[h] += position_row[h];
+    for (Py_ssize_t t = 0; t < num_tables; t++)
+        memcpy(rotation + (t * n + i) * D, (const float *)tables[t].buf + position * D, (size_t)D * sizeof(float));
+}
+
 static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
@@ -3094,17 +3118,18 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     double logits_softcap = 0.0, embed_scale = 1.0;
     Py_ssize_t window_first = 0; /* (the windowed layers' first slot: their mask's columns start there) */
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
+    Py_ssize_t steps = 1; /* (sampled steps, each feeding the token the one before drew: see the check below) */
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
     int embed_kind = 0; /* (the embedding's rows: 0 float32, 1 bfloat16 bits, 2 float16; widened as read) */
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddni", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddnin", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
                           &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale, &window_first,
-                          &embed_kind))
+                          &embed_kind, &steps))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -3131,6 +3156,20 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "need n, H, I, vocab >= 1, head_dim a multiple of 8, heads a multiple "
                                           "of kv_heads, start >= 0, start + n <= capacity, 0 <= draw_vocab <= vocab "
                                           "and temperature >= 0");
+        return NULL;
+    }
+    /* steps > 1: after the call's own queries, steps - 1 more forwards of one query each, query s the token
+     * that step s - 1 drew, at the next position and slot, as many calls of one query would run them (the
+     * same sums), their laws into probs row s and their tokens into tokens[s], drawn with u[s]. Why: a
+     * drafted path's steps were one call each, and the draft's own arithmetic is a few tens of microseconds
+     * a step: each call's Python and its arguments' checks were a fifth of a bundled-draft step. For the
+     * causal chain of one sequence with one output row, no window mask, and every step's draw. */
+    if (steps < 1 || (steps > 1 && (objects[12] != Py_None || window_mask_object != Py_None || draw_vocab < 1 ||
+                                    (!last_only && n != 1) || start + n + steps - 1 > capacity ||
+                                    drawn_object == Py_None || (temperature > 0.0 && u_object == Py_None)))) {
+        PyErr_SetString(PyExc_ValueError, "steps > 1 needs the causal chain (no mask, no window mask), one output "
+                                          "row, a draw with tokens (and u unless greedy) for every step, and "
+                                          "start + n + steps - 1 <= capacity");
         return NULL;
     }
     const Py_ssize_t num_layers = PyTuple_GET_SIZE(layers), f = (Py_ssize_t)sizeof(float);
@@ -3199,7 +3238,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     float *rotation = (float *)PyMem_RawMalloc((size_t)((num_tables ? num_tables : 1) * n * D) * sizeof(float));
     int *layer_tables = (int *)PyMem_Calloc((size_t)num_layers + 1, sizeof(int)); /* per layer: -1 none */
     int *windowed = (int *)PyMem_Calloc((size_t)num_layers + 1, sizeof(int));
-    float *scores = (float *)PyMem_RawMalloc(attend_scratch_floats(end, D) * sizeof(float));
+    float *scores = (float *)PyMem_RawMalloc(attend_scratch_floats(end + steps - 1, D) * sizeof(float));
     int failed = 0;
     if (views == NULL || given == NULL || constants == NULL || styles == NULL || rotation == NULL || scores == NULL ||
         layer_tables == NULL || windowed == NULL) {
@@ -3258,31 +3297,20 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
     if (!failed) { /* the embedding rows (with their positions' rows) and each query's rotation row */
         const long long *tokens = (const long long *)fixed[0].buf, *positions = (const long long *)fixed[1].buf;
-        for (Py_ssize_t i = 0; i < n && !failed; i++) {
-            const long long row = positions[i] + position_offset;
+        for (Py_ssize_t i = 0; i < n + steps - 1 && !failed; i++) { /* (past n: the later steps' positions) */
+            const long long token = i < n ? tokens[i] : 0, position = i < n ? positions[i] : positions[n - 1] + (i - n + 1);
+            const long long row = position + position_offset;
             int beyond = 0;
-            for (Py_ssize_t t = 0; t < num_tables; t++) beyond = beyond || positions[i] >= table_rows[t];
-            if (tokens[i] < 0 || tokens[i] >= vocab_rows || positions[i] < 0 || beyond ||
-                (have_positions && row >= position_count)) {
-                PyErr_Format(PyExc_ValueError, "token %lld or position %lld out of range", tokens[i], positions[i]);
+            for (Py_ssize_t t = 0; t < num_tables; t++) beyond = beyond || position >= table_rows[t];
+            if (token < 0 || token >= vocab_rows || position < 0 || beyond || (have_positions && row >= position_count)) {
+                PyErr_Format(PyExc_ValueError, "token %lld or position %lld out of range", token, position);
                 failed = 1;
                 break;
             }
-            float *hidden_row = (float *)fixed[4].buf + i * H;
-            if (embed_kind == 1) {
-                const uint16_t *embed_row = (const uint16_t *)fixed[2].buf + tokens[i] * H;
-                for (int h = 0; h < H; h++) hidden_row[h] = bf16_value(embed_row[h]);
-            } else if (embed_kind == 2) {
-                widen_f16((const uint16_t *)fixed[2].buf + tokens[i] * H, H, hidden_row);
-            } else {
-                memcpy(hidden_row, (const float *)fixed[2].buf + tokens[i] * H, (size_t)H * f);
-            }
-            if (embed_scale != 1.0) /* (Gemma, Granite: the rows times the scale in float32, as the torch forward) */
-                for (int h = 0; h < H; h++) hidden_row[h] *= (float)embed_scale;
-            if (have_positions)
-                for (int h = 0; h < H; h++) hidden_row[h] += ((const float *)position_rows.buf)[row * H + h];
-            for (Py_ssize_t t = 0; t < num_tables; t++) /* (table t's rows: rotation + t * n * D) */
-                memcpy(rotation + (t * n + i) * D, (const float *)tables[t].buf + positions[i] * D, (size_t)D * f);
+            if (i < n)
+                query_row(&fixed[2], embed_kind, H, token, embed_scale,
+                          have_positions ? (const float *)position_rows.buf + row * H : NULL, tables, num_tables,
+                          position, n, i, D, (float *)fixed[4].buf + i * H, rotation);
         }
     }
     for (Py_ssize_t l = 0; l < num_layers && !failed; l++) {
@@ -3366,66 +3394,85 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     int have_u = 0, have_probs = 0, have_drawn = 0, u_is_float = 0;
     double single_u = 0.0;
     long long single_token = -1;
+    long long bad_token = NO_BAD_TOKEN; /* (a later step's query: a drawn token past the embedding's rows) */
     Py_ssize_t probs_stride = draw_vocab;
     float *scratch = NULL;
+    const Py_ssize_t draw_rows = rows_out * steps; /* (the output rows of every step) */
     if (!failed && draw_vocab > 0) {
         if (probs_object != Py_None) {
-            probs_stride = row_stride(probs_object, &probs, 1, rows_out, draw_vocab, "probs");
+            probs_stride = row_stride(probs_object, &probs, 1, draw_rows, draw_vocab, "probs");
             failed = probs_stride < 0;
             have_probs = !failed;
-        } else if ((scratch = (float *)PyMem_RawMalloc((size_t)(rows_out * draw_vocab) * sizeof(float))) == NULL) {
+        } else if ((scratch = (float *)PyMem_RawMalloc((size_t)(draw_rows * draw_vocab) * sizeof(float))) == NULL) {
             PyErr_NoMemory();
             failed = 1;
         }
         if (!failed && drawn_object != Py_None)
-            failed = get_buffer(drawn_object, &drawn, 1, rows_out * (Py_ssize_t)sizeof(long long), "tokens",
+            failed = get_buffer(drawn_object, &drawn, 1, draw_rows * (Py_ssize_t)sizeof(long long), "tokens",
                                 &have_drawn) != 0;
         if (!failed && temperature > 0.0 && u_object != Py_None) {
-            if (PyFloat_Check(u_object) && rows_out == 1) {
+            if (PyFloat_Check(u_object) && draw_rows == 1) {
                 single_u = PyFloat_AS_DOUBLE(u_object);
                 u_is_float = 1;
             } else {
-                failed = get_buffer(u_object, &u, 0, rows_out * (Py_ssize_t)sizeof(double), "u", &have_u) != 0;
+                failed = get_buffer(u_object, &u, 0, draw_rows * (Py_ssize_t)sizeof(double), "u", &have_u) != 0;
             }
         }
     }
     if (!failed) {
 #ifdef GBV_PANELS_X86
         float *hidden = (float *)fixed[4].buf, *normed = (float *)fixed[5].buf;
+        const long long *positions = (const long long *)fixed[1].buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t l = 0; l < num_layers && !out_of_memory; l++) {
-            const Py_buffer *v = views + l * PER_LAYER;
-            out_of_memory = layer_forward(
-                hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
-                (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL, v[2].buf,
-                v[3].buf, v[4].buf, bf16, n, H, heads, kv_heads, D, I, constants[CONSTANTS * l],
-                constants[CONSTANTS * l + 1],
-                layer_tables[l] < 0 ? NULL : rotation + layer_tables[l] * n * D,
-                (char *)v[5].buf + first_row * sequence * kv, (char *)v[6].buf + first_row * sequence * kv, kv_bf16,
-                capacity,
-                windowed[l] && have_window_mask ? (const unsigned char *)window_mask.buf
-                : fixed_given[12]               ? (const unsigned char *)fixed[12].buf
-                                                : NULL,
-                start,
-                (float)constants[CONSTANTS * l + 2],
-                scores, 1, 0, styles + l, windowed[l] && have_window_mask ? window_first : 0);
-        }
-        const float *last = hidden + (n - rows_out) * H;
-        norm_rows(last, normed, rows_out, H, final_eps, final_layer_norm);
-        out_of_memory = out_of_memory || panel_product(normed, fixed[10].buf, bf16, (float *)fixed[11].buf, rows_out,
-                                                       H, vocab, 0);
-        if (!out_of_memory && have_head_bias)
-            add_bias_rows((float *)fixed[11].buf, (const float *)head_bias.buf, rows_out, vocab);
-        if (!out_of_memory && logits_softcap > 0.0) /* (Gemma 2) */
-            soft_cap((float *)fixed[11].buf, rows_out * vocab, (float)logits_softcap);
-        for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0 && !out_of_memory; r++) {
-            const float *row = (const float *)fixed[11].buf + r * vocab;
-            float *out = have_probs ? (float *)probs.buf + r * probs_stride : scratch + r * draw_vocab;
-            long long *token = have_drawn ? (long long *)drawn.buf + r : (rows_out == 1 ? &single_token : NULL);
-            const double *uniform = have_u ? (const double *)u.buf + r : (u_is_float ? &single_u : NULL);
-            /* (a token with no uniform is drawn only when greedy, which needs none) */
-            sample_row(row, draw_vocab, temperature, out, uniform, uniform != NULL || temperature == 0.0 ? token : NULL,
-                       below_one);
+        for (Py_ssize_t s = 0; s < steps && !out_of_memory; s++) {
+            Py_ssize_t queries = n, first = start; /* this step's queries and its first slot */
+            if (s > 0) { /* one query: the token the step before drew (checked against the embedding's rows) */
+                const long long token = ((const long long *)drawn.buf)[s - 1], position = positions[n - 1] + s;
+                if (token < 0 || token >= vocab_rows) {
+                    bad_token = token;
+                    break;
+                }
+                queries = 1;
+                first = start + n + s - 1;
+                query_row(&fixed[2], embed_kind, H, token, embed_scale,
+                          have_positions ? (const float *)position_rows.buf + (position + position_offset) * H : NULL,
+                          tables, num_tables, position, n, 0, D, hidden, rotation);
+            }
+            for (Py_ssize_t l = 0; l < num_layers && !out_of_memory; l++) {
+                const Py_buffer *v = views + l * PER_LAYER;
+                out_of_memory = layer_forward(
+                    hidden, normed, (float *)fixed[6].buf, (float *)fixed[7].buf, (float *)fixed[8].buf,
+                    (float *)fixed[9].buf, v[0].buf, given[l * PER_LAYER + 1] ? (const float *)v[1].buf : NULL,
+                    v[2].buf, v[3].buf, v[4].buf, bf16, queries, H, heads, kv_heads, D, I, constants[CONSTANTS * l],
+                    constants[CONSTANTS * l + 1],
+                    layer_tables[l] < 0 ? NULL : rotation + layer_tables[l] * n * D,
+                    (char *)v[5].buf + first_row * sequence * kv, (char *)v[6].buf + first_row * sequence * kv,
+                    kv_bf16, capacity,
+                    windowed[l] && have_window_mask ? (const unsigned char *)window_mask.buf
+                    : fixed_given[12]               ? (const unsigned char *)fixed[12].buf
+                                                    : NULL,
+                    first,
+                    (float)constants[CONSTANTS * l + 2],
+                    scores, 1, 0, styles + l, windowed[l] && have_window_mask ? window_first : 0);
+            }
+            const float *last = hidden + (queries - rows_out) * H;
+            norm_rows(last, normed, rows_out, H, final_eps, final_layer_norm);
+            out_of_memory = out_of_memory || panel_product(normed, fixed[10].buf, bf16, (float *)fixed[11].buf,
+                                                           rows_out, H, vocab, 0);
+            if (!out_of_memory && have_head_bias)
+                add_bias_rows((float *)fixed[11].buf, (const float *)head_bias.buf, rows_out, vocab);
+            if (!out_of_memory && logits_softcap > 0.0) /* (Gemma 2) */
+                soft_cap((float *)fixed[11].buf, rows_out * vocab, (float)logits_softcap);
+            for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0 && !out_of_memory; r++) {
+                const Py_ssize_t at = s * rows_out + r; /* (the output row among every step's) */
+                const float *row = (const float *)fixed[11].buf + r * vocab;
+                float *out = have_probs ? (float *)probs.buf + at * probs_stride : scratch + at * draw_vocab;
+                long long *token = have_drawn ? (long long *)drawn.buf + at : (draw_rows == 1 ? &single_token : NULL);
+                const double *uniform = have_u ? (const double *)u.buf + at : (u_is_float ? &single_u : NULL);
+                /* (a token with no uniform is drawn only when greedy, which needs none) */
+                sample_row(row, draw_vocab, temperature, out, uniform,
+                           uniform != NULL || temperature == 0.0 ? token : NULL, below_one);
+            }
         }
         Py_END_ALLOW_THREADS
 #endif
@@ -3454,7 +3501,9 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyMem_Free(layer_tables);
     PyMem_Free(windowed);
     if (out_of_memory) PyErr_NoMemory();
-    if (failed || out_of_memory) return NULL;
+    if (!failed && !out_of_memory && bad_token != NO_BAD_TOKEN)
+        PyErr_Format(PyExc_ValueError, "a step drew token %lld, which has no embedding row", bad_token);
+    if (failed || out_of_memory || bad_token != NO_BAD_TOKEN) return NULL;
     if (single_token >= 0) return PyLong_FromLongLong(single_token);
     Py_RETURN_NONE;
 }
@@ -3621,10 +3670,12 @@ static PyMethodDef METHODS[] = {
      "normed, qkv, attn, gate_up, act, head, logits, n, H, heads, kv_heads, head_dim, intermediate, vocab, "
      "final_eps, bf16, last_only, draw_vocab, temperature, u, probs, tokens, below_one[, kv_bf16, position_rows, "
      "position_offset, final_layer_norm, head_bias, window_mask, logits_softcap, embed_scale, window_first, "
-     "embed_kind (0 float32, 1 bfloat16 bits, 2 float16)]): the host forward of one "
+     "embed_kind (0 float32, 1 bfloat16 bits, 2 float16), steps]): the host forward of one "
      "sequence (host_kernels.forward_into), and with draw_vocab > 0 the softmax of its logits' first draw_vocab "
      "columns at temperature (0: greedy) into probs (or a scratch row) and, where tokens is given, one draw "
-     "per output row with u (one output row with u a float and no tokens: returns its token)."},
+     "per output row with u (one output row with u a float and no tokens: returns its token). steps > 1: "
+     "steps - 1 more one-query forwards of the causal chain, each of the token the step before drew, their "
+     "laws into probs rows 1.. and their draws into tokens[1:] with u[1:]."},
     {"move_slots", move_slots, METH_VARARGS,
      "move_slots(arrays, rows, src, dst, batch, kv_heads, capacity, head_dim, value_bytes): in every (batch, "
      "kv_heads, capacity, head_dim) cache array of the tuple, slot src[j] of row rows[j] (an int: every pair's) -> "

@@ -1529,6 +1529,25 @@ class LeanCausalLM:
                             cache, None, True, vocab, config.temperature, None if config.greedy else rng.uniform(),
                             probs.numpy() if isinstance(probs, Tensor) else probs)
 
+    def sampled_path(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
+                     rng: TorchRandom, probs: np.ndarray, steps: int) -> list[int] | None:
+        """``steps`` tokens drawn one after another as one compiled call: the first by :meth:`sampled_chain` of
+        ``ids`` at slots ``start ..``, each later one from the forward of the token before it at the next slot
+        (a chain of one), each step's law into ``probs`` row s ((steps, vocab) float32 numpy), its uniform the
+        s-th of ``steps`` taken from ``rng`` first, in order: the tokens, laws and cache entries of ``steps``
+        calls of :meth:`sampled_chain`, bit for bit. Why one call: a draft's step is a few tens of microseconds
+        of arithmetic on a small model, and each call's Python and argument checks cost about a fifth of a
+        bundled-draft step. None where that call does not run here (no one-call forward, top-k or top-p, a
+        sliding window binding on the way), before anything is drawn or written."""
+        host = self._sampling_host(len(ids), config, vocab)
+        if host is None or (self.window is not None and start + len(ids) + steps - 1 > self.window):
+            return None
+        drawn = np.empty(steps, dtype=np.int64)
+        uniforms = None if config.greedy else rng.uniforms(steps)
+        host.sampled_steps(np.array(ids, dtype=np.int64), start, cache, steps, vocab, config.temperature, uniforms,
+                           probs, drawn)
+        return drawn.tolist()
+
     def _static_sampled_chain(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
                               rng: TorchRandom) -> int | None:
         """:meth:`sampled_chain` as one static call (CUDA graphs: forward, law and draw recorded

@@ -738,14 +738,33 @@ class HostForward:
             return self._one_call(tokens, positions, start, cache, mask, last_only, draw_vocab, temperature, u, probs,
                                   tokens_out)[1]
 
+    def sampled_steps(self, tokens: np.ndarray, start: int, cache, steps: int, draw_vocab: int, temperature: float,
+                      u: np.ndarray | None, probs: np.ndarray, tokens_out: np.ndarray) -> bool:
+        """The causal chain ``tokens`` ((n,) int64, positions = slots ``start ..``) and ``steps - 1`` more queries
+        of one token each, each the token the step before drew, as one compiled call (``forward_into``'s
+        ``steps``): step s's law into ``probs`` row s ((steps, draw_vocab) float32, rows may be strided) and its
+        token into ``tokens_out[s]`` ((steps,) int64), drawn with ``u[s]`` ((steps,) float64; None when greedy).
+        What ``steps`` calls of :meth:`sampled` would write and draw. False, with nothing written or drawn,
+        where a sliding window binds on the way (:meth:`one_call` must hold)."""
+        n = tokens.shape[-1]
+        if self.lean.window is not None and start + n + steps - 1 > self.lean.window:
+            return False
+        with self._lock:
+            sync_product_threads()
+            self._one_call(tokens, np.arange(start, start + n, dtype=np.int64), start, cache, None, True, draw_vocab,
+                           temperature, u, probs, tokens_out, steps=steps)
+        return True
+
     def _one_call(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
                   last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,
                   u: np.ndarray | float | None = None, probs: np.ndarray | None = None,
-                  tokens_out: np.ndarray | None = None, first_row: int = 0) -> tuple[np.ndarray, int | None]:
-        """(logits, returned token) of ``forward_into`` on cache row ``first_row``."""
+                  tokens_out: np.ndarray | None = None, first_row: int = 0,
+                  steps: int = 1) -> tuple[np.ndarray, int | None]:
+        """(logits, returned token) of ``forward_into`` on cache row ``first_row`` (``steps``: see there; the
+        logits are then the last step's)."""
         lean = self.lean
         n = tokens.shape[-1]
-        end = start + n
+        end = start + n + steps - 1  # (the slots the last step reaches)
         if end > cache.capacity:
             cache.grow(end)
         rotary = self._rotary_tables(end)
@@ -759,7 +778,7 @@ class HostForward:
                              temperature, u, probs, tokens_out, self.position_rows, self.position_offset,
                              self.layer_norm, self.head_bias, None if window_mask is None else window_mask[0],
                              self.logits_softcap, 1.0 if self.embed_scale is None else self.embed_scale,
-                             window_first)
+                             window_first, steps)
         return logits, token
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,

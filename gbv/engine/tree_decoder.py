@@ -88,7 +88,12 @@ def draft_one_path(draft: LeanCausalLM, cache, tokens: list[int], draft_len: int
     its tokens read back as host ints by the calls themselves: the unseen chain, then node i in slot
     ``len(tokens) - 1 + i``, at that position (a chain of one). None where those calls do not run here
     (no one-call forward, top-k / top-p), before anything is written or drawn. The single decoder's
-    one-path drafting, and a batch's lone row's (``BatchTreeDecoder._draft_lone_path``)."""
+    one-path drafting, and a batch's lone row's (``BatchTreeDecoder._draft_lone_path``). The ``block``
+    calls run as one (``LeanCausalLM.sampled_path``: the same tokens and laws) where no sliding window
+    binds on the way."""
+    path = draft.sampled_path(tokens[draft_len:], draft_len, cache, vocab, config, rng, q_rows[:block], block)
+    if path is not None:
+        return path
     token = draft.sampled_chain(tokens[draft_len:], draft_len, cache, vocab, config, rng, q_rows[0])
     if token is None:
         return None

@@ -794,3 +794,72 @@ def test_fused_transposed_copy_equals_the_concatenation_reordered_and_transposed
     conv = torch.randn(40, 96, generator=gen)  # (a Conv1D's (in, out) tensor: its weight is the view conv.t())
     assert torch.equal(_fused_transposed_copy([conv.t()], identity[:96]), conv)
     assert not torch.equal(_fused_transposed_copy(parts, interleaved), torch.cat(parts).t().contiguous())
+
+
+@pytest.mark.skipif(host_kernels_unavailable() is not None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("arch", ["llama", "gptneox", "gpt2", *(a for a in ("gemma3", "mistral") if a in ARCHITECTURES)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_drafted_path_in_one_call_equals_a_call_per_step(arch, dtype, temperature):
+    """``LeanCausalLM.sampled_path`` (the draft's ``block`` steps as one compiled call: ``forward_into``'s
+    ``steps``) draws the tokens, writes the laws and the cache entries, and takes the uniforms of as many
+    calls of ``sampled_chain``, bit for bit: from a chain of two unseen tokens, then one token a step, over
+    learned positions (GPT-2), tables per layer kind and a scaled embedding (Gemma 3) and a sliding window
+    (Mistral). Where the window would bind on the way it declines before drawing anything."""
+    from gbv.engine.sampling import SamplingConfig
+    from gbv.verify.common import TorchRandom
+
+    vocab, steps = 40, 5
+    model = hf_pair(arch, vocab=vocab, seed=11)[0].to(dtype)
+    lean = LeanCausalLM(model)
+    assert lean.host_forward is not None and lean.host_forward.one_call(1)
+    prefix = 9 if lean.window is None else lean.window - 7  # (the windowed ones: every slot within the window)
+    config = SamplingConfig(temperature)
+    ids = torch.randint(0, vocab, (prefix + 2,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = []
+    for one_call in (True, False):
+        cache = lean.new_cache(1, 64)
+        with torch.inference_mode():
+            lean.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix)[None], 0, cache, None, causal=True)
+        rng, probs = TorchRandom(seed=5), np.full((steps, vocab), np.nan, dtype=np.float32)
+        if one_call:
+            path = lean.sampled_path(ids[prefix:], prefix, cache, vocab, config, rng, probs, steps)
+        else:
+            path = [lean.sampled_chain(ids[prefix:], prefix, cache, vocab, config, rng, probs[0])]
+            for s in range(1, steps):
+                path.append(lean.sampled_chain([path[-1]], prefix + 1 + s, cache, vocab, config, rng, probs[s]))
+        keys, values = cache.arrays()
+        runs.append((path, probs, [np.array(k[:, :, :prefix + 1 + steps]) for k in keys + values], rng.uniform()))
+    (path, probs, kv, after), (path_ref, probs_ref, kv_ref, after_ref) = runs
+    assert path == path_ref and after == after_ref
+    assert np.array_equal(probs, probs_ref) and not np.isnan(probs).any()
+    assert all(np.array_equal(a, b) for a, b in zip(kv, kv_ref))
+    if temperature > 0:  # (each step's own law: the token fed moved on; greedy rows are one-hot, and may repeat)
+        assert len({tuple(row) for row in probs}) == steps
+        # negative control: the same path one slot early (its positions off by one) is told apart
+        cache, late = lean.new_cache(1, 64), np.zeros_like(probs)
+        with torch.inference_mode():
+            lean.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix)[None], 0, cache, None, causal=True)
+        lean.sampled_path(ids[prefix:], prefix - 1, cache, vocab, config, TorchRandom(seed=5), late, steps)
+        assert not np.array_equal(late, probs_ref)
+    if lean.window is not None:  # (Mistral: a path past its window declines, before any draw)
+        rng = TorchRandom(seed=5)
+        cache = lean.new_cache(1, 64)
+        assert lean.sampled_path(ids[:2], lean.window - 2, cache, vocab, config, rng, probs, steps) is None
+        assert rng.uniform() == TorchRandom(seed=5).uniform()
+
+
+@pytest.mark.skipif(host_kernels_unavailable() is not None, reason="compiled kernels unavailable")
+def test_steps_are_refused_where_they_do_not_apply():
+    """``forward_into``'s ``steps`` runs only the causal chain of one output row with a draw of every step: a
+    mask, every query's logits, or no tokens to draw into are refused with one line, before anything runs."""
+    model = hf_pair("llama", vocab=40, seed=11)[0]
+    host = LeanCausalLM(model).host_forward
+    tokens, positions = np.array([3, 4], dtype=np.int64), np.array([0, 1], dtype=np.int64)
+    probs, drawn, u = np.zeros((3, 40), np.float32), np.zeros(3, np.int64), np.full(3, 0.5)
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    for kwargs in (dict(mask=mask, last_only=True, tokens_out=drawn), dict(mask=None, last_only=False, tokens_out=drawn),
+                   dict(mask=None, last_only=True, tokens_out=None)):
+        cache = host.lean.new_cache(1, 16)
+        with pytest.raises(ValueError, match="steps > 1 needs"):
+            host._one_call(tokens, positions, 0, cache, draw_vocab=40, u=u, probs=probs, steps=3, **kwargs)
