@@ -3085,8 +3085,6 @@ static PyObject *softmax_draw(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The whole host forward of one sequence (host_kernels.forward_into says what each argument is):
- * the embedding rows, every layer as layer_forward, the final norm and the head, in one call. */
 #define NO_BAD_TOKEN (-0x7fffffffffffffffLL)
 /* Query i's row of the one-call forward: its token's embedding row (float32, or bfloat16 bits / float16 widened,
  * embed_kind 1 / 2) times embed_scale, plus its learned position row where given, into hidden_row (H floats), and
@@ -3111,6 +3109,8 @@ static void query_row(const Py_buffer *embed, int embed_kind, int H, long long t
         memcpy(rotation + (t * n + i) * D, (const float *)tables[t].buf + position * D, (size_t)D * sizeof(float));
 }
 
+/* The whole host forward of one sequence (host_kernels.forward_into says what each argument is):
+ * the embedding rows, every layer as layer_forward, the final norm and the head, in one call. */
 static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
@@ -3298,7 +3298,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     if (!failed) { /* the embedding rows (with their positions' rows) and each query's rotation row */
         const long long *tokens = (const long long *)fixed[0].buf, *positions = (const long long *)fixed[1].buf;
         for (Py_ssize_t i = 0; i < n + steps - 1 && !failed; i++) { /* (past n: the later steps' positions) */
-            const long long token = i < n ? tokens[i] : 0, position = i < n ? positions[i] : positions[n - 1] + (i - n + 1);
+            const long long token = i < n ? tokens[i] : 0; /* (a later step's token: checked as it is drawn) */
+            const long long position = i < n ? positions[i] : positions[n - 1] + (i - n + 1);
             const long long row = position + position_offset;
             int beyond = 0;
             for (Py_ssize_t t = 0; t < num_tables; t++) beyond = beyond || position >= table_rows[t];
