@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gbv.data import load_prompts
-from gbv.engine.generate import generate
+from gbv.engine.generate import generate, shared_vocab
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.sampling import SamplingConfig
 from gbv.engine.tree_decoder import draft_lean_model, draft_one_path
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [(row.split(":")[0], int(row.split(":")[1])) for row in args.rows.split(",")]
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    vocab = pair.tokenizer.vocab_size if hasattr(pair.tokenizer, "vocab_size") else 4096
+    vocab = shared_vocab(pair.target, pair.draft, pair.tokenizer)  # (what the engine drafts over)
     draft = draft_lean_model(pair.draft, pair.target)
     config = SamplingConfig(args.temperature)
     print(f"bundled pair, {args.dtype}, T = {args.temperature}, 1 thread")

@@ -1529,6 +1529,11 @@ class LeanCausalLM:
                             cache, None, True, vocab, config.temperature, None if config.greedy else rng.uniform(),
                             probs.numpy() if isinstance(probs, Tensor) else probs)
 
+    def window_binds(self, end: int) -> bool:
+        """Whether a sliding window binds on a forward whose last query sits in slot ``end - 1`` (a query there
+        could otherwise attend a slot past its layer's window; slots stand for positions)."""
+        return self.window is not None and end > self.window
+
     def sampled_path(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
                      rng: TorchRandom, probs: np.ndarray, steps: int) -> list[int] | None:
         """``steps`` tokens drawn one after another as one compiled call: the first by :meth:`sampled_chain` of
@@ -1540,7 +1545,7 @@ class LeanCausalLM:
         bundled-draft step. None where that call does not run here (no one-call forward, top-k or top-p, a
         sliding window binding on the way), before anything is drawn or written."""
         host = self._sampling_host(len(ids), config, vocab)
-        if host is None or (self.window is not None and start + len(ids) + steps - 1 > self.window):
+        if host is None or self.window_binds(start + len(ids) + steps - 1):
             return None
         drawn = np.empty(steps, dtype=np.int64)
         uniforms = None if config.greedy else rng.uniforms(steps)
@@ -1654,7 +1659,7 @@ class LeanCausalLM:
         hidden = self.embed_rows(tokens.reshape(-1), positions.reshape(-1))
         mask, use_causal = attention_mask(mask, causal, start, n, tokens.device)
         window_mask = None  # (the sliding layers' mask, where their window binds)
-        if self.window is not None and end > self.window:
+        if self.window_binds(end):
             window_mask = self._within_window(mask, use_causal, positions, start, n)
         hidden = self._layers(hidden, batch, n, cos, sin, cache, first_row, start, None, mask, use_causal,
                               window_mask=window_mask, rotations=by_kind)

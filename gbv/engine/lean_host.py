@@ -610,7 +610,7 @@ class HostForward:
         attention reads the cache from it on (a Gemma 3 layer of window 512 at 4,000 tokens, an eighth of it).
         (None, 0) where the window does not bind."""
         lean = self.lean
-        if lean.window is None or start + n <= lean.window:
+        if not lean.window_binds(start + n):
             return None, 0
         window = lean._within_window(mask, mask is None, torch.from_numpy(positions).view(-1, n), start, n)
         first = min(max(int(positions.min()) - lean.window + 1, 0), start)
@@ -739,21 +739,21 @@ class HostForward:
                                   tokens_out)[1]
 
     def sampled_steps(self, tokens: np.ndarray, start: int, cache, steps: int, draw_vocab: int, temperature: float,
-                      u: np.ndarray | None, probs: np.ndarray, tokens_out: np.ndarray) -> bool:
+                      u: np.ndarray | None, probs: np.ndarray, tokens_out: np.ndarray) -> None:
         """The causal chain ``tokens`` ((n,) int64, positions = slots ``start ..``) and ``steps - 1`` more queries
         of one token each, each the token the step before drew, as one compiled call (``forward_into``'s
         ``steps``): step s's law into ``probs`` row s ((steps, draw_vocab) float32, rows may be strided) and its
         token into ``tokens_out[s]`` ((steps,) int64), drawn with ``u[s]`` ((steps,) float64; None when greedy).
-        What ``steps`` calls of :meth:`sampled` would write and draw. False, with nothing written or drawn,
-        where a sliding window binds on the way (:meth:`one_call` must hold)."""
+        What ``steps`` calls of :meth:`sampled` would write and draw. :meth:`one_call` must hold, and no sliding
+        window may bind on the way (``LeanCausalLM.window_binds``; the later steps pass no window mask): a
+        ValueError before anything runs else (``LeanCausalLM.sampled_path`` declines first, before its draws)."""
         n = tokens.shape[-1]
-        if self.lean.window is not None and start + n + steps - 1 > self.lean.window:
-            return False
+        if self.lean.window_binds(start + n + steps - 1):
+            raise ValueError("steps of one call need every query within the sliding window")
         with self._lock:
             sync_product_threads()
             self._one_call(tokens, np.arange(start, start + n, dtype=np.int64), start, cache, None, True, draw_vocab,
                            temperature, u, probs, tokens_out, steps=steps)
-        return True
 
     def _one_call(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
                   last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,

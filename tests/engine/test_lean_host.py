@@ -847,6 +847,9 @@ def test_a_drafted_path_in_one_call_equals_a_call_per_step(arch, dtype, temperat
         cache = lean.new_cache(1, 64)
         assert lean.sampled_path(ids[:2], lean.window - 2, cache, vocab, config, rng, probs, steps) is None
         assert rng.uniform() == TorchRandom(seed=5).uniform()
+        with pytest.raises(ValueError, match="sliding window"):  # (the host's steps refuse it too, before running)
+            lean.host_forward.sampled_steps(np.array(ids[:2]), lean.window - 2, cache, steps, vocab, temperature,
+                                            np.full(steps, 0.5), probs, np.zeros(steps, np.int64))
 
 
 @pytest.mark.skipif(host_kernels_unavailable() is not None, reason="compiled kernels unavailable")
