@@ -3115,6 +3115,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     PyObject *objects[13]; /* tokens positions embed rotary hidden normed qkv attn gate_up act head logits mask */
     PyObject *layers, *keys_list, *values_list, *u_object, *probs_object, *drawn_object;
     PyObject *position_object = Py_None, *head_bias_object = Py_None, *window_mask_object = Py_None;
+    PyObject *stop_object = Py_None; /* (steps > 1: the tokens after whose draw the steps stop; None: none) */
     double logits_softcap = 0.0, embed_scale = 1.0;
     Py_ssize_t window_first = 0; /* (the windowed layers' first slot: their mask's columns start there) */
     Py_ssize_t first_row, capacity, start, n, vocab, draw_vocab, position_offset = 0;
@@ -3122,14 +3123,14 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     int H, heads, kv_heads, D, I, bf16, last_only, kv_bf16 = 0, out_of_memory = 0, final_layer_norm = 0;
     int embed_kind = 0; /* (the embedding's rows: 0 float32, 1 bfloat16 bits, 2 float16; widened as read) */
     double final_eps, temperature, below_one;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddnin", &objects[0], &objects[1], &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnOnOOOOOOOOniiiiindipndOOOd|pOnpOOddninO", &objects[0], &objects[1], &objects[2],
                           &objects[3], &layers, &keys_list, &values_list, &first_row, &capacity, &objects[12],
                           &start, &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9],
                           &objects[10], &objects[11], &n, &H, &heads, &kv_heads, &D, &I, &vocab, &final_eps, &bf16,
                           &last_only, &draw_vocab, &temperature, &u_object, &probs_object, &drawn_object,
                           &below_one, &kv_bf16, &position_object, &position_offset, &final_layer_norm,
                           &head_bias_object, &window_mask_object, &logits_softcap, &embed_scale, &window_first,
-                          &embed_kind, &steps))
+                          &embed_kind, &steps, &stop_object))
         return NULL;
     if (!cpu_supported()) {
         PyErr_SetString(PyExc_ValueError, "the host forward needs an x86-64 CPU with AVX2 and FMA");
@@ -3163,13 +3164,17 @@ static PyObject *forward(PyObject *self, PyObject *args) {
      * same sums), their laws into probs row s and their tokens into tokens[s], drawn with u[s]. Why: a
      * drafted path's steps were one call each, and the draft's own arithmetic is a few tens of microseconds
      * a step: each call's Python and its arguments' checks were a fifth of a bundled-draft step. For the
-     * causal chain of one sequence with one output row, no window mask, and every step's draw. */
+     * causal chain of one sequence with one output row, no window mask, and every step's draw.
+     * stop (an int64 buffer, or None): the steps end after one draws a token in it (an EOS of plain
+     * decoding's runs: a generation ends there, so the steps after it would be thrown away, at a whole
+     * target step each); the call then returns how many steps ran. */
     if (steps < 1 || (steps > 1 && (objects[12] != Py_None || window_mask_object != Py_None || draw_vocab < 1 ||
                                     (!last_only && n != 1) || start + n + steps - 1 > capacity ||
-                                    drawn_object == Py_None || (temperature > 0.0 && u_object == Py_None)))) {
+                                    drawn_object == Py_None || (temperature > 0.0 && u_object == Py_None))) ||
+        (stop_object != Py_None && steps < 2)) {
         PyErr_SetString(PyExc_ValueError, "steps > 1 needs the causal chain (no mask, no window mask), one output "
                                           "row, a draw with tokens (and u unless greedy) for every step, and "
-                                          "start + n + steps - 1 <= capacity");
+                                          "start + n + steps - 1 <= capacity; stop tokens need steps > 1");
         return NULL;
     }
     const Py_ssize_t num_layers = PyTuple_GET_SIZE(layers), f = (Py_ssize_t)sizeof(float);
@@ -3397,14 +3402,25 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     long long single_token = -1;
     long long bad_token = NO_BAD_TOKEN; /* (a later step's query: a drawn token past the embedding's rows) */
     Py_ssize_t probs_stride = draw_vocab;
-    float *scratch = NULL;
+    float *scratch = NULL; /* (no probs: one step's rows, which every step reuses) */
     const Py_ssize_t draw_rows = rows_out * steps; /* (the output rows of every step) */
+    Py_buffer stop;
+    int have_stop = 0;
+    Py_ssize_t num_stop = 0, ran = 0; /* (the stop tokens; the steps that ran) */
+    if (!failed && stop_object != Py_None) {
+        failed = get_buffer(stop_object, &stop, 0, -1, "stop", &have_stop) != 0;
+        if (!failed && (stop.len % (Py_ssize_t)sizeof(long long)) != 0) {
+            PyErr_SetString(PyExc_ValueError, "stop must be an int64 array");
+            failed = 1;
+        }
+        num_stop = failed ? 0 : stop.len / (Py_ssize_t)sizeof(long long);
+    }
     if (!failed && draw_vocab > 0) {
         if (probs_object != Py_None) {
             probs_stride = row_stride(probs_object, &probs, 1, draw_rows, draw_vocab, "probs");
             failed = probs_stride < 0;
             have_probs = !failed;
-        } else if ((scratch = (float *)PyMem_RawMalloc((size_t)(draw_rows * draw_vocab) * sizeof(float))) == NULL) {
+        } else if ((scratch = (float *)PyMem_RawMalloc((size_t)(rows_out * draw_vocab) * sizeof(float))) == NULL) {
             PyErr_NoMemory();
             failed = 1;
         }
@@ -3467,12 +3483,20 @@ static PyObject *forward(PyObject *self, PyObject *args) {
             for (Py_ssize_t r = 0; r < rows_out && draw_vocab > 0 && !out_of_memory; r++) {
                 const Py_ssize_t at = s * rows_out + r; /* (the output row among every step's) */
                 const float *row = (const float *)fixed[11].buf + r * vocab;
-                float *out = have_probs ? (float *)probs.buf + at * probs_stride : scratch + at * draw_vocab;
+                float *out = have_probs ? (float *)probs.buf + at * probs_stride : scratch + r * draw_vocab;
                 long long *token = have_drawn ? (long long *)drawn.buf + at : (draw_rows == 1 ? &single_token : NULL);
                 const double *uniform = have_u ? (const double *)u.buf + at : (u_is_float ? &single_u : NULL);
                 /* (a token with no uniform is drawn only when greedy, which needs none) */
                 sample_row(row, draw_vocab, temperature, out, uniform,
                            uniform != NULL || temperature == 0.0 ? token : NULL, below_one);
+            }
+            ran = s + 1;
+            if (num_stop > 0 && !out_of_memory) { /* (one output row: steps > 1) */
+                const long long token = ((const long long *)drawn.buf)[s];
+                int stopped = 0;
+                for (Py_ssize_t j = 0; j < num_stop && !stopped; j++)
+                    stopped = ((const long long *)stop.buf)[j] == token;
+                if (stopped) break;
             }
         }
         Py_END_ALLOW_THREADS
@@ -3488,6 +3512,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     if (have_u) PyBuffer_Release(&u);
     if (have_probs) PyBuffer_Release(&probs);
     if (have_drawn) PyBuffer_Release(&drawn);
+    if (have_stop) PyBuffer_Release(&stop);
     for (int b = 0; b < 13; b++)
         if (fixed_given[b]) PyBuffer_Release(&fixed[b]);
     if (views != NULL && given != NULL)
@@ -3506,6 +3531,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "a step drew token %lld, which has no embedding row", bad_token);
     if (failed || out_of_memory || bad_token != NO_BAD_TOKEN) return NULL;
     if (single_token >= 0) return PyLong_FromLongLong(single_token);
+    if (steps > 1) return PyLong_FromSsize_t(ran);
     Py_RETURN_NONE;
 }
 
@@ -3671,12 +3697,13 @@ static PyMethodDef METHODS[] = {
      "normed, qkv, attn, gate_up, act, head, logits, n, H, heads, kv_heads, head_dim, intermediate, vocab, "
      "final_eps, bf16, last_only, draw_vocab, temperature, u, probs, tokens, below_one[, kv_bf16, position_rows, "
      "position_offset, final_layer_norm, head_bias, window_mask, logits_softcap, embed_scale, window_first, "
-     "embed_kind (0 float32, 1 bfloat16 bits, 2 float16), steps]): the host forward of one "
+     "embed_kind (0 float32, 1 bfloat16 bits, 2 float16), steps, stop]): the host forward of one "
      "sequence (host_kernels.forward_into), and with draw_vocab > 0 the softmax of its logits' first draw_vocab "
      "columns at temperature (0: greedy) into probs (or a scratch row) and, where tokens is given, one draw "
      "per output row with u (one output row with u a float and no tokens: returns its token). steps > 1: "
      "steps - 1 more one-query forwards of the causal chain, each of the token the step before drew, their "
-     "laws into probs rows 1.. and their draws into tokens[1:] with u[1:]."},
+     "laws into probs rows 1.. and their draws into tokens[1:] with u[1:]; the steps end after a draw in stop "
+     "(int64 tokens, or None), and the call returns how many ran."},
     {"move_slots", move_slots, METH_VARARGS,
      "move_slots(arrays, rows, src, dst, batch, kv_heads, capacity, head_dim, value_bytes): in every (batch, "
      "kv_heads, capacity, head_dim) cache array of the tuple, slot src[j] of row rows[j] (an int: every pair's) -> "

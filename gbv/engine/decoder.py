@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -257,11 +257,14 @@ _TOLD_PLAIN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def make_decoder(target, draft, method: str, num_paths: int, block_len: int, vocab: int,
-                 target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device):
+                 target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device,
+                 stop_tokens: Collection[int] = ()):
     """The decoder for this pair: :class:`~gbv.engine.tree_decoder.TreeDecoder` on the lean engine
     where both models support it, else the plain Hugging Face :class:`Decoder`; for ``auto``, either
     one wrapped in :class:`~gbv.engine.auto.AutoDecoder` (``num_paths`` / ``block_len`` are then
-    ignored: the policy's arms set them per iteration)."""
+    ignored: the policy's arms set them per iteration). ``stop_tokens``: the ids that end the
+    generation (its EOS ids), where the tree engine's runs of plain steps stop; the caller still
+    applies every stop rule itself."""
     if method == "auto":
         from gbv.engine import auto
 
@@ -273,15 +276,15 @@ def make_decoder(target, draft, method: str, num_paths: int, block_len: int, voc
         speculative = [arm for arm in arms if arm.method != AR]
         if not speculative:
             return auto.AutoDecoder(make_decoder(target, None, AR, 1, 1, vocab, target_sampling, draft_sampling,
-                                                 seed, device), policy)
+                                                 seed, device, stop_tokens), policy)
         first = speculative[0]
         base = make_decoder(target, draft, first.method, max(a.num_paths for a in speculative),
                             max(a.block_len for a in speculative), vocab, target_sampling, draft_sampling, seed,
-                            device)
+                            device, stop_tokens)
         return auto.AutoDecoder(base, policy)
     if engine_for(target, draft) == "tree":
         from gbv.engine.tree_decoder import TreeDecoder
 
         return TreeDecoder(target, draft, method, num_paths, block_len, vocab, target_sampling, draft_sampling,
-                           seed, device)
+                           seed, device, stop_tokens=stop_tokens)
     return Decoder(target, draft, method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, device)

@@ -295,12 +295,13 @@ def _check_memory(pair, config: GenerationConfig, vocab: int, positions: int) ->
                        "or max_new_tokens")
 
 
-def _make_decoder(pair, config: GenerationConfig, vocab: int):
+def _make_decoder(pair, config: GenerationConfig, vocab: int, eos: frozenset[int] = frozenset()):
     """The decoding state of one sequence (the one place that builds a decoder from a config):
-    the tree engine for the lean families (``LEAN_ARCHITECTURES``), the plain Hugging Face path otherwise (``make_decoder``)."""
+    the tree engine for the lean families (``LEAN_ARCHITECTURES``), the plain Hugging Face path otherwise
+    (``make_decoder``). ``eos``: the generation's EOS ids, where a run of plain steps may stop early."""
     draft = pair.draft if config.uses_draft else None
     return make_decoder(pair.target, draft, config.method, config.num_paths, config.block_len, vocab,
-                   config.target_sampling, config.draft_sampling, config.seed, pair.device)
+                        config.target_sampling, config.draft_sampling, config.seed, pair.device, eos)
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def _run(pair, job: _Job, emit: bool) -> Iterator[str | list[int]]:
     returns the :class:`GenerationOutput`. Model work runs under ``torch.inference_mode`` but never
     across a ``yield`` (so the caller's code between chunks runs in its own mode)."""
     with torch.inference_mode():
-        decoder = _make_decoder(pair, job.config, job.vocab)
+        decoder = _make_decoder(pair, job.config, job.vocab, job.eos)
         decoder.prefill(job.ids)
     loop = row_loop(pair, job, emit, decoder)
     reply = None

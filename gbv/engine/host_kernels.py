@@ -574,7 +574,7 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
                  position_offset: int = 0, final_layer_norm: bool = False,
                  head_bias: np.ndarray | None = None, window_mask: np.ndarray | None = None,
                  logits_softcap: float = 0.0, embed_scale: float = 1.0, window_first: int = 0,
-                 steps: int = 1) -> int | None:
+                 steps: int = 1, stop: np.ndarray | None = None) -> int | None:
     """The whole host forward of one sequence of n queries in one compiled call: embedding rows,
     every layer as :func:`layer_into`, the final norm and the head product into ``logits``.
 
@@ -614,13 +614,17 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     then runs ``steps - 1`` more forwards of one query, each of the token the step before drew at the next
     position and slot, as that many calls of one query would (the same sums); ``probs`` ((steps, draw_vocab))
     row s, ``tokens_out`` ((steps,)) entry s and ``u`` ((steps,); unused when greedy) entry s are step s's.
+    ``stop`` ((k,) int64, or None; only with ``steps`` > 1): the steps end after the first that draws one of
+    these tokens (an EOS, after which a generation keeps nothing). With ``steps`` > 1 the call returns how many
+    steps ran.
     """
     n, hidden = rows.hidden.shape
     kv_heads, head_dim = keys[0].shape[1], keys[0].shape[3]
     # (the trailing arguments as one tuple, without a loop over defaults: this runs every step; an older C
     # module takes the calls it knows, scripts/kernels_at.py)
     embed_kind = EMBED_KINDS.get(embed.dtype, 0)  # (another dtype: refused by the call's size check)
-    later = window_mask is not None or logits_softcap or embed_scale != 1.0 or window_first or embed_kind or steps > 1
+    more_steps = steps > 1 or stop is not None  # (stop with one step: refused by the call)
+    later = window_mask is not None or logits_softcap or embed_scale != 1.0 or window_first or embed_kind or more_steps
     if (position_rows is None and not position_offset and not final_layer_norm and head_bias is None
             and not later):
         extra = _kv_flag(keys[0])  # (the Llama family's call as it was)
@@ -629,7 +633,8 @@ def forward_into(tokens: np.ndarray, positions: np.ndarray, embed: np.ndarray, r
     else:
         extra = (kv_bf16(keys[0]), position_rows, position_offset, final_layer_norm, head_bias, window_mask,
                  float(logits_softcap), float(embed_scale), int(window_first),
-                 *((embed_kind,) if embed_kind or steps > 1 else ()), *((int(steps),) if steps > 1 else ()))
+                 *((embed_kind,) if embed_kind or more_steps else ()),
+                 *((int(steps),) if more_steps else ()), *((stop,) if stop is not None else ()))
     return _host_kernels.forward(tokens, positions, embed, rotary, layers, keys, values, first_row, capacity, mask,
                                  start, rows.hidden, rows.normed, rows.qkv, rows.attn, rows.gate_up, rows.act,
                                  head.panels, logits, n, hidden, rows.attn.shape[1] // head_dim, kv_heads, head_dim,

@@ -1564,11 +1564,23 @@ class LeanCausalLM:
         return int(step.chain(ids, start, cache, None if config.greedy else rng)[0])
 
     def sampled_run(self, first: int, start: int, count: int, cache: KVCache, vocab: int, config: SamplingConfig,
-                    rng: TorchRandom) -> list[int] | None:
-        """``count`` plain steps from the pending token ``first`` at slot ``start`` as one static call
-        (:class:`~gbv.engine.static_sampling.PlainLoop`): the tokens ``count`` calls of
-        :meth:`sampled_chain` would draw, from the same uniforms, read back once. None where no static
-        call runs (the caller steps one at a time)."""
+                    rng: TorchRandom, stop: np.ndarray | None = None) -> list[int] | None:
+        """``count`` (>= 2) plain steps from the pending token ``first`` at slot ``start`` as one call: the
+        tokens ``count`` calls of :meth:`sampled_chain` would draw, from the same uniforms (``count`` taken
+        from ``rng`` first, in order), read back once. On the host forward (:meth:`sampled_path`'s call, no
+        laws kept) the run ends after a token of ``stop`` ((k,) int64, or None: an EOS, after which the
+        generation keeps nothing), so it may return fewer; a static call (CUDA graphs,
+        :class:`~gbv.engine.static_sampling.PlainLoop`) runs all ``count`` (the caller throws away what
+        follows a stop). None where neither runs (the caller steps one at a time)."""
+        host = self._sampling_host(1, config, vocab)
+        if host is not None:
+            if self.window_binds(start + count):
+                return None
+            drawn = np.empty(count, dtype=np.int64)
+            uniforms = None if config.greedy else rng.uniforms(count)
+            ran = host.sampled_steps(np.array([first], dtype=np.int64), start, cache, count, vocab,
+                                     config.temperature, uniforms, None, drawn, stop)
+            return drawn[:ran].tolist()
         loop = plain_loop(self, cache, count, start, vocab, config)
         if loop is None:
             return None

@@ -739,29 +739,32 @@ class HostForward:
                                   tokens_out)[1]
 
     def sampled_steps(self, tokens: np.ndarray, start: int, cache, steps: int, draw_vocab: int, temperature: float,
-                      u: np.ndarray | None, probs: np.ndarray, tokens_out: np.ndarray) -> None:
+                      u: np.ndarray | None, probs: np.ndarray | None, tokens_out: np.ndarray,
+                      stop: np.ndarray | None = None) -> int:
         """The causal chain ``tokens`` ((n,) int64, positions = slots ``start ..``) and ``steps - 1`` more queries
         of one token each, each the token the step before drew, as one compiled call (``forward_into``'s
-        ``steps``): step s's law into ``probs`` row s ((steps, draw_vocab) float32, rows may be strided) and its
-        token into ``tokens_out[s]`` ((steps,) int64), drawn with ``u[s]`` ((steps,) float64; None when greedy).
-        What ``steps`` calls of :meth:`sampled` would write and draw. :meth:`one_call` must hold, and no sliding
-        window may bind on the way (``LeanCausalLM.window_binds``; the later steps pass no window mask): a
-        ValueError before anything runs else (``LeanCausalLM.sampled_path`` declines first, before its draws)."""
+        ``steps``): step s's law into ``probs`` row s ((steps, draw_vocab) float32, rows may be strided; None:
+        not kept) and its token into ``tokens_out[s]`` ((steps,) int64), drawn with ``u[s]`` ((steps,) float64;
+        None when greedy). What ``steps`` calls of :meth:`sampled` would write and draw, up to the first step
+        that draws a token of ``stop`` ((k,) int64 or None), which ends the call. Returns how many steps ran.
+        :meth:`one_call` must hold, ``steps`` > 1, and no sliding window may bind on the way
+        (``LeanCausalLM.window_binds``; the later steps pass no window mask): a ValueError before anything runs
+        else (``LeanCausalLM.sampled_path`` declines first, before its draws)."""
         n = tokens.shape[-1]
         if self.lean.window_binds(start + n + steps - 1):
             raise ValueError("steps of one call need every query within the sliding window")
         with self._lock:
             sync_product_threads()
-            self._one_call(tokens, np.arange(start, start + n, dtype=np.int64), start, cache, None, True, draw_vocab,
-                           temperature, u, probs, tokens_out, steps=steps)
+            return self._one_call(tokens, np.arange(start, start + n, dtype=np.int64), start, cache, None, True,
+                                  draw_vocab, temperature, u, probs, tokens_out, steps=steps, stop=stop)[1]
 
     def _one_call(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,
                   last_only: bool, draw_vocab: int = 0, temperature: float = 1.0,
                   u: np.ndarray | float | None = None, probs: np.ndarray | None = None,
                   tokens_out: np.ndarray | None = None, first_row: int = 0,
-                  steps: int = 1) -> tuple[np.ndarray, int | None]:
-        """(logits, returned token) of ``forward_into`` on cache row ``first_row`` (``steps``: see there; the
-        logits are then the last step's)."""
+                  steps: int = 1, stop: np.ndarray | None = None) -> tuple[np.ndarray, int | None]:
+        """(logits, returned value) of ``forward_into`` on cache row ``first_row`` (``steps`` and ``stop``: see
+        there; the logits are then the last step's, the value the number of steps that ran)."""
         lean = self.lean
         n = tokens.shape[-1]
         end = start + n + steps - 1  # (the slots the last step reaches)
@@ -778,7 +781,7 @@ class HostForward:
                              temperature, u, probs, tokens_out, self.position_rows, self.position_offset,
                              self.layer_norm, self.head_bias, None if window_mask is None else window_mask[0],
                              self.logits_softcap, 1.0 if self.embed_scale is None else self.embed_scale,
-                             window_first, steps)
+                             window_first, steps, stop)
         return logits, token
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, start: int, cache, mask: Tensor | None,

@@ -212,8 +212,11 @@ class SampledStep(StaticStep):
 # each step copied its input in, launched its replay and read its token back, and the GPU idled while
 # the host did. A run of 8 pays that once, and the row loop's stop rules see 8 tokens at a time: at an
 # EOS or a stop string the steps after it are thrown away (at most 7 forwards; rolling back is free).
-# Runs are powers of two (8, 4, 2, 1: one recording each). ``GBV_PLAIN_RUN`` sets the longest (1: a
-# call per step, the form before, for before/after measurements); only where static steps run (CUDA).
+# Runs are powers of two (8, 4, 2, 1: one recording each). On the CPU's host forward a run is one compiled
+# call of any length up to 8 (``LeanCausalLM.sampled_run``): each call's Python and argument checks cost
+# ~25 us, about 4% of a bfloat16 step of the bundled target, and the call ends at an EOS itself, since a
+# thrown-away step costs a whole target step there. ``GBV_PLAIN_RUN`` sets the longest (1: a call per
+# step, the form before, for before/after measurements).
 def _plain_run() -> int:
     setting = os.environ.get("GBV_PLAIN_RUN", "8")
     if not setting.isdigit() or int(setting) < 1 or int(setting) & (int(setting) - 1):
@@ -227,11 +230,14 @@ PLAIN_RUN = _plain_run()
 
 def plain_run_length(lean, limit: int | None) -> int:
     """How many plain steps of ``lean`` to run as one call when at most ``limit`` may run (None: any
-    number): the largest power of two up to ``min(PLAIN_RUN, limit)`` where static steps run, else 1."""
+    number): the largest power of two up to ``min(PLAIN_RUN, limit)`` where static steps run, that
+    number itself on the host forward (no recording per length), else 1."""
+    longest = max(PLAIN_RUN if limit is None else min(PLAIN_RUN, limit), 1)
+    if lean.host_forward is not None:
+        return longest
     if iteration_steps(lean) is None:
         return 1
-    longest = PLAIN_RUN if limit is None else min(PLAIN_RUN, limit)
-    return 1 << (max(longest, 1).bit_length() - 1)
+    return 1 << (longest.bit_length() - 1)
 
 
 def plain_loop(lean, cache, count: int, start: int, vocab: int, config: SamplingConfig) -> "PlainLoop | None":

@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 
 from gbv.engine.decoder import AR, DecoderState, host_copies
@@ -110,8 +111,11 @@ class TreeDecoder(DecoderState):
 
     def __init__(self, target, draft, method: str, num_paths: int, block_len: int, vocab: int,
                  target_sampling: SamplingConfig, draft_sampling: SamplingConfig, seed: int, device,
-                 profile: bool | None = None) -> None:
+                 profile: bool | None = None, stop_tokens: Collection[int] = ()) -> None:
         super().__init__(method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, device)
+        # The tokens that end a generation (its EOS ids): a run of plain steps on the host ends at one
+        # (plain_steps), where a step thrown away would cost a whole target step.
+        self.stop_tokens = np.array(sorted(set(stop_tokens)), dtype=np.int64) if stop_tokens else None
         self.target = lean_model(target)
         self.draft = draft_lean_model(draft, target) if self.verifier is not None else None
         self.target_cache = None
@@ -305,16 +309,17 @@ class TreeDecoder(DecoderState):
 
     def plain_steps(self, limit: int | None) -> list[int]:
         """Up to ``limit`` (None: any number) plain target steps, at least one: a run of them as one
-        call where static steps run (:func:`~gbv.engine.static_sampling.plain_run_length`), else one
-        step. Returns the newly committed tokens, as :meth:`step` does."""
+        call where the host forward or static steps run it (:func:`~gbv.engine.static_sampling.plain_run_length`),
+        else one step. On the host a run ends at a token of ``stop_tokens``. Returns the newly committed
+        tokens, as :meth:`step` does."""
         count = plain_run_length(self.target, limit)
         if count > 1:
             start = self._clock()
             position = len(self.tokens) - 1
             drawn = self.target.sampled_run(self.tokens[-1], position, count, self.target_cache, self.vocab,
-                                            self.target_sampling, self.rng)
+                                            self.target_sampling, self.rng, self.stop_tokens)
             if drawn is not None:
-                self.stats.target_calls += count
+                self.stats.target_calls += len(drawn)
                 self.stats.time_target += self._clock() - start
                 self.tokens.extend(drawn)
                 return drawn

@@ -272,6 +272,27 @@ def test_eos_stops_and_truncates(llama_pair):
     assert out.stats.stop_reason == "eos"
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_plain_decoding_stops_at_eos_inside_a_run(llama_pair, monkeypatch, temperature):
+    """ar's steps run several to a call (on the host forward: a run ends at the generation's EOS itself): the
+    tokens of a call per step (GBV_PLAIN_RUN = 1's form), cut after the EOS, and no target step past it."""
+    from gbv.engine import static_sampling
+
+    def run(eos, plain_run):
+        monkeypatch.setattr(static_sampling, "PLAIN_RUN", plain_run)
+        return generate(llama_pair, prompt_ids=PROMPT, method="ar", max_new_tokens=24, eos_token_id=eos,
+                        temperature=temperature, seed=4)
+
+    base = run([], 1)
+    assert run([], 8).token_ids == base.token_ids
+    eos = base.token_ids[9]
+    cut = base.token_ids[:base.token_ids.index(eos) + 1]
+    for plain_run in (8, 1):
+        out = run([eos], plain_run)
+        assert out.token_ids == cut and out.stats.stop_reason == "eos"
+        assert out.stats.to_dict()["target_calls"] == len(cut)
+
+
 def test_text_stop_strings_and_streaming(text_pair):
     out = generate(text_pair, prompt="the cat", method="gbv", num_paths=2, block_len=3, max_new_tokens=30,
                    seed=2, eos_token_id=[])

@@ -866,3 +866,68 @@ def test_steps_are_refused_where_they_do_not_apply():
         cache = host.lean.new_cache(1, 16)
         with pytest.raises(ValueError, match="steps > 1 needs"):
             host._one_call(tokens, positions, 0, cache, draw_vocab=40, u=u, probs=probs, steps=3, **kwargs)
+    with pytest.raises(ValueError, match="stop tokens need steps > 1"):  # (a stop list with one step)
+        host._one_call(tokens, positions, 0, host.lean.new_cache(1, 16), None, True, draw_vocab=40, u=u,
+                       probs=probs, tokens_out=drawn, steps=1, stop=np.array([3], np.int64))
+
+
+@pytest.mark.skipif(host_kernels_unavailable() is not None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("arch", ["llama", "gpt2", *(a for a in ("mistral",) if a in ARCHITECTURES)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_run_of_plain_steps_in_one_call_equals_a_call_per_step_and_ends_at_a_stop_token(arch, dtype, temperature):
+    """``LeanCausalLM.sampled_run`` on the host forward (``ar``'s steps as one compiled call, no laws kept) draws
+    the tokens, writes the cache entries and takes the uniforms of as many calls of ``sampled_chain``, bit for bit.
+    With stop tokens it ends right after the first step that draws one of them: the tokens and cache entries up
+    to there are the same, and nothing past them is written. A stop token that is never drawn changes nothing."""
+    from gbv.engine.sampling import SamplingConfig
+    from gbv.verify.common import TorchRandom
+
+    vocab, count = 40, 7
+    model = hf_pair(arch, vocab=vocab, seed=11)[0].to(dtype)
+    lean = LeanCausalLM(model)
+    prefix = 9 if lean.window is None else lean.window - count  # (every slot within the window)
+    config = SamplingConfig(temperature)
+    ids = torch.randint(0, vocab, (prefix + 1,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def decode(one_call: bool, stop: list[int] | None):
+        cache = lean.new_cache(1, 64)
+        with torch.inference_mode():
+            lean.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix)[None], 0, cache, None, causal=True)
+        rng = TorchRandom(seed=7)
+        if one_call:
+            drawn = lean.sampled_run(ids[prefix], prefix, count, cache, vocab, config, rng,
+                                     None if stop is None else np.array(stop, dtype=np.int64))
+        else:
+            drawn = [ids[prefix]]
+            for s in range(count):
+                drawn.append(lean.sampled_chain(drawn[-1:], prefix + s, cache, vocab, config, rng))
+            drawn = drawn[1:]
+        keys, values = cache.arrays()
+        return drawn, [np.array(k[:, :, :prefix + count + 1]) for k in keys + values], rng.uniform()
+
+    reference, kv_ref, after_ref = decode(False, None)
+    drawn, kv, after = decode(True, None)
+    assert drawn == reference and after == after_ref
+    assert all(np.array_equal(a, b) for a, b in zip(kv, kv_ref))
+    unseen = [t for t in range(vocab) if t not in reference][:2]
+    assert decode(True, unseen)[0] == reference  # (stop tokens never drawn: the whole run)
+    stop = reference[3]
+    ends = reference.index(stop) + 1  # (the first step that draws it; a greedy path may repeat a token)
+    drawn, kv, _ = decode(True, [unseen[0], stop])
+    assert drawn == reference[:ends] and ends < count
+    written = prefix + ends  # (slots of the prefix, the pending token and the steps that fed a drawn token)
+    assert all(np.array_equal(a[:, :, :written], b[:, :, :written]) for a, b in zip(kv, kv_ref))
+    assert all(not a[:, :, written:].any() for a in kv)  # (the steps after the stop never ran)
+    # negative control: a run fed one slot early (its positions off by one) is told apart
+    cache = lean.new_cache(1, 64)
+    with torch.inference_mode():
+        lean.forward(torch.tensor([ids[:prefix]]), torch.arange(prefix)[None], 0, cache, None, causal=True)
+    early = lean.sampled_run(ids[prefix], prefix - 1, count, cache, vocab, config, TorchRandom(seed=7))
+    keys, values = cache.arrays()
+    assert not all(np.array_equal(np.array(a[:, :, :prefix + count + 1]), b) for a, b in zip(keys + values, kv_ref))
+    assert early is not None
+    if lean.window is not None:  # (Mistral: a run past its window declines, before any draw)
+        rng = TorchRandom(seed=7)
+        assert lean.sampled_run(ids[prefix], prefix + 1, count, lean.new_cache(1, 64), vocab, config, rng) is None
+        assert rng.uniform() == TorchRandom(seed=7).uniform()

@@ -284,7 +284,8 @@ def test_auto_runs_its_ar_stretches_as_plain_runs(monkeypatch):
 
 def test_plain_run_setting(monkeypatch):
     """GBV_PLAIN_RUN: 8 by default, any power of two; anything else is one clear error (a GbvError: the
-    CLI prints one line and exits with 2). Where no static steps run, a run is one step."""
+    CLI prints one line and exits with 2). On the host forward a run is as long as the cap allows, up to the
+    setting (one compiled call, no recording per length); where neither runs, a run is one step."""
     from gbv.errors import GbvError
 
     monkeypatch.delenv("GBV_PLAIN_RUN", raising=False)
@@ -296,6 +297,11 @@ def test_plain_run_setting(monkeypatch):
         with pytest.raises(GbvError, match="GBV_PLAIN_RUN must be a power of two"):
             static_sampling._plain_run()
     monkeypatch.setenv("GBV_CUDA_GRAPHS", "0")
+    target, _ = hf_pair("llama", vocab=40, seed=6)
+    lean = tree_decoder.lean_model(target)
+    if lean.host_forward is not None:
+        assert [static_sampling.plain_run_length(lean, limit) for limit in (None, 1, 3, 7, 8, 100)] == [8, 1, 3, 7, 8, 8]
+    monkeypatch.setenv("GBV_HOST_FORWARD", "0")
     target, _ = hf_pair("llama", vocab=40, seed=6)
     assert static_sampling.plain_run_length(tree_decoder.lean_model(target), 100) == 1
     monkeypatch.setenv("GBV_CUDA_GRAPHS", "static")
