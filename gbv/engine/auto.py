@@ -133,6 +133,16 @@ _HOLD = 8
 # where it ran at ~2,000, and ran BV at 0.86-0.91x ar (bench_auto_vs_block.py, bf16, T = 0.2). ``_STRETCH
 # = 1`` is the rule before (scripts/bench_auto_ab.py --switch stretch).
 _STRETCH = 16
+# The draft's prompt is fed only when a speculative arm first runs in a generation (AutoDecoder.prefill
+# defers it; catch_up_draft then feeds it as one chain, outside every arm's clock). choose() charges that
+# feed to the speculative arms while it is still to be paid: its seconds (the measured seconds per prompt
+# token, decayed by _FEED_DECAY a feed, times the tokens still unfed) spread over the generation's
+# remaining tokens, as a switching cost is spread over _HORIZON. Why: it is paid once a generation, by
+# whichever speculative arm runs first, and no arm's rate showed it. On the slower Zen 3 machine of the
+# forty-eighth session, in bfloat16 at T = 0.2, ar and BV L = 2-3 were within 2-5% of each other; auto
+# ran a speculative arm in 119 of 120 generations and made 0.90-0.96x ar, paying ~3.4 ms of draft prefill
+# in a ~90 ms generation (scripts/bench_auto_prompt_deferral.py, docs/ENGINE.md "The draft's prompt, charged").
+_FEED_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -203,6 +213,8 @@ class AutoPolicy:
         # ar's consecutive steps not yet recorded, [arm, steps, seconds, the arm that ran before them]
         # (see _STRETCH; ``previous`` is already ar).
         self._stretch: list | None = None
+        # the draft's deferred prompt feeds (see _FEED_DECAY): decayed sums of their seconds and tokens
+        self.feed_seconds, self.feed_tokens = 0.0, 0.0
         self._speculative = [arm.method != "ar" for arm in arms]
         for index, arm in enumerate(self.arms):
             if arm.method != "ar":
@@ -308,11 +320,14 @@ class AutoPolicy:
         rate = self.rate(index)
         return 1.0 / (1.0 + self.switch_cost(index) * rate / horizon)
 
-    def choose(self, max_block: int | None = None) -> int:
+    def choose(self, max_block: int | None = None, unfed_prompt: int = 0) -> int:
         """Index of the next arm. ``max_block`` excludes arms with longer blocks (near the end of a
         generation only a short block fits; ``ar`` always fits); it is also the generation's remaining
         tokens less one (the decoder passes it every step), over which an arm other than the one that
         ran last is rated with its switching cost spread (at most ``_HORIZON`` tokens; ``_SWITCH_PAIRS``).
+        ``unfed_prompt``: the prompt tokens the draft has not been fed yet (a deferred prompt): the
+        speculative arms are rated with that feed's estimated seconds spread over the remaining tokens
+        (``_FEED_DECAY``; over ``_HORIZON`` without ``max_block``).
 
         A speculative arm whose :meth:`ceiling` is below the rate of the best arm that has finished
         exploring cannot win, so it is not tried (again) while that holds. Why: on a CPU a multi-path
@@ -331,6 +346,10 @@ class AutoPolicy:
         rates, runs, trials = self._rates, self.runs, self.trials
         costs, previous = self._switch_costs, self.previous
         horizon = _HORIZON if max_block is None or max_block >= _HORIZON else max_block + 1.0
+        # (the deferred prompt's feed, spread over the generation's remaining tokens; 0: none to pay)
+        feed = self.feed_seconds / self.feed_tokens * unfed_prompt if unfed_prompt > 0 and self.feed_tokens else 0.0
+        remaining = _HORIZON if max_block is None else max_block + 1.0
+        speculative = self._speculative
         leader, floor = None, 0.0
         for i in allowed:  # the leader: the first best rate among the explored arms, as leader() finds it
             if runs[i] >= _MIN_TRIALS:
@@ -339,11 +358,13 @@ class AutoPolicy:
                     rate = self._rate(i)
                 if i != previous:
                     rate /= 1.0 + costs[i] * rate / horizon
+                if feed and speculative[i]:
+                    rate /= 1.0 + feed * rate / remaining
                 if leader is None or rate > floor:
                     leader, floor = i, rate
         self.last_leader = leader
         candidates, best_rate = [], 0.0
-        ceilings, speculative = self._ceilings, self._speculative
+        ceilings = self._ceilings
         for i in allowed:
             if leader is not None and i != leader and speculative[i]:  # (ar has none: see _STRETCH)
                 ceiling = ceilings.get(i)
@@ -357,6 +378,8 @@ class AutoPolicy:
                 rate = self._rate(i)
             if i != previous:
                 rate /= 1.0 + costs[i] * rate / horizon
+            if feed and speculative[i]:
+                rate /= 1.0 + feed * rate / remaining
             candidates.append((i, rate))
             best_rate = rate if rate > best_rate else best_rate
         clock, stamps = self.clock, self.stamps
@@ -375,6 +398,12 @@ class AutoPolicy:
         self.flush()
         explored = [i for i in range(len(self.arms)) if self.runs[i] >= _MIN_TRIALS]
         return max(explored, key=self._rate) if explored else None
+
+    def record_prompt_feed(self, tokens: int, seconds: float) -> None:
+        """The draft was fed a deferred prompt of ``tokens`` tokens in ``seconds`` (``_FEED_DECAY``)."""
+        if tokens > 0:
+            self.feed_seconds = self.feed_seconds * _FEED_DECAY + seconds
+            self.feed_tokens = self.feed_tokens * _FEED_DECAY + tokens
 
     def record(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
         """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``
@@ -499,7 +528,8 @@ class AutoPolicy:
         return {"arms": [arm.label for arm in self.arms],
                 **{name: list(getattr(self, name)) for name in _STATE_LISTS},
                 "acceptance": {f"{method}|{k}": {"kept": list(family.kept), "tried": list(family.tried)}
-                               for (method, k), family in self.acceptance.items()}}
+                               for (method, k), family in self.acceptance.items()},
+                "prompt_feed": [self.feed_seconds, self.feed_tokens]}
 
     def load_state_dict(self, state: dict) -> None:
         """Start from ``state`` (:meth:`state_dict` of a policy with the same arms; ValueError else), its
@@ -534,6 +564,13 @@ class AutoPolicy:
                 scale = min(1.0, _LOADED_DEPTH_TRIALS / tried[depth]) if tried[depth] > 0 else 1.0
                 family.kept[depth], family.tried[depth] = kept[depth] * scale, tried[depth] * scale
             family._stale = True
+        feed = state.get("prompt_feed")  # (absent from policies saved before it was kept)
+        if feed is not None:
+            seconds, tokens = float(feed[0]), float(feed[1])
+            if not (math.isfinite(seconds) and math.isfinite(tokens) and seconds >= 0.0 and tokens >= 0.0):
+                raise ValueError("the saved policy's prompt feed is not two sums")
+            scale = min(1.0, _LOADED_FEEDS_TOKENS / tokens) if tokens > 0 else 1.0
+            self.feed_seconds, self.feed_tokens = seconds * scale, tokens * scale
         self._rates.clear()
         self._ceilings.clear()
         self._lines.clear()
@@ -555,6 +592,8 @@ _STATE_LISTS = ("tokens", "seconds", "trials", "runs", "steady_seconds", "steady
 # that this process's own iterations outweigh it after a few dozen (the old sums decay by _DECAY each).
 _LOADED_TRIALS = 20.0
 _LOADED_DEPTH_TRIALS = 200.0
+# ... and its prompt feeds (the draft's deferred prompts, _FEED_DECAY) this many prompt tokens: a few prompts.
+_LOADED_FEEDS_TOKENS = 300.0
 
 
 class _Acceptance:
@@ -664,35 +703,37 @@ class AutoDecoder:
         self.policy.flush()  # (the last generation's deferred records come before the prefill)
         self.policy.close_stretch()
         self.policy.previous = None  # the first iteration after a prefill is a switch-in (_SWITCH_PAIRS)
-        # Where ar leads (a CPU in bfloat16, a draft far from the target), the draft is fed the prompt
-        # only if a speculative arm runs at all (the tree engine: catch_up_draft); else at once, as before.
-        leader = self.policy.leader()
-        self.base.defer_draft = (hasattr(self.base, "catch_up_draft") and leader is not None
-                                 and self.policy.arms[leader].method == "ar")
+        # The draft is fed the prompt only if a speculative arm runs at all (the tree engine:
+        # catch_up_draft), whichever arm leads: choose() charges that feed to the speculative arms while
+        # it is still to be paid (_FEED_DECAY), so a generation speculates only where that pays.
+        self.base.defer_draft = hasattr(self.base, "catch_up_draft")
         self.prompt_len = len(prompt_ids)
         self.base.prefill(prompt_ids)
 
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration with the chosen arm; ``block_len`` caps the block (near the end)."""
-        policy = self.policy
+        policy, base = self.policy, self.base
         if self._hold_left > 0 and (block_len is None or policy.arms[self._held].block_len <= block_len):
             index = self._held
             self._hold_left -= 1
         else:
-            index = policy.choose(block_len)
+            # (the prompt tokens the draft still has to be fed: a cost the speculative arms are rated with)
+            unfed = self.prompt_len - 1 - base.draft_len if self._catch_up is not None else 0
+            index = policy.choose(block_len, unfed)
             if policy.arms[index].method == "ar":  # a stretch (see _STRETCH); as the leader, at least a hold
                 self._held, self._hold_left = index, max(_STRETCH, _HOLD if index == policy.last_leader else 1) - 1
             elif index == policy.last_leader:
                 self._held, self._hold_left = index, _HOLD - 1
-        base = self.base
         settings = self._settings[index]
         block = settings[3]  # (0 for ar: a plain target step)
         switching = 0.0
         if block and base.draft_len < self.prompt_len - 1:
             # A deferred prompt is fed to the draft outside the arm's clock: it is the prefill, which
             # no arm was ever charged (charged to the arm, +10 ms on the bundled pair put BV L = 2, the
-            # best arm in float32, under its ceiling for good).
+            # best arm in float32, under its ceiling for good). choose() charges it apart (_FEED_DECAY).
+            fed, feed_start = self.prompt_len - 1 - base.draft_len, base._clock()
             base.catch_up_draft(self.prompt_len - 1)
+            policy.record_prompt_feed(fed, base._clock() - feed_start)
         if block and self._catch_up is not None and len(base.tokens) - base.draft_len > 2:
             # The tokens of plain steps since the draft last ran (after a BV iteration it lags by at
             # most the pending token and one more): fed first and timed apart, as a cost of switching

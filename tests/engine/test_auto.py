@@ -302,14 +302,70 @@ def test_where_ar_leads_the_draft_is_fed_the_prompt_only_when_it_is_needed(monke
     torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=0)
 
 
+def test_the_drafts_unfed_prompt_is_charged_to_the_speculative_arms():
+    """A speculative arm's first iteration of a generation feeds the draft the deferred prompt; choose() rates
+    the speculative arms with that feed's measured seconds spread over the remaining tokens. BV at 1.05x ar's
+    rate wins with the prompt fed, loses with 100 prompt tokens at 100 us each still to feed over 128 tokens
+    (10 ms, 8% of ar's 128 ms), and wins again over a generation long enough to pay for it; an arm 1.3x ar
+    wins over 128 tokens too. Nothing is charged before a feed has been measured."""
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 2)]
+
+    def settled(block_rate: float) -> AutoPolicy:
+        policy = AutoPolicy(arms)
+        for _ in range(4):  # two stretches of ar after ar (settled), then blocks of 3 tokens
+            for _ in range(auto._STRETCH):
+                policy.record(0, 1, 0.001)
+        for _ in range(40):
+            policy.record(1, 3, 3 / (1000.0 * block_rate))
+        policy.previous = None  # (a prefill: every arm a switch-in)
+        return policy
+
+    policy = settled(1.05)
+    assert policy.choose(127, unfed_prompt=100) == 1  # (no feed measured yet: no charge)
+    policy.record_prompt_feed(100, 0.01)
+    assert policy.choose(127, unfed_prompt=0) == 1
+    assert policy.choose(127, unfed_prompt=100) == 0
+    assert policy.choose(4095, unfed_prompt=100) == 1
+    fast = settled(1.3)
+    fast.record_prompt_feed(100, 0.01)
+    assert fast.choose(127, unfed_prompt=100) == 1
+
+
+def test_auto_defers_the_drafts_prompt_and_measures_its_feed():
+    """Whichever arm leads, auto's prefill leaves the draft unfed; the first speculative iteration feeds it
+    the prompt (outside the arm's clock) and records that feed's tokens and seconds in the policy."""
+    import torch
+
+    from gbv.engine.decoder import make_decoder
+    from gbv.engine.sampling import SamplingConfig
+
+    target, draft = hf_pair("llama", vocab=32, seed=5)
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 3)]
+    sampling = SamplingConfig(temperature=1.0)
+    import unittest.mock
+    with unittest.mock.patch.object(auto, "default_arms", lambda greedy, has_draft: arms):
+        dec = make_decoder(target, draft, "auto", 1, 3, 32, sampling, sampling, 0, "cpu")
+    for _ in range(2):
+        dec.policy.record(1, 4, 0.0001)  # the block arm explored and leading by far
+    for _ in range(2 * auto._STRETCH):
+        dec.policy.record(0, 1, 0.01)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    with torch.inference_mode():
+        dec.prefill(prompt)
+        assert dec.base.draft_len == 0 and dec.policy.feed_tokens == 0.0
+        dec.step()
+    assert dec.base.draft_len >= len(prompt) - 1
+    assert dec.policy.feed_tokens == len(prompt) - 1 and dec.policy.feed_seconds > 0.0
+
+
 class _CountingPolicy(AutoPolicy):
     def __init__(self, arms):
         super().__init__(arms)
         self.choices = 0
 
-    def choose(self, max_block=None):
+    def choose(self, max_block=None, unfed_prompt=0):
         self.choices += 1
-        return super().choose(max_block)
+        return super().choose(max_block, unfed_prompt)
 
 
 class _FakeBase:

@@ -59,6 +59,27 @@ def test_a_loaded_policy_rates_its_arms_as_the_saved_one_and_explores_nothing():
     assert fresh.choose() == 0  # (a fresh policy explores first: the negative control)
 
 
+def test_the_prompt_feed_is_kept_and_a_policy_saved_without_it_still_loads():
+    """The draft's prompt-feed sums (``_FEED_DECAY``) go with the policy, their weight capped at
+    ``_LOADED_FEEDS_TOKENS`` tokens and their rate per token as saved; a file from before they were kept loads
+    with none; negative sums are refused."""
+    saved = _learned_policy(50)
+    for _ in range(20):
+        saved.record_prompt_feed(100, 0.004)
+    state = json.loads(json.dumps(saved.state_dict()))
+    loaded = AutoPolicy(ARMS)
+    loaded.load_state_dict(state)
+    assert loaded.feed_seconds / loaded.feed_tokens == pytest.approx(4e-5, rel=1e-12)
+    assert loaded.feed_tokens == pytest.approx(auto._LOADED_FEEDS_TOKENS) and auto._LOADED_FEEDS_TOKENS < saved.feed_tokens
+    del state["prompt_feed"]
+    older = AutoPolicy(ARMS)
+    older.load_state_dict(state)
+    assert older.feed_tokens == 0.0
+    state["prompt_feed"] = [-1.0, 100.0]
+    with pytest.raises(ValueError, match="prompt feed"):
+        AutoPolicy(ARMS).load_state_dict(state)
+
+
 def test_loading_another_policy_is_an_error():
     state = _learned_policy(50).state_dict()
     with pytest.raises(ValueError, match="other arms"):
