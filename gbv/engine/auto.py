@@ -139,9 +139,10 @@ _STRETCH = 16
 # token, decayed by _FEED_DECAY a feed, times the tokens still unfed) spread over the generation's
 # remaining tokens, as a switching cost is spread over _HORIZON. Why: it is paid once a generation, by
 # whichever speculative arm runs first, and no arm's rate showed it. On the slower Zen 3 machine of the
-# forty-eighth session, in bfloat16 at T = 0.2, ar and BV L = 2-3 were within 2-5% of each other; auto
-# ran a speculative arm in 119 of 120 generations and made 0.90-0.96x ar, paying ~3.4 ms of draft prefill
-# in a ~90 ms generation (scripts/bench_auto_prompt_deferral.py, docs/ENGINE.md "The draft's prompt, charged").
+# forty-eighth session, in bfloat16, ar and BV L = 2-3 were within 2-5% of each other and the feed cost
+# 36-39 us a prompt token (3.4-5 ms a prompt of the table): over 32-token generations at T = 0.2 the
+# charge took auto from 0.93x to 0.97x ar, the draft fed in 4-6 generations of 120 instead of 32-37
+# (scripts/bench_auto_prompt_feed.py; docs/ENGINE.md, "The draft's prompt, charged").
 _FEED_DECAY = 0.9
 
 
