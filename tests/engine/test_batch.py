@@ -211,6 +211,51 @@ def test_a_lone_row_drafts_as_one_sequence_does(bundled, monkeypatch):
     assert lone_row_tokens() != alone
 
 
+def _early_lone_pass(self, row, block, lone):
+    """``BatchTreeDecoder._lone_row_pass`` with one fault (the negative control): the target's pass one slot
+    (and position) early, over the last committed token's cache entry."""
+    committed = len(row.tokens) - 1
+    if block == 0:
+        new = [self.target.sampled_chain(row.tokens[-1:], committed - 1, self.target_cache, self.vocab,
+                                         row.target_sampling, row.rng)]
+    else:
+        path, q = lone
+        p = self.target.sampled_probs([row.tokens[-1], *path], None, committed - 1, self.target_cache, None,
+                                      self.vocab, row.target_sampling)
+        result = row.verifier(torch.tensor([path]), q, p[None], row.verify_rng)
+        new = path[:result.accepted_len] + [int(result.next_token)]
+        row.draft_len = committed + 1 + min(result.accepted_len, block - 1)
+    row.stats.target_calls += 1
+    row.tokens.extend(new)
+    return new
+
+
+@pytest.mark.parametrize("method", ["ar", "block"])
+def test_a_lone_rows_pass_is_one_sequences_pass(bundled, monkeypatch, method):
+    """A batch's only row runs the target's pass, the verification and the commit as one sequence does, one
+    compiled call of the host forward (``_lone_row_pass``: the draw of a plain step, or p of the pending token
+    and the path), and commits the tokens of ``generate`` on that prompt alone. The control: the same pass one
+    slot early commits others."""
+    settings = dict(method=method, block_len=4, temperature=1.0, max_new_tokens=40, eos_token_id=[], seed=3)
+    alone = generate(bundled, prompt="def fib(n):", **settings).token_ids
+    taken = []
+    real = BatchTreeDecoder._lone_row_pass
+
+    def counted(self, row, block, lone):
+        out = real(self, row, block, lone)
+        taken.append(out is not None)
+        return out
+
+    def lone_row_tokens():
+        job = prepare_job(bundled, bundled.tokenizer.encode("def fib(n):"), **settings)
+        return _batch_tokens(bundled, [job], max_rows=4)[0]
+
+    monkeypatch.setattr(BatchTreeDecoder, "_lone_row_pass", counted)
+    assert lone_row_tokens() == alone and taken and all(taken)
+    monkeypatch.setattr(BatchTreeDecoder, "_lone_row_pass", _early_lone_pass)
+    assert lone_row_tokens() != alone
+
+
 def test_rows_of_one_path_draw_a_depth_in_one_call(bundled, monkeypatch):
     """Rows that all draft one path under the same settings draw each depth in one call over the
     batch (one ``sample_into_at`` of n rows), and p of all rows' nodes comes from one softmax; rows of
