@@ -25,7 +25,7 @@ from torch import Tensor
 
 from gbv.engine.decoder import AR, host_copies, host_random, set_method, verifies_on_host
 from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample_at, sample_into_at
-from gbv.engine.static_sampling import draft_uniforms
+from gbv.engine.static_sampling import draft_uniforms, plain_run_length
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import TokenTree, build_tree, packed_to
 from gbv.engine.tree_decoder import draft_lean_model, draft_one_path, lean_model
@@ -51,6 +51,7 @@ class BatchRow:
     verifier: object = None
     draft_len: int = 0
     stats: GenerationStats = field(default=None)
+    stop_tokens: np.ndarray | None = None  # its generation's EOS ids ((k,) int64): where a lone row's run of plain steps ends
 
 
 class BatchTreeDecoder:
@@ -158,11 +159,13 @@ class BatchTreeDecoder:
                               row.draft_sampling, row.rng, q.numpy()[0])
         return None if path is None else (path, q)
 
-    def _lone_row_pass(self, row: BatchRow, block: int, lone: tuple[list[int], Tensor] | None) -> list[int] | None:
+    def _lone_row_pass(self, row: BatchRow, block: int, lone: tuple[list[int], Tensor] | None,
+                       plain_limit: int = 1) -> list[int] | None:
         """The target's pass, the verification and the commit of a batch's only row as one sequence runs them
         (:class:`~gbv.engine.tree_decoder.TreeDecoder`): the pass as one compiled call of the target's host
-        forward on cache row 0, with the draw of a plain step (``block`` 0) or the laws ``p`` of the pending
-        token and the path ``lone`` (:meth:`_draft_lone_path`'s path and q) for the verifier. For one row the
+        forward on cache row 0, with the draw of a plain step (``block`` 0; as a run of up to ``plain_limit``
+        steps, as :meth:`TreeDecoder.plain_steps` runs them, ending at the row's ``stop_tokens``) or the laws
+        ``p`` of the pending token and the path ``lone`` (:meth:`_draft_lone_path`'s path and q) for the verifier. For one row the
         batch's slots are the single decoder's and nothing moves at the commit (the accepted nodes are already
         in place), so the row commits the tokens it would commit alone, bit for bit. Returns the new tokens, or
         None where that call does not run here (no host forward, top-k or top-p), before anything is written
@@ -173,6 +176,14 @@ class BatchTreeDecoder:
             return None
         committed, stats = len(row.tokens) - 1, row.stats
         if block == 0:
+            count = plain_run_length(self.target, plain_limit)
+            if count > 1:
+                drawn = self.target.sampled_run(row.tokens[-1], committed, count, self.target_cache, self.vocab,
+                                                row.target_sampling, row.rng, row.stop_tokens)
+                if drawn is not None:
+                    stats.target_calls += len(drawn)
+                    row.tokens.extend(drawn)
+                    return drawn
             token = self.target.sampled_chain(row.tokens[-1:], committed, self.target_cache, self.vocab,
                                               row.target_sampling, row.rng)
             if token is None:
@@ -199,9 +210,12 @@ class BatchTreeDecoder:
 
     # ------------------------------------------------------------------------------ one iteration
     @torch.inference_mode()
-    def step(self, blocks: dict[int, int]) -> dict[int, list[int]]:
+    def step(self, blocks: dict[int, int], plain_limits: dict[int, int] | None = None) -> dict[int, list[int]]:
         """Advance the rows ``id(row) -> block`` (block <= the row's block_len; 0 = a plain target step)
-        by one iteration; returns ``id(row) -> newly committed tokens``. Rows not named wait."""
+        by one iteration; returns ``id(row) -> newly committed tokens``. Rows not named wait.
+        ``plain_limits``: ``id(row) ->`` how many plain steps the row may take (its cap, as the row loop
+        sets it); a lone row takes a plain step as a run of up to that many (``_lone_row_pass``), the
+        others one."""
         rows = self.rows
         n = len(rows)
         block = [min(blocks[id(r)], r.block_len) if id(r) in blocks else -1 for r in rows]
@@ -315,7 +329,7 @@ class BatchTreeDecoder:
                     drafted[b, :k, i] = sample_into_at(logits[b, :k, :self.vocab], row.draft_sampling, qs[b][:, i],
                                                        _depth(uniforms[b], i))
         if n == 1 and (lone is not None or block[0] == 0):
-            new = self._lone_row_pass(rows[0], block[0], lone)
+            new = self._lone_row_pass(rows[0], block[0], lone, (plain_limits or {}).get(id(rows[0]), 1))
             if new is not None:
                 return {id(rows[0]): new}
         drafted_host = drafted.tolist()  # the one read of the drafts: the tries are built on the host

@@ -33,6 +33,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from gbv.engine.config import GenerationConfig, all_methods  # noqa: F401 - all_methods re-exported
@@ -515,6 +516,7 @@ class BatchRows:
                                      config.draft_sampling, config.seed)
         row.auto = None
         row.auto_policy = None  # (bucket, policy) of the batch size it last ran at (_choose_arms)
+        row.stop_tokens = np.array(sorted(job.eos), dtype=np.int64) if job.eos else None
         if auto_arms is not None:
             row.stats.method = "auto"
             row.auto = (auto_arms, (config.target_sampling, config.draft_sampling, job.vocab))
@@ -568,6 +570,8 @@ class BatchRows:
             return []
         entries = list(self.active.items())
         blocks = {id(row): step.block for _, (row, _, step) in entries}
+        # (a lone row's plain steps run several to a call: at most what its cap allows, as for one sequence)
+        plain_limits = {id(row): step.block + 1 for _, (row, _, step) in entries} if len(entries) == 1 else None
         chosen = self._choose_arms([(row, step) for _, (row, _, step) in entries])
         models = (self.batch.target, self.batch.draft)
         # What plain steps left the drafts of the auto rows that speculate now: fed first and timed apart,
@@ -581,18 +585,26 @@ class BatchRows:
         start, recorded = time.perf_counter(), recording_seconds(models)
         for row, policy, index, _ in chosen:
             blocks[id(row)] = min(blocks[id(row)], policy.arms[index].block_len)
-        new = self.batch.step(blocks)
+        new = self.batch.step(blocks, plain_limits)
         # (the step read its drafts and results back: work is done; CUDA graphs recorded on the way are
         # a once-per-process cost, not the arms', as in AutoDecoder)
         seconds = time.perf_counter() - start - (recording_seconds(models) - recorded)
         runs: dict[int, tuple[Any, int, list[int]]] = {}  # policy -> (policy, arm, the tokens of its rows)
         for row, policy, index, whole in chosen:
             label = policy.arms[index].label
-            row.stats.auto_arms[label] = row.stats.auto_arms.get(label, 0) + 1
+            # (a lone row's run of ar's steps counts each step, as AutoDecoder counts them)
+            steps = len(new[id(row)]) if policy.arms[index].method == "ar" else 1
+            row.stats.auto_arms[label] = row.stats.auto_arms.get(label, 0) + steps
             if whole:  # (a row whose cap cut the arm's block ran another iteration: not the arm's)
                 runs.setdefault(id(policy), (policy, index, []))[2].append(len(new[id(row)]))
         for policy, index, row_tokens in runs.values():  # the rows' share of the step, as one iteration
             share = len(row_tokens) / len(entries)
+            if policy.arms[index].method == "ar" and len(row_tokens) == 1 and row_tokens[0] > 1:  # (a lone row's run:
+                # a record a step, as AutoDecoder records one sequence's runs)
+                steps = row_tokens[0]
+                for _ in range(steps):
+                    policy.record_rows(index, [1], seconds * share / steps, switching * share / steps)
+                continue
             policy.record_rows(index, row_tokens, seconds * share, switching * share)
         events = []
         for key, (row, loop, _) in entries:

@@ -211,7 +211,7 @@ def test_a_lone_row_drafts_as_one_sequence_does(bundled, monkeypatch):
     assert lone_row_tokens() != alone
 
 
-def _early_lone_pass(self, row, block, lone):
+def _early_lone_pass(self, row, block, lone, plain_limit=1):
     """``BatchTreeDecoder._lone_row_pass`` with one fault (the negative control): the target's pass one slot
     (and position) early, over the last committed token's cache entry."""
     committed = len(row.tokens) - 1
@@ -241,19 +241,50 @@ def test_a_lone_rows_pass_is_one_sequences_pass(bundled, monkeypatch, method):
     taken = []
     real = BatchTreeDecoder._lone_row_pass
 
-    def counted(self, row, block, lone):
-        out = real(self, row, block, lone)
+    def counted(self, row, block, lone, plain_limit=1):
+        out = real(self, row, block, lone, plain_limit)
         taken.append(out is not None)
+        committed.append(0 if out is None else len(out))
         return out
 
     def lone_row_tokens():
         job = prepare_job(bundled, bundled.tokenizer.encode("def fib(n):"), **settings)
         return _batch_tokens(bundled, [job], max_rows=4)[0]
 
+    committed = []
     monkeypatch.setattr(BatchTreeDecoder, "_lone_row_pass", counted)
     assert lone_row_tokens() == alone and taken and all(taken)
+    if method == "ar":  # (plain steps in runs, as for one sequence: 8 a call, the last cut by the cap)
+        assert committed == [8] * 5
     monkeypatch.setattr(BatchTreeDecoder, "_lone_row_pass", _early_lone_pass)
     assert lone_row_tokens() != alone
+
+
+def test_a_lone_rows_run_of_plain_steps_ends_at_its_eos(bundled):
+    """A lone row's run of plain steps ends at its generation's EOS inside the call: the tokens of ``generate``
+    alone, cut after the EOS, and no target step past it; an ``auto`` row counts each step of a run."""
+    settings = dict(method="ar", temperature=1.0, max_new_tokens=40, seed=5)
+    ids = bundled.tokenizer.encode("def fib(n):")
+    base = generate(bundled, prompt_ids=ids, eos_token_id=[], **settings).token_ids
+    eos = base[11]
+    cut = base[:base.index(eos) + 1]
+    job = prepare_job(bundled, ids, eos_token_id=[eos], **settings)
+    rows = BatchRows(bundled, BatchTreeDecoder(bundled.target, bundled.draft, job.vocab, bundled.device, 4))
+    rows.add(0, job, emit=False)
+    out = None
+    while rows.active:
+        for _, event, value in rows.step():
+            if event == "done":
+                out = value
+    assert out.token_ids == cut and out.stats.stop_reason == "eos"
+    assert out.stats.to_dict()["target_calls"] == len(cut)
+    job = prepare_job(bundled, ids, **{**settings, "method": "auto"}, eos_token_id=[])
+    rows.add(1, job, emit=False)
+    while rows.active:
+        for _, event, value in rows.step():
+            if event == "done":
+                out = value
+    assert sum(out.stats.auto_arms.values()) == out.stats.to_dict()["target_calls"]
 
 
 def test_rows_of_one_path_draw_a_depth_in_one_call(bundled, monkeypatch):
