@@ -6,10 +6,10 @@ prefill, and never charged), in one process.
     python scripts/bench_auto_prompt_feed.py --dtype float32 --temperature 1.0
 
 Rows ``ar``, ``auto`` and ``auto`` under the rule before (``AutoDecoder.prefill`` as it was, ``choose`` told of
-no unfed prompt), 1 thread, bundled pair, GSM8K and HumanEval prompts, 128 new tokens (``--max-new-tokens``), EOS off, ``--rounds``
-passes over the prompts, the order of the rows alternating by prompt and round. Both ``auto`` rows share one
-policy (the rule changes no arm's record: the deferred prompt is fed outside every arm's clock). Prints pooled
-tokens/s, the ratios, and in how many generations the draft was fed its prompt. docs/ENGINE.md, "The draft's
+no unfed prompt), 1 thread, bundled pair, GSM8K and HumanEval prompts, 128 new tokens (``--max-new-tokens``),
+EOS off, ``--rounds`` passes over the prompts, the order of the rows alternating by prompt and round. Both
+``auto`` rows share one policy (the rule changes no arm's record: the deferred prompt is fed outside every arm's
+clock). Prints pooled tokens/s, the ratios, and in how many generations the draft was fed its prompt. docs/ENGINE.md, "The draft's
 prompt, charged".
 """
 from __future__ import annotations

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                     out = run(method, ids, seed, form)
                     wall[(method, form)] += time.perf_counter() - start
                     tokens[(method, form)] += out.stats.new_tokens
-    print(f"bundled pair, {args.dtype}, T = {args.temperature}, 1 thread, {len(prompts) * args.rounds} generations a form")
+    print(f"bundled pair, {args.dtype}, T = {args.temperature}, 1 thread, "
+          f"{len(prompts) * args.rounds} generations a form")
     print("\n| row | single, tokens/s | lone row | lone row, general form | lone / single | lone / general |")
     print("|---|---:|---:|---:|---:|---:|")
     for method in methods:

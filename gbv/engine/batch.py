@@ -51,7 +51,7 @@ class BatchRow:
     verifier: object = None
     draft_len: int = 0
     stats: GenerationStats = field(default=None)
-    stop_tokens: np.ndarray | None = None  # its generation's EOS ids ((k,) int64): where a lone row's run of plain steps ends
+    stop_tokens: np.ndarray | None = None  # its generation's EOS ids ((k,) int64): where a lone row's plain run ends
 
 
 class BatchTreeDecoder:
@@ -165,13 +165,13 @@ class BatchTreeDecoder:
         (:class:`~gbv.engine.tree_decoder.TreeDecoder`): the pass as one compiled call of the target's host
         forward on cache row 0, with the draw of a plain step (``block`` 0; as a run of up to ``plain_limit``
         steps, as :meth:`TreeDecoder.plain_steps` runs them, ending at the row's ``stop_tokens``) or the laws
-        ``p`` of the pending token and the path ``lone`` (:meth:`_draft_lone_path`'s path and q) for the verifier. For one row the
-        batch's slots are the single decoder's and nothing moves at the commit (the accepted nodes are already
-        in place), so the row commits the tokens it would commit alone, bit for bit. Returns the new tokens, or
+        ``p`` of the pending token and the path ``lone`` (:meth:`_draft_lone_path`'s path and q) for the
+        verifier. For one row the batch's slots are the single decoder's and nothing moves at the commit (the
+        accepted nodes are already in place), so the row commits the tokens it would commit alone, bit for bit. Returns the new tokens, or
         None where that call does not run here (no host forward, top-k or top-p), before anything is written
         or drawn: :meth:`step` then runs its general form. Why: through that form's masks, numpy inputs and
         torch softmax and draw, a lone row (``gbv serve`` at concurrency 1, a batch's tail) ran at 0.72x the
-        single decoder with ``ar`` and 0.86x with BV L = 4 in bfloat16 (scripts/bench_lone_row.py)."""
+        single decoder with ``ar`` and 0.86x with BV L = 4 in bfloat16 (scripts/bench_lone_row_pass.py)."""
         if self.target.host_forward is None:
             return None
         committed, stats = len(row.tokens) - 1, row.stats
