@@ -1535,23 +1535,26 @@ class LeanCausalLM:
         return self.window is not None and end > self.window
 
     def sampled_path(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
-                     rng: TorchRandom, probs: np.ndarray, steps: int) -> list[int] | None:
+                     rng: TorchRandom, probs: np.ndarray | None, steps: int,
+                     stop: np.ndarray | None = None) -> list[int] | None:
         """``steps`` tokens drawn one after another as one compiled call: the first by :meth:`sampled_chain` of
         ``ids`` at slots ``start ..``, each later one from the forward of the token before it at the next slot
         (a chain of one), each step's law into ``probs`` row s ((steps, vocab) float32 numpy), its uniform the
         s-th of ``steps`` taken from ``rng`` first, in order: the tokens, laws and cache entries of ``steps``
         calls of :meth:`sampled_chain`, bit for bit. Why one call: a draft's step is a few tens of microseconds
         of arithmetic on a small model, and each call's Python and argument checks cost about a fifth of a
-        bundled-draft step. None where that call does not run here (no one-call forward, top-k or top-p, a
-        sliding window binding on the way), before anything is drawn or written."""
+        bundled-draft step. ``probs`` None: no laws kept. ``stop`` ((k,) int64 or None): the steps end after the
+        first that draws one of these tokens, and fewer tokens come back. None where that call does not run here
+        (no one-call forward, top-k or top-p, a sliding window binding on the way), before anything is drawn or
+        written."""
         host = self._sampling_host(len(ids), config, vocab)
         if host is None or self.window_binds(start + len(ids) + steps - 1):
             return None
         drawn = np.empty(steps, dtype=np.int64)
         uniforms = None if config.greedy else rng.uniforms(steps)
-        host.sampled_steps(np.array(ids, dtype=np.int64), start, cache, steps, vocab, config.temperature, uniforms,
-                           probs, drawn)
-        return drawn.tolist()
+        ran = host.sampled_steps(np.array(ids, dtype=np.int64), start, cache, steps, vocab, config.temperature,
+                                 uniforms, probs, drawn, stop)
+        return drawn[:ran].tolist()
 
     def _static_sampled_chain(self, ids: list[int], start: int, cache: KVCache, vocab: int, config: SamplingConfig,
                               rng: TorchRandom) -> int | None:
@@ -1572,15 +1575,8 @@ class LeanCausalLM:
         generation keeps nothing), so it may return fewer; a static call (CUDA graphs,
         :class:`~gbv.engine.static_sampling.PlainLoop`) runs all ``count`` (the caller throws away what
         follows a stop). None where neither runs (the caller steps one at a time)."""
-        host = self._sampling_host(1, config, vocab)
-        if host is not None:
-            if self.window_binds(start + count):
-                return None
-            drawn = np.empty(count, dtype=np.int64)
-            uniforms = None if config.greedy else rng.uniforms(count)
-            ran = host.sampled_steps(np.array([first], dtype=np.int64), start, cache, count, vocab,
-                                     config.temperature, uniforms, None, drawn, stop)
-            return drawn[:ran].tolist()
+        if self._sampling_host(1, config, vocab) is not None:  # (the host forward: the pending token's path)
+            return self.sampled_path([first], start, cache, vocab, config, rng, None, count, stop)
         loop = plain_loop(self, cache, count, start, vocab, config)
         if loop is None:
             return None
