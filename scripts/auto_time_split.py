@@ -5,11 +5,13 @@
 
 Each row runs every prompt (GSM8K and HumanEval, 128 new tokens, EOS off, the same seed per prompt,
 rows in alternating order per prompt). Wrappers time the tree decoder's ``step`` (one iteration, of any
-arm), ``prefill`` (the prompt through the target, and the draft unless ``auto`` defers it) and
-``catch_up_draft`` (the draft fed the tokens of ``auto``'s plain steps), and ``auto``'s ``choose`` and
-``flush`` (its policy: a choice, and the records it applies first). "other" is the rest of the wall
-time: the generate loop, stop checks, detokenising. Reading: what a row's iterations cost against the
-best fixed row's, and what the prompt's prefill and the policy add; ``auto``'s loss against the best
+arm) and ``plain_steps`` (``auto``'s runs of ``ar`` steps: iterations too), ``prefill`` (the prompt
+through the target, and the draft unless ``auto`` defers it), ``catch_up_draft`` (the draft fed its
+deferred prompt or the tokens of ``auto``'s plain steps), and ``auto``'s ``choose`` and ``flush`` (its
+policy: a choice, and the records it applies first). "other" is the rest of the wall time: the generate
+loop, stop checks, detokenising. ``--learn N`` runs ``auto`` over the prompts N times first, so that the
+timed pass runs a learnt policy. Reading: what a row's iterations cost against the best fixed row's, and
+what the prompt's prefill and the policy add; ``auto``'s loss against the best
 fixed row is the difference.
 """
 
@@ -26,7 +28,8 @@ from gbv.engine import auto, tree_decoder
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
 
-PARTS = {"step": (tree_decoder.TreeDecoder, "step"), "prefill": (tree_decoder.TreeDecoder, "prefill"),
+PARTS = {"step": (tree_decoder.TreeDecoder, "step"), "plain": (tree_decoder.TreeDecoder, "plain_steps"),
+         "prefill": (tree_decoder.TreeDecoder, "prefill"),
          "catch-up": (tree_decoder.TreeDecoder, "catch_up_draft"), "choose": (auto.AutoPolicy, "choose"),
          "flush": (auto.AutoPolicy, "flush")}
 
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rows", default="ar,block:3,block:4,block:6,auto",
                         help="ar, auto or block:L, comma-separated")
+    parser.add_argument("--learn", type=int, default=0,
+                        help="passes of auto over the prompts before the timed one (its policy learnt, not exploring)")
     args = parser.parse_args(argv)
     rows = []
     for row in args.rows.split(","):
@@ -55,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     inside = collections.Counter()
 
     def timed(part: str, function):
-        group = "policy" if part in ("choose", "flush") else part
+        # (auto runs ar's stretches through plain_steps: iterations too)
+        group = "policy" if part in ("choose", "flush") else "step" if part == "plain" else part
 
         def wrapper(*a, **k):  # (a call inside another of its group, as choose's flush, counts once)
             inside[group] += 1
@@ -75,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         settings = dict(temperature=args.temperature, eos_token_id=[])
         for _, method, length in rows:  # warm-up (auto's policy sees these tokens before the timed run)
             generate(pair, prompt_ids=prompts[0], method=method, block_len=length, max_new_tokens=16, **settings)
+        for _ in range(args.learn if any(method == "auto" for _, method, _ in rows) else 0):
+            for seed, prompt_ids in enumerate(prompts):
+                generate(pair, prompt_ids=prompt_ids, method="auto", max_new_tokens=128, seed=seed, **settings)
         spent.clear()
         wall = collections.defaultdict(float)
         tokens = collections.Counter()

@@ -1,6 +1,6 @@
 """Before/after in one run (1 thread, bundled pair): ``auto`` with a setting of its policy off and on,
 each variant with its own policy learning over the same prompts, interleaved per prompt with plain
-``ar`` and BV rows (``--blocks``, default L = 2).
+``ar`` and BV rows (``--blocks``, default L = 2). Rates are end to end (each generate call's wall time).
 
     python scripts/bench_auto_ab.py                                   # aging of the estimates (auto._AGE)
     python scripts/bench_auto_ab.py --switch depth-prior              # the depth prior of the acceptance
@@ -18,6 +18,7 @@ installed one; its policies its own), "after" the working tree's (``--switch`` i
 import argparse
 import subprocess
 import sys
+import time
 import types
 
 import torch
@@ -74,10 +75,11 @@ for temperature in [float(t) for t in args.temperature.split(",")]:
                     auto._POLICIES[pair.target] = stores[row]
             method = "ar" if row == "ar" else "block" if row.startswith("block") else "auto"
             block_len = int(row[5:]) if method == "block" else 2
+            start = time.perf_counter()  # (end to end: the prefill, and auto's later feed of the draft's prompt)
             out = gbv.generate(pair, prompt=prompt, method=method, block_len=block_len, num_paths=1, temperature=temperature,
                                max_new_tokens=128, eos_token_id=[], seed=seed)
             totals[row][0] += out.stats.new_tokens
-            totals[row][1] += out.stats.time_total
+            totals[row][1] += time.perf_counter() - start
     rate = {row: t / s for row, (t, s) in totals.items()}
     best = max(rate[f"block{b}"] for b in blocks)
     print(f"| {temperature} | {rate['ar']:.1f} | " + " | ".join(f"{rate[f'block{b}'] / rate['ar']:.3f}x" for b in blocks)

@@ -6,6 +6,11 @@ confidence-based early stop) and top-k disabled (transformers defaults to top-k 
 samples from the same distributions as our methods. ``hf-ar`` is plain ``target.generate``.
 Target forward calls of the transformers rows are counted with a forward pre-hook (every call,
 including the prefill, which also yields the first new token -- as in the engine).
+
+Every row's ``time_total`` (and tokens/s) is end to end: the wall time of the generate call, the prompt's
+prefill included, since that is the only time transformers' rows have. The engine's rows also keep its
+own split: ``time_prefill`` (the prompt through the models) and ``time_decode`` (the generation after it,
+``GenerationStats.time_total``).
 """
 
 from __future__ import annotations
@@ -66,7 +71,11 @@ def run_engine(pair: Any, prompt: Prompt, setting: Setting, max_new_tokens: int,
                eos_token_id: int | None) -> dict:
     import gbv
 
+    _sync(pair.device)
+    start = time.perf_counter()
     out = gbv.generate(pair, prompt_ids=prompt.ids, config=engine_config(setting, max_new_tokens, seed, eos_token_id))
+    _sync(pair.device)
+    elapsed = time.perf_counter() - start
     stats = out.stats
     return {
         "new_tokens": stats.new_tokens,
@@ -77,9 +86,18 @@ def run_engine(pair: Any, prompt: Prompt, setting: Setting, max_new_tokens: int,
         "time_target": stats.time_target,
         "time_verify": stats.time_verify,
         "time_other": stats.time_other,
-        "time_total": stats.time_total,
-        "tokens_per_second": stats.tokens_per_second,
+        # End to end, as the transformers rows are timed (their prefill cannot be timed apart): the
+        # wall time of the call, the prompt's prefill included; the engine's own split beside it.
+        "time_total": elapsed,
+        "time_prefill": stats.time_prefill,
+        "time_decode": stats.time_total,
+        "tokens_per_second": stats.new_tokens / elapsed if elapsed > 0 else None,
     }
+
+
+def _sync(device: Any) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------- transformers peers
@@ -120,9 +138,11 @@ def run_hf(pair: Any, prompt: Prompt, setting: Setting, max_new_tokens: int, see
     draft_calls = _CallCounter(draft) if setting.method == "hf-assisted" else None
     try:
         torch.manual_seed(seed)
+        _sync(pair.device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = target.generate(input_ids, **kwargs)
+        _sync(pair.device)
         elapsed = time.perf_counter() - start
     finally:
         target_calls.remove()

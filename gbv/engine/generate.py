@@ -347,6 +347,8 @@ def row_loop(pair, job: _Job, emit: bool, decoder) -> Generator[Step | str | lis
     strings, and once in full at the end. Time spent by the caller on chunks is not counted."""
     start = time.perf_counter()
     paused = 0.0
+    # (the prompt's work the decoder does inside its steps: auto's deferred draft prompt; see time_total)
+    prefilled = decoder.stats.time_prefill
     config, ids, limit, max_new_tokens, eos = job.config, job.ids, job.limit, job.max_new_tokens, job.eos
     tokenizer = pair.tokenizer
     stops = list(config.stop_strings)
@@ -413,7 +415,7 @@ def row_loop(pair, job: _Job, emit: bool, decoder) -> Generator[Step | str | lis
                        config.max_new_tokens, max_new_tokens, prompt_len, limit)
     stats.stop_reason = stop_reason
     stats.new_tokens = len(decoder.tokens) - prompt_len
-    stats.time_total = time.perf_counter() - start - paused
+    stats.time_total = time.perf_counter() - start - paused - (stats.time_prefill - prefilled)
     return GenerationOutput(text=text, token_ids=decoder.tokens[prompt_len:], stats=stats)
 
 

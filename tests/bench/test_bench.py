@@ -85,6 +85,8 @@ def test_smoke_run_writes_well_formed_outputs(tiny_pair, tmp_path, capsys):
             assert rec["L"] == 3 and rec["K"] in (1, 2)
             assert len(rec["accepted_lengths"]) >= 1 and all(0 <= a <= 3 for a in rec["accepted_lengths"])
             assert rec["time_draft"] is not None and rec["time_verify"] is not None
+        if rec["method"] != "hf-assisted":  # (end to end: the engine's prefill and generation fit inside)
+            assert 0 < rec["time_prefill"] + rec["time_decode"] <= rec["time_total"]
         if rec["method"] == "ar":
             assert rec["L"] is None and rec["target_calls"] == rec["new_tokens"]
     # Same seed per prompt across methods, different across prompts.

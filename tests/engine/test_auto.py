@@ -358,6 +358,41 @@ def test_auto_defers_the_drafts_prompt_and_measures_its_feed():
     assert dec.policy.feed_tokens == len(prompt) - 1 and dec.policy.feed_seconds > 0.0
 
 
+@pytest.mark.parametrize("slow_feed", ["prompt", "generated tokens"])
+def test_the_drafts_deferred_prompt_is_reported_as_prefill_time(slow_feed, monkeypatch):
+    """The draft's prompt, fed at auto's first speculative iteration (here made to take 1 s), is counted in
+    ``time_prefill``, as a fixed row's draft prefill is, and not in ``time_draft`` or ``time_total`` (what
+    ``tokens_per_second`` is over). The contrast: the draft fed tokens that ``ar`` generated (the catch-up
+    after a stretch of plain steps, made to take 1 s instead) is the generation's time."""
+    import time as time_module
+
+    import torch
+
+    from gbv.engine import tree_decoder
+
+    target, draft = hf_pair("llama", vocab=32, seed=5)
+    pair = ModelPair(target, draft)
+    arms = [Arm("ar", 0, 0), Arm("block", 1, 3)]  # (ar explores first: its stretch, then the block arm)
+    monkeypatch.setattr(auto, "default_arms", lambda greedy, has_draft: arms)
+    catch_up, slept = tree_decoder.TreeDecoder.catch_up_draft, []
+
+    def slow_feed_once(self, upto):
+        if not slept and (self.draft_len == 0) == (slow_feed == "prompt"):
+            slept.append(upto)
+            time_module.sleep(1.0)
+        catch_up(self, upto)
+
+    monkeypatch.setattr(tree_decoder.TreeDecoder, "catch_up_draft", slow_feed_once)
+    with torch.inference_mode():
+        stats = generate(pair, prompt_ids=list(range(1, 12)), method="auto", temperature=1.0, max_new_tokens=60,
+                         eos_token_id=[], seed=0).stats
+    assert slept and stats.auto_arms.get("block K=1 L=3"), "the block arm should have run after ar's stretch"
+    if slow_feed == "prompt":
+        assert stats.time_prefill >= 1.0 and stats.time_draft < 1.0 and stats.time_total < 1.0
+    else:
+        assert stats.time_prefill < 1.0 and stats.time_total >= 1.0
+
+
 class _CountingPolicy(AutoPolicy):
     def __init__(self, arms):
         super().__init__(arms)
