@@ -10,6 +10,8 @@ each variant with its own policy learning over the same prompts, interleaved per
 ``--switch depth-prior``: "before" is ``auto._PRIOR_DEPTH_TRIALS = 1e-9`` (the rule before the prior).
 ``--switch stretch``: "before" is ``auto._STRETCH = 1`` (ar tried and recorded one step at a time).
 ``--switch horizon``: "before" is ``auto._HORIZON = 16`` (switching costs spread over 16 tokens).
+``--switch settle``: "before" is ``auto._SWITCH_IN_STRETCHES = 1`` (an ar switch-in runs one stretch).
+``--switch tail``: "before" is ``auto._TAIL_UNRECORDED = False`` (ar's steps at a generation's end recorded).
 ``--before REV``: "before" is ``gbv/engine/auto.py`` as of git revision REV (loaded beside the
 installed one; its policies its own), "after" the working tree's (``--switch`` is then ignored):
 
@@ -28,7 +30,8 @@ from gbv.data import load_prompts
 from gbv.engine import auto
 
 SWITCHES = {"age": ("_AGE", 1.0), "depth-prior": ("_PRIOR_DEPTH_TRIALS", 1e-9), "stretch": ("_STRETCH", 1),
-            "horizon": ("_HORIZON", 16.0)}
+            "horizon": ("_HORIZON", 16.0), "settle": ("_SWITCH_IN_STRETCHES", 1),
+            "tail": ("_TAIL_UNRECORDED", False)}
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--switch", choices=sorted(SWITCHES), default="age")

@@ -133,6 +133,26 @@ _HOLD = 8
 # where it ran at ~2,000, and ran BV at 0.86-0.91x ar (bench_auto_vs_block.py, bf16, T = 0.2). ``_STRETCH
 # = 1`` is the rule before (scripts/bench_auto_ab.py --switch stretch).
 _STRETCH = 16
+# An ar choice that follows another arm or a prefill (a switch-in) runs this many stretches: the first
+# with ar's warm-up, the others settled, which alone update ar's seconds a step (ar_seconds) and, paired
+# with the first, its switching cost. Why: with one stretch, once a speculative arm led, ar ran only as
+# switch-ins (UCB's trials, the last steps of a generation), so its settled seconds were those of its first
+# exploration, at the process's start, and never changed. On the slower Zen 3 machine in bfloat16 auto
+# rated ar at 0.73-0.77 ms a step, measured in its first two prompts, while the fixed ar row ran at 0.64
+# (its settled stretches were all from the first prompts; later it ran only a step or two at the ends of
+# generations: see _TAIL_UNRECORDED), and a switch-in stretch right after its first one measured no
+# switching cost. With both rules the policy rated ar at 0.58-0.61 ms a step against the fixed row's
+# 0.52-0.54 (scripts/auto_clock_vs_rows.py bfloat16 0.2 10, two runs; docs/ENGINE.md, "ar measured again").
+# A change of auto's speed over 40-80 prompts could not be resolved on that machine: after / before both
+# rules 0.962-1.059, mean 0.991, in ten paired runs (scripts/bench_auto_ab.py --before, bf16, T = 0.2 and 1).
+_SWITCH_IN_STRETCHES = 2
+# Where a generation's remaining tokens leave no room for any speculative block (its last one or two), ar runs
+# them; after another arm, those steps are not recorded. Why: they are switch-ins of a step or two, all warm-up,
+# at every generation's end while a speculative arm leads, and each record reset ar's aging (its trials stayed
+# high), so UCB never tried ar again and its settled seconds stayed those of the process's first prompts: in the
+# fake-clock test of tests/engine/test_auto.py ar ran 165 steps in 100 prompts while it had become 13% faster
+# than BV (with this rule and _SWITCH_IN_STRETCHES, 8,500 and ar ran 97% of the second half's iterations).
+_TAIL_UNRECORDED = True
 # The draft's prompt is fed only when a speculative arm first runs in a generation (AutoDecoder.prefill
 # defers it; catch_up_draft then feeds it as one chain, outside every arm's clock). choose() charges that
 # feed to the speculative arms while it is still to be paid: its seconds (the measured seconds per prompt
@@ -689,6 +709,10 @@ class AutoDecoder:
         # Where forwards are recorded as CUDA graphs (gbv.engine.static_steps), a shape's first uses
         # record it (milliseconds, once per process): not a cost of the arm that happened to meet it.
         self._models = (getattr(base, "target", None), getattr(base, "draft", None))
+        # The shortest speculative block (0: none), and ar's arm: where fewer tokens remain, only ar fits
+        # (see _TAIL_UNRECORDED).
+        self._shortest = min((arm.block_len for arm in policy.arms if arm.method != "ar"), default=0)
+        self._ar = next((i for i, arm in enumerate(policy.arms) if arm.method == "ar"), None)
         max_block = max(arm.block_len for arm in policy.arms)
         base.stats = GenerationStats(method=AUTO, num_paths=max(arm.num_paths for arm in policy.arms),
                                      block_len=max_block, depth_accept_counts=[0] * max_block)
@@ -714,15 +738,24 @@ class AutoDecoder:
     def step(self, block_len: int | None = None) -> list[int]:
         """One iteration with the chosen arm; ``block_len`` caps the block (near the end)."""
         policy, base = self.policy, self.base
+        unrecorded = False
         if self._hold_left > 0 and (block_len is None or policy.arms[self._held].block_len <= block_len):
             index = self._held
             self._hold_left -= 1
+        elif block_len is not None and block_len < self._shortest and self._ar is not None:
+            # A generation's last token or two after another arm: only ar fits, and its switch-in steps are
+            # left out of the policy's records (_TAIL_UNRECORDED).
+            policy.flush()
+            index, unrecorded = self._ar, _TAIL_UNRECORDED and policy.previous != self._ar
+            self._held, self._hold_left = index, block_len
         else:
             # (the prompt tokens the draft still has to be fed: a cost the speculative arms are rated with)
             unfed = self.prompt_len - 1 - base.draft_len if self._catch_up is not None else 0
             index = policy.choose(block_len, unfed)
             if policy.arms[index].method == "ar":  # a stretch (see _STRETCH); as the leader, at least a hold
-                self._held, self._hold_left = index, max(_STRETCH, _HOLD if index == policy.last_leader else 1) - 1
+                stretches = 1 if policy.previous == index else _SWITCH_IN_STRETCHES
+                self._held = index
+                self._hold_left = max(stretches * _STRETCH, _HOLD if index == policy.last_leader else 1) - 1
             elif index == policy.last_leader:
                 self._held, self._hold_left = index, _HOLD - 1
         settings = self._settings[index]
@@ -768,7 +801,9 @@ class AutoDecoder:
             self._hold_left -= steps - 1
         # The step ended by reading its tokens back to the host, so the device work is done.
         seconds = time.perf_counter() - start - (recording_seconds(self._models) - recorded)
-        if steps == 1:
+        if unrecorded:
+            self._hold_left = 0
+        elif steps == 1:
             policy.defer(index, len(new), seconds, switching)
         else:
             for _ in range(steps):

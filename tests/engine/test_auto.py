@@ -418,7 +418,8 @@ class _FakeBase:
 def test_the_leader_is_held_for_a_few_iterations_and_only_while_its_block_fits():
     """Once choose() picks the leader, the decoder runs it auto._HOLD iterations before choosing again
     (the choice's Python costs ~1% of a step from a cold cache); a cap its block does not fit ends
-    the hold at once."""
+    the hold at once. Where no speculative block fits (a generation's last token or two), ar runs with
+    no choice, and its switch-in step is not recorded (auto._TAIL_UNRECORDED)."""
     from gbv.engine.auto import _HOLD, AutoDecoder
 
     policy = _CountingPolicy([Arm("ar", 0, 0), Arm("block", 1, 2)])
@@ -432,8 +433,13 @@ def test_the_leader_is_held_for_a_few_iterations_and_only_while_its_block_fits()
     for _ in range(4 * _HOLD):
         decoder.step()
     assert policy.choices == 4 and base.stats.auto_arms == {"block K=1 L=2": 4 * _HOLD}
-    decoder.step(1)  # only ar fits: chosen at once, although the hold had iterations left
-    assert policy.choices == 5 and base.stats.auto_arms["ar"] == 1
+    policy.flush()
+    runs = list(policy.runs)
+    decoder.step(1)  # only ar fits: run at once, although the hold had iterations left
+    policy.flush()
+    assert policy.choices == 4 and base.stats.auto_arms["ar"] == 1
+    assert policy.runs == runs and policy._stretch is None  # (not recorded: no open stretch either)
+    assert decoder.step(3) and policy.choices == 5  # (a block fits again: a choice)
 
 
 def test_recording_and_first_uses_of_static_shapes_are_not_an_arms_cost():
@@ -605,11 +611,39 @@ def test_an_arm_whose_cost_settles_over_several_steps_is_tried_and_rated_in_stre
     if variant == "costs over 8 tokens":
         monkeypatch.setattr(auto, "_HORIZON", 8.0)
     if variant == "all stretches, no costs":
+        # (one stretch a switch-in, as before auto._SWITCH_IN_STRETCHES: with two, half of ar's stretches are
+        # settled, and its mean over all of them is near enough its settled cost here)
+        monkeypatch.setattr(auto, "_SWITCH_IN_STRETCHES", 1)
         monkeypatch.setattr(AutoPolicy, "switch_cost", lambda self, index: 0.0)
         monkeypatch.setattr(AutoPolicy, "ar_seconds", lambda self, index: self.seconds[index] / self.trials[index])
     share = _ar_share(monkeypatch, lambda run: _SETTLING_AR_MS[run] if run < len(_SETTLING_AR_MS) else 0.6,
                       lambda run, blocks: 1.7 if run else 1.9, prompts=60)
     assert share > 0.9 if variant == "rule" else share < 0.3
+
+
+@pytest.mark.parametrize("variant", ["rule", "one stretch a switch-in", "tail steps recorded"])
+def test_ar_measured_slow_at_the_start_is_measured_again_and_takes_over(variant, monkeypatch):
+    """ar's steps settle at 0.75 ms in its first 64 steps (a process's first prompts: a cold machine), at
+    0.6 ms after (1,667 tokens/s); BV L = 2 makes 2.5 tokens in 1.7 ms (1,471 tokens/s) throughout. After
+    the first exploration BV leads (ar at 1,333 tokens/s). Under the rule UCB tries ar again as two stretches
+    (auto._SWITCH_IN_STRETCHES), the second settled, ar's seconds follow to 0.6 ms, and ar runs nearly every
+    iteration of the second half. Controls, each enough to keep BV in the lead: one stretch a switch-in (only
+    ar's warm-up is measured again, and its settled seconds stay the first prompts'); recording the
+    generations' last steps, which only ar fits (each record keeps ar's trials from aging, so UCB never tries
+    it again: auto._TAIL_UNRECORDED)."""
+    if variant == "one stretch a switch-in":
+        monkeypatch.setattr(auto, "_SWITCH_IN_STRETCHES", 1)
+    if variant == "tail steps recorded":
+        monkeypatch.setattr(auto, "_TAIL_UNRECORDED", False)
+    steps = [0]
+
+    def ar_ms(run: int) -> float:
+        steps[0] += 1
+        settled = 0.75 if steps[0] <= 64 else 0.6
+        return max(_SETTLING_AR_MS[run], settled) if run < len(_SETTLING_AR_MS) else settled
+
+    share = _ar_share(monkeypatch, ar_ms, lambda run, blocks: 1.7 if run else 1.9)
+    assert share > 0.9 if variant == "rule" else share < 0.1
 
 
 def test_ar_takes_over_from_an_arm_that_led_while_ar_ran_only_at_the_ends_of_prompts(monkeypatch):
