@@ -6,8 +6,9 @@
 Rows ``ar``, BV L = 2, BV L = 4 and ``auto`` over PROMPTS GSM8K and PROMPTS HumanEval prompts (128 tokens, EOS off,
 1 thread, alternating order). For each row: tokens/s, wall time, the time of one-token generations of the same
 prompts (its prefills), target calls, and (wall - prefills) per call. For ``auto``: every iteration its policy
-recorded (arm, tokens, seconds), summed per arm, against its wall time. docs/ENGINE.md, "A drafted path in one
-compiled call", "Tried and not kept".
+recorded (arm, tokens, seconds), summed per arm, against its wall time, and what its policy rates the arms of L <= 4
+at the end. docs/ENGINE.md, "A drafted path in one compiled call", "Tried and not kept", and "`ar` measured
+again".
 """
 import collections, sys, time, torch
 from gbv.data import load_prompts
@@ -50,3 +51,12 @@ tot = sum(x[2] + x[3] for x in arms.values())
 print(f"auto: logged step seconds {sum(x[2] for x in arms.values()):.3f}, switching {sum(x[3] for x in arms.values()):.3f}, wall {wall[('auto',1)]:.3f}")
 for a, (c, t, s, sw) in sorted(arms.items(), key=lambda kv: -kv[1][0]):
     print(f"  {a}: {c} iters, {t/c:.2f} tok/iter, {s/c*1e3:.3f} ms/iter, {t/s:.0f} tok/s, switching {sw*1e3:.1f} ms")
+# What the policy rates each arm at the end (its estimate of an arm's seconds an iteration, against the fixed rows'
+# (wall - prefill) per call above), and where ar's settled seconds came from (docs/ENGINE.md, "`ar` measured again").
+policy = next(iter(auto._POLICIES[pair.target].values()))
+policy.flush()
+policy.close_stretch()
+for i, arm in enumerate(policy.arms):
+    if policy.trials[i] > 0 and arm.block_len <= 4:
+        print(f"  policy's {arm.label}: {policy.rate(i):.0f} tok/s, {policy.mean_seconds(i) * 1e3:.3f} ms/iter, "
+              f"{policy.expected_tokens(i):.2f} tok/iter, switching cost {policy.switch_cost(i) * 1e3:.2f} ms")

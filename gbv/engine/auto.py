@@ -141,10 +141,11 @@ _STRETCH = 16
 # rated ar at 0.73-0.77 ms a step, measured in its first two prompts, while the fixed ar row ran at 0.64
 # (its settled stretches were all from the first prompts; later it ran only a step or two at the ends of
 # generations: see _TAIL_UNRECORDED), and a switch-in stretch right after its first one measured no
-# switching cost. With both rules the policy rated ar at 0.58-0.61 ms a step against the fixed row's
-# 0.52-0.54 (scripts/auto_clock_vs_rows.py bfloat16 0.2 10, two runs; docs/ENGINE.md, "ar measured again").
-# A change of auto's speed over 40-80 prompts could not be resolved on that machine: after / before both
-# rules 0.962-1.059, mean 0.991, in ten paired runs (scripts/bench_auto_ab.py --before, bf16, T = 0.2 and 1).
+# switching cost. With both rules the policy's ar seconds erred by -9% to +13% against the fixed row's in four
+# runs (scripts/auto_clock_vs_rows.py bfloat16 0.2 10; docs/ENGINE.md, "`ar` measured again"): the error moves
+# both ways on that machine, but no longer stays. A change of auto's speed over 40-80 prompts could not be
+# resolved there: after / before both rules 0.962-1.059, mean 0.991, in ten paired runs
+# (scripts/bench_auto_ab.py --before, bf16, T = 0.2 and 1).
 _SWITCH_IN_STRETCHES = 2
 # Where a generation's remaining tokens leave no room for any speculative block (its last one or two), ar runs
 # them; after another arm, those steps are not recorded. Why: they are switch-ins of a step or two, all warm-up,
