@@ -197,7 +197,8 @@ def summary_markdown(rows: list[dict], title: str, command: str | list[str] | No
         parts.append("Commands:\n\n" + "\n".join(f"- `{c}`" for c in command) + "\n")
     parts.append("Block efficiency = new tokens / target forward calls (= mean accepted length + 1, up to "
                  "truncation at max-new-tokens). Mean accepted length = drafted tokens kept per iteration. "
-                 "tokens/s = new tokens / wall time. Speedups are tokens/s ratios at the same (dataset, L, T) "
+                 "tokens/s = new tokens / wall time of the generate call, the prompt's prefill included (end to end, "
+                 "every row alike). Speedups are tokens/s ratios at the same (dataset, L, T) "
                  "(ar: same dataset, T). `-` = not applicable or not measured.\n")
     columns = tuple(c for c in SUMMARY_COLUMNS if c != "dataset")
     for dataset in sorted({r["dataset"] for r in rows}, key=lambda d: (d != POOLED, d)):

@@ -22,9 +22,10 @@ class GenerationStats:
     ``auto_arms`` counts the iterations of each (method, K, L) that ``method="auto"`` chose.
     ``block_efficiency = new_tokens / target_calls``. ``time_prefill`` is the prompt through the models:
     the prefill, and the draft's prompt where ``auto`` feeds it later (its first speculative iteration).
-    ``time_total`` is the generation after that (``tokens_per_second`` is over it); the prompt's time
-    end to end is ``time_prefill + time_total``. ``time_other`` is what ``time_total`` spends outside the
-    draft, target and verifier timers (cache surgery, bookkeeping, decoding text).
+    ``time_total`` is the generation after that (``tokens_per_second`` is over it); the generation end
+    to end took ``time_prefill + time_total`` (and the call's set-up). ``time_other`` is what
+    ``time_total`` spends outside the draft, target and verifier timers (cache surgery, bookkeeping,
+    decoding text).
     Near the end of a generation the block is shortened so that no drafted token falls beyond
     ``max_new_tokens``; the very last token may then come from a plain target step (a target call
     without an accepted length).
