@@ -766,15 +766,10 @@ class AutoDecoder:
             # A deferred prompt is fed to the draft outside the arm's clock: it is the prefill, which
             # no arm was ever charged (charged to the arm, +10 ms on the bundled pair put BV L = 2, the
             # best arm in float32, under its ceiling for good). choose() charges it apart (_FEED_DECAY).
-            stats = base.stats
-            fed, feed_start, drafting = self.prompt_len - 1 - base.draft_len, base._clock(), stats.time_draft
+            # (TreeDecoder.catch_up_draft times it as prefill time, which its stats report apart)
+            fed, prefill = self.prompt_len - 1 - base.draft_len, base.stats.time_prefill
             base.catch_up_draft(self.prompt_len - 1)
-            seconds = base._clock() - feed_start
-            policy.record_prompt_feed(fed, seconds)
-            # Reported as the prefill's (the prompt through the models), not the generation's: a fixed
-            # row's draft is fed the prompt at the prefill, and its tokens/s never counted that.
-            stats.time_draft = drafting
-            stats.time_prefill += seconds
+            policy.record_prompt_feed(fed, base.stats.time_prefill - prefill)
         if block and self._catch_up is not None and len(base.tokens) - base.draft_len > 2:
             # The tokens of plain steps since the draft last ran (after a BV iteration it lags by at
             # most the pending token and one more): fed first and timed apart, as a cost of switching

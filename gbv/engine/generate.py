@@ -33,12 +33,12 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-import numpy as np
 import torch
 
 from gbv.engine.config import GenerationConfig, all_methods  # noqa: F401 - all_methods re-exported
 from gbv.engine.decoder import engine_for, make_decoder
 from gbv.engine.detokenize import IncrementalText
+from gbv.engine.static_sampling import stop_token_array
 from gbv.engine.static_steps import recording_seconds
 from gbv.engine.stats import GenerationStats
 from gbv.errors import GbvError
@@ -518,7 +518,7 @@ class BatchRows:
                                      config.draft_sampling, config.seed)
         row.auto = None
         row.auto_policy = None  # (bucket, policy) of the batch size it last ran at (_choose_arms)
-        row.stop_tokens = np.array(sorted(job.eos), dtype=np.int64) if job.eos else None
+        row.stop_tokens = stop_token_array(job.eos)
         if auto_arms is not None:
             row.stats.method = "auto"
             row.auto = (auto_arms, (config.target_sampling, config.draft_sampling, job.vocab))

@@ -19,7 +19,9 @@ tokens are those of the step-by-step form (``tests/engine/test_static_sampling.p
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -226,6 +228,12 @@ def _plain_run() -> int:
 
 
 PLAIN_RUN = _plain_run()
+
+
+def stop_token_array(ids: Collection[int]) -> np.ndarray | None:
+    """A generation's EOS ids as the sorted (k,) int64 array where a run of plain steps on the host ends
+    (``LeanCausalLM.sampled_run``'s ``stop``); None where there are none."""
+    return np.array(sorted(set(ids)), dtype=np.int64) if ids else None
 
 
 def plain_run_length(lean, limit: int | None) -> int:

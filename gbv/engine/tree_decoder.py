@@ -25,13 +25,12 @@ import time
 import weakref
 from collections.abc import Collection, Sequence
 
-import numpy as np
 import torch
 
 from gbv.engine.decoder import AR, DecoderState, host_copies
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample_at, sample_into_at
-from gbv.engine.static_sampling import MAX_CHAIN, draft_loop, draft_uniforms, plain_run_length
+from gbv.engine.static_sampling import MAX_CHAIN, draft_loop, draft_uniforms, plain_run_length, stop_token_array
 from gbv.engine.static_steps import move
 from gbv.engine.tree import build_tree, prefix_then
 # Trie sizes through static steps are padded to a multiple of this many nodes (see step).
@@ -115,7 +114,7 @@ class TreeDecoder(DecoderState):
         super().__init__(method, num_paths, block_len, vocab, target_sampling, draft_sampling, seed, device)
         # The tokens that end a generation (its EOS ids): a run of plain steps on the host ends at one
         # (plain_steps), where a step thrown away would cost a whole target step.
-        self.stop_tokens = np.array(sorted(set(stop_tokens)), dtype=np.int64) if stop_tokens else None
+        self.stop_tokens = stop_token_array(stop_tokens)
         self.target = lean_model(target)
         self.draft = draft_lean_model(draft, target) if self.verifier is not None else None
         self.target_cache = None
@@ -148,14 +147,20 @@ class TreeDecoder(DecoderState):
 
     def catch_up_draft(self, upto: int) -> None:
         """Feed the draft, as one chain, the committed tokens it has not seen before position ``upto``
-        (at most all but the pending one), after a deferred prefill. Timed as draft time."""
+        (at most all but the pending one), after a deferred prefill. Timed as draft time, or as prefill
+        time where it feeds the prompt (from slot 0: ``auto``'s deferred prefill of the draft), as a fixed
+        row's draft is fed the prompt at the prefill, outside its tokens/s."""
         lag = self.tokens[self.draft_len:min(upto, len(self.tokens) - 1)]
         if self.draft is None or not lag:
             return
+        prompt = self.draft_len == 0
         start = self._clock()
-        self._chain(self.draft, self.draft_cache, lag, self.draft_len, static=self.draft_len > 0)  # (0: a prompt)
+        self._chain(self.draft, self.draft_cache, lag, self.draft_len, static=not prompt)
         self.draft_len += len(lag)
-        self.stats.time_draft += self._clock() - start
+        if prompt:
+            self.stats.time_prefill += self._clock() - start
+        else:
+            self.stats.time_draft += self._clock() - start
 
     def _draft_one_path(self, block: int, committed: int, q: torch.Tensor) -> list[int] | None:
         """One path drafted as ``block`` compiled calls (:func:`draft_one_path`, q (1, L, V) written in

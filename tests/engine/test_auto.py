@@ -374,15 +374,23 @@ def test_the_drafts_deferred_prompt_is_reported_as_prefill_time(slow_feed, monke
     pair = ModelPair(target, draft)
     arms = [Arm("ar", 0, 0), Arm("block", 1, 3)]  # (ar explores first: its stretch, then the block arm)
     monkeypatch.setattr(auto, "default_arms", lambda greedy, has_draft: arms)
-    catch_up, slept = tree_decoder.TreeDecoder.catch_up_draft, []
+    catch_up, chain, feeding, slept = tree_decoder.TreeDecoder.catch_up_draft, tree_decoder.TreeDecoder._chain, [], []
 
-    def slow_feed_once(self, upto):
-        if not slept and (self.draft_len == 0) == (slow_feed == "prompt"):
-            slept.append(upto)
+    def catch_up_draft(self, upto):  # (which feed this is: the prompt's, from slot 0, or generated tokens')
+        feeding.append((self.draft_len == 0) == (slow_feed == "prompt"))
+        try:
+            catch_up(self, upto)
+        finally:
+            feeding.pop()
+
+    def slow_chain_once(self, model, cache, ids, start, static=True):  # (the 1 s inside the feed's own work)
+        if feeding and feeding[-1] and not slept and model is self.draft:
+            slept.append(start)
             time_module.sleep(1.0)
-        catch_up(self, upto)
+        return chain(self, model, cache, ids, start, static)
 
-    monkeypatch.setattr(tree_decoder.TreeDecoder, "catch_up_draft", slow_feed_once)
+    monkeypatch.setattr(tree_decoder.TreeDecoder, "catch_up_draft", catch_up_draft)
+    monkeypatch.setattr(tree_decoder.TreeDecoder, "_chain", slow_chain_once)
     with torch.inference_mode():
         stats = generate(pair, prompt_ids=list(range(1, 12)), method="auto", temperature=1.0, max_new_tokens=60,
                          eos_token_id=[], seed=0).stats
