@@ -1,5 +1,3 @@
-import sys
+from gbv.cli import console
 
-from gbv.cli import main
-
-sys.exit(main())
+console()

@@ -66,6 +66,18 @@ def test_ctrl_c_during_start_up_exits_130_with_one_line(delay):
     assert proc.returncode == 130 and err == "gbv: interrupted\n", err
 
 
+def test_a_finished_command_runs_its_exit_handlers_and_flushes_before_its_fast_exit(tmp_path):
+    """``gbv`` ends with ``os._exit`` (no interpreter teardown, gbv.cli.console): ``auto``'s policy must
+    still be saved by its exit handler, and the whole output reach a pipe."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GBV_AUTO_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "gbv", "generate", "Question: 1 + 1?", "--max-new-tokens", "12",
+                           "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)  # (all of it: a lost buffer would cut the object)
+    assert record["stats"]["method"] == "auto" and len(record["token_ids"]) == 12
+    assert len(list(tmp_path.glob("policy-*.json"))) == 1
+
+
 def test_closed_stdout_exits_quietly():
     """``gbv bound ... --json | head -c 0``: the reader is gone before the output is written."""
     read, write = os.pipe()
