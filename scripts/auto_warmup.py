@@ -40,29 +40,38 @@ def main() -> None:
                + load_prompts("humaneval", args.prompts)]
     times: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
     state = {"row": "", "kind": None, "position": 0}
-    step = tree_decoder.TreeDecoder.step
+    step, plain_steps = tree_decoder.TreeDecoder.step, tree_decoder.TreeDecoder.plain_steps
+
+    def note(kind: str, seconds: float) -> None:
+        state["position"] = state["position"] + 1 if kind == state["kind"] else 0
+        state["kind"] = kind
+        times[(state["row"], kind, state["position"])].append(seconds)
 
     def timed(self, block_len=None):
         start = time.perf_counter()
         new = step(self, block_len)
-        seconds = time.perf_counter() - start
-        kind = "ar" if block_len == 0 or self.method == "ar" else f"BV L={self.block_len}"
-        state["position"] = state["position"] + 1 if kind == state["kind"] else 0
-        state["kind"] = kind
-        times[(state["row"], kind, state["position"])].append(seconds)
+        if not (block_len == 0 or self.method == "ar"):  # (ar's steps are timed in plain_steps)
+            note(f"BV L={self.block_len}", time.perf_counter() - start)
+        return new
+
+    def one_at_a_time(self, limit):  # ar's plain steps, one call each (a run's steps have no times of their own)
+        start = time.perf_counter()
+        new = plain_steps(self, 1)
+        note("ar", time.perf_counter() - start)
         return new
 
     arms = auto.default_arms(False, True)
     ar, block = arms.index(auto.Arm("ar", 0, 0)), arms.index(auto.Arm("block", 1, args.block_len))
     period, count = args.block_steps + args.ar_steps, [0]
 
-    def forced(self, max_block=None):  # the alternation, in place of the policy's choice
+    def forced(self, max_block=None, unfed_prompt=0):  # the alternation, in place of the policy's choice
         count[0] += 1
         self.last_leader = None
         fits = max_block is None or max_block >= args.block_len
         return block if count[0] % period < args.block_steps and fits else ar
 
     tree_decoder.TreeDecoder.step = timed
+    tree_decoder.TreeDecoder.plain_steps = one_at_a_time
     auto.AutoPolicy.choose = forced
     auto._STRETCH = 1  # (the forced choice makes its own stretches, one choice a step)
     settings = dict(temperature=0.2, eos_token_id=[], block_len=args.block_len)

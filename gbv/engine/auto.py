@@ -4,7 +4,8 @@ Each arm is one setting (``ar``, or a verifier with K paths of L tokens). After 
 arm that ran is credited with the wall time it took (the step's own clock, read after the drafts
 were read back, so it covers the device work too), and its verifier family (method, K) with how far
 the drafts were accepted. An arm's estimated tokens per second is its expected tokens per iteration,
-from the family's pooled per-depth acceptance, over its own mean seconds per iteration. The next arm
+from the family's pooled per-depth acceptance, over its own seconds per iteration at the current
+context length (a line fitted to its iterations: costs grow with the context). The next arm
 is the one with the best estimate, plus an optimism bonus that shrinks as an arm is tried (UCB), so
 that every arm is tried a few times and then the best one runs almost always. An iteration right
 after another arm counts less that arm's switching cost, which the arms other than the last one pay
@@ -154,6 +155,27 @@ _SWITCH_IN_STRETCHES = 2
 # fake-clock test of tests/engine/test_auto.py ar ran 165 steps in 100 prompts while it had become 13% faster
 # than BV (with this rule and _SWITCH_IN_STRETCHES, 8,500 and ar ran 97% of the second half's iterations).
 _TAIL_UNRECORDED = True
+# An arm's seconds an iteration are a line in the context length (the committed tokens, prompt included), fitted to
+# its iterations (decayed and aged as its seconds are: AutoPolicy.context_line), and choose() rates every arm at the
+# context of the iteration it chooses for. Why: attention reads every cached position, so an iteration's cost grows
+# with the context, by amounts that differ between arms and move with the machine's state. On the bundled pair in
+# bfloat16 (scripts/auto_context_cost.py; docs/results/engine/auto-context-cost-fiftieth.txt) an ar step cost 19%
+# more at 250 tokens than at 100 and a BV iteration 5-7% more; in a first run of the measurement ar 35% and BV
+# L = 2 21%, so that which of them made more tokens per second changed near 180 tokens, inside the benchmark's
+# generations. Rated by plain means, arms were compared at the contexts where each happened to run: an arm tried
+# again late in a generation was measured at that part's costs, against the leader's mean over whole generations.
+# In paired runs (scripts/bench_auto_ab.py --before, 40 prompts, T = 0.2 and 1) auto made 0.977-1.051x its speed
+# before, mean 1.017 in bfloat16 (8 values) and 1.024 in float32 (4); on a fake clock where ar's and BV's costs
+# cross at 150 tokens auto runs each where it is faster, and beats both (tests/engine/test_auto.py). A line with
+# little spread in its contexts is shrunk towards the slope of the pooled evidence, in proportion to the arm's
+# cost (weight _PRIOR_CONTEXT, in trials times tokens squared: eight iterations 32 tokens from their mean): an
+# arm tried twice at a generation's start is rated at longer contexts as the others grow there, not as flat.
+_PRIOR_CONTEXT = 8.0 * 32.0 ** 2
+# (the seconds at a context never fall below this share of the arm's mean, whatever a noisy slope says)
+_CONTEXT_FLOOR = 0.25
+# The pooled slope is computed again every this many iterations, not at each record: it moves slowly (it is
+# only a prior), and a new one changes every arm's rate, which choose() keeps between records (_rates).
+_CONTEXT_REFRESH = 64
 # The draft's prompt is fed only when a speculative arm first runs in a generation (AutoDecoder.prefill
 # defers it; catch_up_draft then feeds it as one chain, outside every arm's clock). choose() charges that
 # feed to the speculative arms while it is still to be paid: its seconds (the measured seconds per prompt
@@ -232,6 +254,19 @@ class AutoPolicy:
         self._switch_costs = [0.0] * len(arms)  # switch_cost(i), kept until arm i runs again
         self.steady_seconds = [0.0] * len(arms)  # ar's decayed sums over its settled stretches (ar_seconds)
         self.steady_trials = [0.0] * len(arms)
+        # The contexts of the iterations (see _PRIOR_CONTEXT), decayed and aged as the seconds: sums of
+        # trials * context, trials * context^2 and seconds * context, over all of an arm's iterations and
+        # (steady_*) over ar's settled stretches.
+        self.contexts = [0.0] * len(arms)
+        self.context_squares = [0.0] * len(arms)
+        self.context_seconds = [0.0] * len(arms)
+        self.steady_contexts = [0.0] * len(arms)
+        self.steady_context_squares = [0.0] * len(arms)
+        self.steady_context_seconds = [0.0] * len(arms)
+        self._context_scale: float | None = None  # the pooled slope per second of cost (_CONTEXT_REFRESH)
+        self._context_refresh = 0  # the clock at which it is computed again
+        self._context_sums = (self.contexts, self.context_squares, self.context_seconds, self.steady_contexts,
+                              self.steady_context_squares, self.steady_context_seconds)
         # ar's consecutive steps not yet recorded, [arm, steps, seconds, the arm that ran before them]
         # (see _STRETCH; ``previous`` is already ar).
         self._stretch: list | None = None
@@ -302,17 +337,65 @@ class AutoPolicy:
         sums were last aged (when it last ran), but not below ``_MIN_TRIALS`` (see ``_AGE``)."""
         return _aged(self.trials[index], self.clock - self.stamps[index])
 
-    def rate(self, index: int) -> float:
-        if self.seconds[index] <= 0:
-            return 0.0
-        return self.expected_tokens(index) / self.mean_seconds(index)
+    def rate(self, index: int, context: float | None = None) -> float:
+        """Tokens per second at ``context`` committed tokens (None: at the contexts where the arm ran),
+        computed afresh (choose() keeps the terms between records: _terms)."""
+        tokens, seconds, slope, center = self.terms(index)
+        if context is not None:
+            seconds = max(seconds + slope * (context - center), _CONTEXT_FLOOR * seconds)
+        return tokens / seconds
 
-    def _rate(self, index: int) -> float:
-        """:meth:`rate`, kept until :meth:`record` changes what it depends on."""
-        rate = self._rates.get(index)
-        if rate is None:
-            rate = self._rates[index] = self.rate(index)
-        return rate
+    def terms(self, index: int) -> tuple[float, float, float, float]:
+        """``(tokens, seconds, slope, center)``: expected tokens per iteration, mean seconds per iteration
+        at the mean context ``center``, and the seconds' slope in the context (:meth:`context_line`);
+        ``(0, 1, 0, 0)`` where the arm has not run."""
+        if self.seconds[index] <= 0:
+            return 0.0, 1.0, 0.0, 0.0
+        slope, center = self.context_line(index)
+        return self.expected_tokens(index), self.mean_seconds(index), slope, center
+
+    def _terms(self, index: int) -> tuple[float, float, float, float]:
+        """:meth:`terms`, kept until :meth:`record` changes what they depend on."""
+        terms = self._rates.get(index)
+        if terms is None:
+            terms = self._rates[index] = self.terms(index)
+        return terms
+
+    def _sums(self, index: int) -> tuple[float, float, float, float, float]:
+        """``(trials, seconds, contexts, context_squares, context_seconds)`` of the arm's cost: ar's settled
+        stretches where it has any (ar_seconds), else all its iterations."""
+        if not self._speculative[index] and self.steady_trials[index] > 0.0:
+            return (self.steady_trials[index], self.steady_seconds[index], self.steady_contexts[index],
+                    self.steady_context_squares[index], self.steady_context_seconds[index])
+        return (self.trials[index], self.seconds[index], self.contexts[index], self.context_squares[index],
+                self.context_seconds[index])
+
+    def context_line(self, index: int) -> tuple[float, float]:
+        """``(slope, center)``: how many seconds an iteration of the arm costs more per token of context, and
+        the mean context of its iterations (``_PRIOR_CONTEXT``). The slope is the weighted least-squares one
+        of its iterations, shrunk towards the pooled slope per second of cost times the arm's mean."""
+        trials, seconds, contexts, squares, products = self._sums(index)
+        if trials <= 0.0:
+            return 0.0, 0.0
+        center = contexts / trials
+        spread = max(squares - center * contexts, 0.0)  # sum of trials * (context - center)^2
+        covariance = products - center * seconds  # sum of seconds * (context - center)
+        if self._context_scale is None:
+            self._context_scale = self._pooled_context_scale()
+        prior = self._context_scale * seconds / trials
+        return (covariance + _PRIOR_CONTEXT * prior) / (spread + _PRIOR_CONTEXT), center
+
+    def _pooled_context_scale(self) -> float:
+        """The slope per second of cost that fits every arm's iterations at once (each arm's slope taken as
+        this times its mean seconds): 0 before any spread of contexts."""
+        covariance = weight = 0.0
+        for index in range(len(self.arms)):
+            trials, seconds, contexts, squares, products = self._sums(index)
+            if trials > 0.0:
+                center = contexts / trials
+                covariance += (products - center * seconds) * (seconds / trials)
+                weight += max(squares - center * contexts, 0.0) * (seconds / trials) ** 2
+        return covariance / weight if weight > 0.0 else 0.0
 
     def ceiling(self, index: int) -> float:
         """The most tokens per second arm ``index`` could reach: ``L + 1`` tokens (every draft kept) per
@@ -336,20 +419,21 @@ class AutoPolicy:
         arm than after its own (at least 0), shrunk towards 0 by ``_SWITCH_PAIRS`` pairs."""
         return max(self.switch_sums[index] / (self.switch_pairs[index] + _SWITCH_PAIRS), 0.0)
 
-    def switch_factor(self, index: int, horizon: float) -> float:
+    def switch_factor(self, index: int, horizon: float, context: float | None = None) -> float:
         """What choose() multiplies arm ``index``'s rate by when another arm ran last: its switching cost
         spread over the next ``horizon`` tokens (``_HORIZON``), as a factor (1 before it has run)."""
-        rate = self.rate(index)
+        rate = self.rate(index, context)
         return 1.0 / (1.0 + self.switch_cost(index) * rate / horizon)
 
-    def choose(self, max_block: int | None = None, unfed_prompt: int = 0) -> int:
+    def choose(self, max_block: int | None = None, unfed_prompt: int = 0, context: float | None = None) -> int:
         """Index of the next arm. ``max_block`` excludes arms with longer blocks (near the end of a
         generation only a short block fits; ``ar`` always fits); it is also the generation's remaining
         tokens less one (the decoder passes it every step), over which an arm other than the one that
         ran last is rated with its switching cost spread (at most ``_HORIZON`` tokens; ``_SWITCH_PAIRS``).
         ``unfed_prompt``: the prompt tokens the draft has not been fed yet (a deferred prompt): the
         speculative arms are rated with that feed's estimated seconds spread over the remaining tokens
-        (``_FEED_DECAY``; over ``_HORIZON`` without ``max_block``).
+        (``_FEED_DECAY``; over ``_HORIZON`` without ``max_block``). ``context``: the committed tokens, at
+        which every arm is rated (``_PRIOR_CONTEXT``; None: each at the contexts where it ran).
 
         A speculative arm whose :meth:`ceiling` is below the rate of the best arm that has finished
         exploring cannot win, so it is not tried (again) while that holds. Why: on a CPU a multi-path
@@ -373,11 +457,17 @@ class AutoPolicy:
         remaining = _HORIZON if max_block is None else max_block + 1.0
         speculative = self._speculative
         leader, floor = None, 0.0
+        # (an arm's rate: its tokens over its seconds at this context, as rate() computes it)
+        at = context is not None
         for i in allowed:  # the leader: the first best rate among the explored arms, as leader() finds it
             if runs[i] >= _MIN_TRIALS:
-                rate = rates.get(i)
-                if rate is None:
-                    rate = self._rate(i)
+                terms = rates.get(i)
+                if terms is None:
+                    terms = self._terms(i)
+                seconds = terms[1]
+                if at:
+                    seconds = max(seconds + terms[2] * (context - terms[3]), _CONTEXT_FLOOR * seconds)
+                rate = terms[0] / seconds
                 if i != previous:
                     rate /= 1.0 + costs[i] * rate / horizon
                 if feed and speculative[i]:
@@ -395,9 +485,13 @@ class AutoPolicy:
             if runs[i] < _MIN_TRIALS or (runs[i] < 2 * _MIN_TRIALS and not speculative[i]
                                          and self.steady_trials[i] == 0.0):
                 return i  # (ar explores until a stretch follows one of its own, or twice as long: ar_seconds)
-            rate = rates.get(i)
-            if rate is None:
-                rate = self._rate(i)
+            terms = rates.get(i)
+            if terms is None:
+                terms = self._terms(i)
+            seconds = terms[1]
+            if at:
+                seconds = max(seconds + terms[2] * (context - terms[3]), _CONTEXT_FLOOR * seconds)
+            rate = terms[0] / seconds
             if i != previous:
                 rate /= 1.0 + costs[i] * rate / horizon
             if feed and speculative[i]:
@@ -419,7 +513,7 @@ class AutoPolicy:
         """The arm with the best rate among those that have finished exploring (None before any has)."""
         self.flush()
         explored = [i for i in range(len(self.arms)) if self.runs[i] >= _MIN_TRIALS]
-        return max(explored, key=self._rate) if explored else None
+        return max(explored, key=self.rate) if explored else None
 
     def record_prompt_feed(self, tokens: int, seconds: float) -> None:
         """The draft was fed a deferred prompt of ``tokens`` tokens in ``seconds`` (``_FEED_DECAY``)."""
@@ -427,74 +521,83 @@ class AutoPolicy:
             self.feed_seconds = self.feed_seconds * _FEED_DECAY + seconds
             self.feed_tokens = self.feed_tokens * _FEED_DECAY + tokens
 
-    def record(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
+    def record(self, index: int, tokens: int, seconds: float, switching: float = 0.0,
+               context: float | None = None) -> None:
         """One iteration of arm ``index`` committed ``tokens`` (accepted drafts + 1) in ``seconds``
         (counted as at most ``_OUTLIER`` times the arm's mean, once it has run ``_MIN_TRIALS`` times;
         an iteration after another arm or a prefill less the arm's switching cost, _SWITCH_PAIRS), after
         ``switching`` seconds of work that only a switch to it needed (the draft's catch-up after ar:
-        part of its switching cost, not of its seconds). Deferred records are applied first."""
+        part of its switching cost, not of its seconds), at ``context`` committed tokens (None: at the
+        arm's mean context, which tells nothing of its slope; _PRIOR_CONTEXT). Deferred records are
+        applied first."""
         if self._pending:
             self.flush()
-        self._record(index, tokens, seconds, switching)
+        self._record(index, tokens, seconds, switching, context=context)
 
-    def record_rows(self, index: int, row_tokens: list[int], seconds: float, switching: float = 0.0) -> None:
+    def record_rows(self, index: int, row_tokens: list[int], seconds: float, switching: float = 0.0,
+                    context: float | None = None) -> None:
         """One step of a batch in which ``len(row_tokens)`` rows ran arm ``index`` together in ``seconds``,
         after ``switching`` seconds of work for the switch to it (the drafts' catch-up, see
         :meth:`record`): one iteration for the arm's sums, the clock and the aging (at the rows' mean
         tokens, and the seconds over the rows: what one row's iteration cost), and every row's accepted
         length for the family's acceptance. Why not a record per row: the clock then ran 16 iterations
         a step at 16 rows, so the other arms aged and were explored again 16x as often per step as for
-        one sequence, and a stretch of ``ar`` (_STRETCH records) was one step. Deferred records are
-        applied first."""
+        one sequence, and a stretch of ``ar`` (_STRETCH records) was one step. ``context``: the rows' mean
+        context (see :meth:`record`). Deferred records are applied first."""
         if self._pending:
             self.flush()
         rows = len(row_tokens)
         accepted = row_tokens if self._speculative[index] else None
-        self._record(index, sum(row_tokens) / rows, seconds / rows, switching / rows, accepted=accepted)
+        self._record(index, sum(row_tokens) / rows, seconds / rows, switching / rows, accepted, context)
 
-    def defer(self, index: int, tokens: int, seconds: float, switching: float = 0.0) -> None:
+    def defer(self, index: int, tokens: int, seconds: float, switching: float = 0.0,
+              context: float | None = None) -> None:
         """:meth:`record`, applied later: by the next :meth:`choose`, :meth:`record`, :meth:`flush`,
         :meth:`leader`, :meth:`best` or :meth:`table`, in order (see ``_HOLD``)."""
-        self._pending.append((index, tokens, seconds, switching))
+        self._pending.append((index, tokens, seconds, switching, context))
 
     def flush(self) -> None:
         """Apply the deferred records, oldest first."""
         pending, self._pending = self._pending, []
-        for index, tokens, seconds, switching in pending:
-            self._record(index, tokens, seconds, switching)
+        for index, tokens, seconds, switching, context in pending:
+            self._record(index, tokens, seconds, switching, None, context)
 
     def close_stretch(self) -> None:
         """Record ar's steps not yet recorded now, as a stretch of their number: another arm runs, or a
         generation ended (the next one starts after a prefill)."""
         if self._stretch is not None:
-            index, steps, seconds, after = self._stretch
+            index, steps, seconds, after, contexts = self._stretch
             self._stretch = None
-            self._record_run(index, steps, steps, seconds, after)
+            self._record_run(index, steps, steps, seconds, after, context=contexts / steps)
 
     def _record(self, index: int, tokens: float, seconds: float, switching: float = 0.0,
-                accepted: list[int] | None = None) -> None:
+                accepted: list[int] | None = None, context: float | None = None) -> None:
         if self.runs[index] >= _MIN_TRIALS:
             seconds = min(seconds, _OUTLIER * self.seconds[index] / self.trials[index])
+        if context is None:  # (at the arm's mean context: no evidence on its slope)
+            context = self.contexts[index] / self.trials[index] if self.trials[index] > 0 else 0.0
         if not self._speculative[index]:  # a step of ar's stretch (see _STRETCH)
             stretch = self._stretch
             if stretch is None or stretch[0] != index:
                 self.close_stretch()
-                stretch = self._stretch = [index, 0, 0.0, self.previous]
+                stretch = self._stretch = [index, 0, 0.0, self.previous, 0.0]
                 self.previous = index
             stretch[1] += 1
             stretch[2] += seconds
+            stretch[4] += context
             if stretch[1] >= _STRETCH:
                 self.close_stretch()
             return
         self.close_stretch()
-        self._record_run(index, 1, tokens, seconds, self.previous, switching, accepted)
+        self._record_run(index, 1, tokens, seconds, self.previous, switching, accepted, context)
 
     def _record_run(self, index: int, steps: int, tokens: float, seconds: float, after: int | None,
-                    switching: float = 0.0, accepted: list[int] | None = None) -> None:
+                    switching: float = 0.0, accepted: list[int] | None = None, context: float = 0.0) -> None:
         """Record ``steps`` consecutive iterations of arm ``index`` (more than one only for ar) that
         committed ``tokens`` in ``seconds`` in all, right after arm ``after`` (None: a prefill), after
-        ``switching`` seconds of work for the switch (see :meth:`record`); ``accepted``: the tokens of
-        each row of a batch step (:meth:`record_rows`), for the acceptance (else ``tokens``)."""
+        ``switching`` seconds of work for the switch (see :meth:`record`), at a mean ``context``;
+        ``accepted``: the tokens of each row of a batch step (:meth:`record_rows`), for the acceptance
+        (else ``tokens``)."""
         if self._switch_in is not None and self._switch_in[0] == index:  # a switch-in and the next run
             _, first_seconds, first_steps = self._switch_in  # (the excess over this run's seconds a step)
             self.switch_sums[index] = self.switch_sums[index] * _DECAY + (first_seconds - first_steps * seconds / steps)
@@ -512,16 +615,30 @@ class AutoPolicy:
             self.trials[index] *= age
             self.steady_seconds[index] *= age
             self.steady_trials[index] *= age
+            for sums in self._context_sums:
+                sums[index] *= age
         self.clock += steps
         self.stamps[index] = self.clock
         decay = _DECAY ** steps  # (each step counts as one observation, as before)
         self.tokens[index] = self.tokens[index] * decay + tokens
         self.seconds[index] = self.seconds[index] * decay + max(seconds, 1e-9)
         self.trials[index] = self.trials[index] * decay + steps
+        self.contexts[index] = self.contexts[index] * decay + steps * context
+        self.context_squares[index] = self.context_squares[index] * decay + steps * context * context
+        self.context_seconds[index] = self.context_seconds[index] * decay + max(seconds, 1e-9) * context
         if index == after and not self._speculative[index]:  # a settled stretch of ar (see ar_seconds)
             self.steady_seconds[index] = self.steady_seconds[index] * decay + seconds
             self.steady_trials[index] = self.steady_trials[index] * decay + steps
+            self.steady_contexts[index] = self.steady_contexts[index] * decay + steps * context
+            self.steady_context_squares[index] = self.steady_context_squares[index] * decay + steps * context * context
+            self.steady_context_seconds[index] = self.steady_context_seconds[index] * decay + seconds * context
         self.runs[index] += 1
+        if self.clock >= self._context_refresh:  # the pooled slope, and so every arm's line (_CONTEXT_REFRESH)
+            self._context_refresh = self.clock + _CONTEXT_REFRESH
+            scale = self._pooled_context_scale()
+            if scale != self._context_scale:
+                self._context_scale = scale
+                self._rates.clear()
         self._switch_costs[index] = self.switch_cost(index)
         arm = self.arms[index]
         if arm.method == "ar":
@@ -574,7 +691,8 @@ class AutoPolicy:
             families[family] = (kept, tried)
         for i in range(len(self.arms)):
             scale = min(1.0, _LOADED_TRIALS / lists["trials"][i]) if lists["trials"][i] > 0 else 1.0
-            for name in ("tokens", "seconds", "trials", "steady_seconds", "steady_trials"):
+            for name in ("tokens", "seconds", "trials", "steady_seconds", "steady_trials", "contexts", "context_squares",
+                         "context_seconds", "steady_contexts", "steady_context_squares", "steady_context_seconds"):
                 getattr(self, name)[i] = lists[name][i] * scale
             pairs = lists["switch_pairs"][i]
             scale = min(1.0, _LOADED_TRIALS / pairs) if pairs > 0 else 1.0
@@ -596,6 +714,7 @@ class AutoPolicy:
         self._rates.clear()
         self._ceilings.clear()
         self._lines.clear()
+        self._context_scale = None
 
     def best(self) -> Arm:
         self.flush()
@@ -608,7 +727,9 @@ class AutoPolicy:
 
 
 # The per-arm lists of AutoPolicy.state_dict (runs too: a loaded arm has been explored).
-_STATE_LISTS = ("tokens", "seconds", "trials", "runs", "steady_seconds", "steady_trials", "switch_sums", "switch_pairs")
+_STATE_LISTS = ("tokens", "seconds", "trials", "runs", "steady_seconds", "steady_trials", "switch_sums", "switch_pairs",
+                "contexts", "context_squares", "context_seconds", "steady_contexts", "steady_context_squares",
+                "steady_context_seconds")
 # A policy loaded from an earlier process (gbv.engine.auto_store) weighs at most this many trials an arm,
 # and its families this many iterations a depth: enough that nothing is explored again, little enough
 # that this process's own iterations outweigh it after a few dozen (the old sums decay by _DECAY each).
@@ -752,7 +873,7 @@ class AutoDecoder:
         else:
             # (the prompt tokens the draft still has to be fed: a cost the speculative arms are rated with)
             unfed = self.prompt_len - 1 - base.draft_len if self._catch_up is not None else 0
-            index = policy.choose(block_len, unfed)
+            index = policy.choose(block_len, unfed, len(base.tokens))
             if policy.arms[index].method == "ar":  # a stretch (see _STRETCH); as the leader, at least a hold
                 stretches = 1 if policy.previous == index else _SWITCH_IN_STRETCHES
                 self._held = index
@@ -799,11 +920,13 @@ class AutoDecoder:
         seconds = time.perf_counter() - start - (recording_seconds(self._models) - recorded)
         if unrecorded:
             self._hold_left = 0
-        elif steps == 1:
-            policy.defer(index, len(new), seconds, switching)
-        else:
-            for _ in range(steps):
-                policy.defer(index, 1, seconds / steps)
+        else:  # (at the context each step started from: the committed tokens before it)
+            context = len(base.tokens) - len(new)
+            if steps == 1:
+                policy.defer(index, len(new), seconds, switching, context)
+            else:
+                for step in range(steps):
+                    policy.defer(index, 1, seconds / steps, 0.0, context + step)
         label = policy.arms[index].label
         arms = base.stats.auto_arms
         arms[label] = arms.get(label, 0) + steps

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-_FORMAT = 1
+_FORMAT = 2  # (2: the contexts of the iterations, auto._PRIOR_CONTEXT)
 _LOG = logging.getLogger("gbv")
 _attached: list[tuple[weakref.ref, Path, dict]] = []  # (policy, its file, its key), saved at exit
 _by_default = False  # use_by_default() was called (the CLI)

@@ -574,7 +574,9 @@ class BatchRows:
         blocks = {id(row): step.block for _, (row, _, step) in entries}
         # (a lone row's plain steps run several to a call: at most what its cap allows, as for one sequence)
         plain_limits = {id(row): step.block + 1 for _, (row, _, step) in entries} if len(entries) == 1 else None
-        chosen = self._choose_arms([(row, step) for _, (row, _, step) in entries])
+        # (the rows' mean context: what the step's attention reads, at which auto rates and records its arms)
+        context = sum(len(row.tokens) for _, (row, _, _) in entries) / len(entries)
+        chosen = self._choose_arms([(row, step) for _, (row, _, step) in entries], context)
         models = (self.batch.target, self.batch.draft)
         # What plain steps left the drafts of the auto rows that speculate now: fed first and timed apart,
         # as the cost of switching (AutoPolicy.record_rows), not the arm's own (see catch_up_drafts).
@@ -604,19 +606,20 @@ class BatchRows:
             if policy.arms[index].method == "ar" and len(row_tokens) == 1 and row_tokens[0] > 1:  # (a lone row's run:
                 # a record a step, as AutoDecoder records one sequence's runs)
                 steps = row_tokens[0]
-                for _ in range(steps):
-                    policy.record_rows(index, [1], seconds * share / steps, switching * share / steps)
+                for step in range(steps):
+                    policy.record_rows(index, [1], seconds * share / steps, switching * share / steps, context + step)
                 continue
-            policy.record_rows(index, row_tokens, seconds * share, switching * share)
+            policy.record_rows(index, row_tokens, seconds * share, switching * share, context)
         events = []
         for key, (row, loop, _) in entries:
             events += self._advance(key, row, loop, new[id(row)])
         return events
 
-    def _choose_arms(self, rows_steps: list) -> list[tuple[Any, Any, int, bool]]:
+    def _choose_arms(self, rows_steps: list, context: float | None = None) -> list[tuple[Any, Any, int, bool]]:
         """One arm for this step for all the ``auto`` rows that share a policy (their settings, and the
         batch size rounded up to a power of 2: what pays at 16 rows, a compute-bound target pass, is not
-        what pays for one; one row shares the single-sequence policy). Returns ``(row, policy, arm
+        what pays for one; one row shares the single-sequence policy), rated at the rows' mean ``context``
+        (auto._PRIOR_CONTEXT). Returns ``(row, policy, arm
         index, whole)`` per auto row; ``whole``: the row's cap (near its end) leaves the arm's block as
         it is, so its iteration is the arm's to record.
 
@@ -646,7 +649,7 @@ class BatchRows:
             groups.setdefault(id(policy), (policy, []))[1].append((row, step.block))
         chosen = []
         for policy, members in groups.values():
-            index = policy.choose(max(block for _, block in members))  # (the longest cap: the others cut)
+            index = policy.choose(max(block for _, block in members), context=context)  # (the longest cap: the others cut)
             arm = policy.arms[index]
             for row, block in members:
                 if arm.method != "ar":

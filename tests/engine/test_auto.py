@@ -173,13 +173,13 @@ def _reference_ceiling(policy: AutoPolicy, index: int) -> float:
     return (arm.block_len + 1) / max(means) if means else float("inf")
 
 
-def _reference_choice(policy: AutoPolicy, max_block: int | None) -> int:
-    """The UCB choice computed from scratch with :meth:`AutoPolicy.rate` (no cached rates)."""
+def _reference_choice(policy: AutoPolicy, max_block: int | None, context: float | None = None) -> int:
+    """The UCB choice computed from scratch with :meth:`AutoPolicy.rate` (no cached rates), at ``context``."""
     import math
 
     def rate(i: int) -> float:  # an arm that did not run last pays its switching cost
         horizon = auto._HORIZON if max_block is None else min(auto._HORIZON, max_block + 1.0)
-        return policy.rate(i) * (1.0 if i == policy.previous else policy.switch_factor(i, horizon))
+        return policy.rate(i, context) * (1.0 if i == policy.previous else policy.switch_factor(i, horizon, context))
 
     allowed = [i for i, arm in enumerate(policy.arms) if max_block is None or arm.block_len <= max_block]
     explored = [i for i in allowed if policy.runs[i] >= auto._MIN_TRIALS]
@@ -198,20 +198,25 @@ def _reference_choice(policy: AutoPolicy, max_block: int | None) -> int:
         math.log(max(total, 2.0)) / max(policy.aged_trials(i), 1e-9)))
 
 
-def _replay_choices(policy: AutoPolicy, seed: int) -> list[tuple[int, int]]:
-    """Random iterations (the policy's own choices, random yields and clocks, some capped blocks):
-    the policy's choice and the from-scratch choice at every step."""
+def _replay_choices(policy: AutoPolicy, seed: int, contexts: bool = True) -> list[tuple[int, int]]:
+    """Random iterations (the policy's own choices, random yields and clocks that grow with the context,
+    some capped blocks): the policy's choice and the from-scratch choice at every step (rated at each
+    iteration's context, or, ``contexts=False``, at the arms' own)."""
     import random
 
     rng = random.Random(seed)
     pairs = []
+    context = 40
     for _ in range(400):
         cap = rng.choice([None, None, None, 2, 4, 0])
-        chosen = policy.choose(cap)
-        pairs.append((chosen, _reference_choice(policy, cap)))
+        at = context if contexts else None
+        chosen = policy.choose(cap, context=at)
+        pairs.append((chosen, _reference_choice(policy, cap, at)))
         arm = policy.arms[chosen]
         tokens = rng.randint(1, arm.block_len + 1) if arm.block_len else 1
-        policy.record(chosen, tokens, rng.uniform(0.5, 1.5) * (0.005 + 0.002 * arm.num_paths * arm.block_len))
+        seconds = rng.uniform(0.5, 1.5) * (0.005 + 0.002 * arm.num_paths * arm.block_len) * (1 + 0.004 * context)
+        policy.record(chosen, tokens, seconds, context=at)
+        context = context + tokens if context < 300 else 40  # (generations of ~260 tokens)
     return pairs
 
 
@@ -221,12 +226,14 @@ def test_cached_rates_give_the_choices_of_rates_computed_afresh():
     multi-path arms). The check can fail: rates kept across their family's runs pick other arms."""
     for greedy in (False, True):
         for seed in range(3):
-            pairs = _replay_choices(AutoPolicy(auto.default_arms(greedy, True)), seed)
-            assert all(mine == fresh for mine, fresh in pairs)
-    stale = AutoPolicy(auto.default_arms(False, True))
-    stale._members = {family: [] for family in stale._members}  # a family's runs leave its rates as they were
-    pairs = _replay_choices(stale, 0)
-    assert any(mine != fresh for mine, fresh in pairs)
+            for contexts in (True, False):
+                pairs = _replay_choices(AutoPolicy(auto.default_arms(greedy, True)), seed, contexts)
+                assert all(mine == fresh for mine, fresh in pairs)
+    for contexts in (True, False):
+        stale = AutoPolicy(auto.default_arms(False, True))
+        stale._members = {family: [] for family in stale._members}  # a family's runs leave its rates as they were
+        pairs = _replay_choices(stale, 0, contexts)
+        assert any(mine != fresh for mine, fresh in pairs)
 
 
 def _held_run(policy: AutoPolicy, seed: int, deferred: bool) -> tuple[list[int], list]:
@@ -406,9 +413,9 @@ class _CountingPolicy(AutoPolicy):
         super().__init__(arms)
         self.choices = 0
 
-    def choose(self, max_block=None, unfed_prompt=0):
+    def choose(self, max_block=None, unfed_prompt=0, context=None):
         self.choices += 1
-        return super().choose(max_block, unfed_prompt)
+        return super().choose(max_block, unfed_prompt, context)
 
 
 class _FakeBase:
@@ -654,6 +661,62 @@ def test_ar_measured_slow_at_the_start_is_measured_again_and_takes_over(variant,
     assert share > 0.9 if variant == "rule" else share < 0.1
 
 
+@pytest.mark.parametrize("rated_at_the_context", [True, False])
+def test_arms_whose_costs_cross_as_the_context_grows_each_run_where_they_are_faster(rated_at_the_context,
+                                                                                    monkeypatch):
+    """An ar step costs 0.3 + 0.002 c ms at a context of c tokens, a BV L = 2 iteration 1.2 + 0.002 c ms for 2.5
+    tokens (attention reads every cached position; on the bundled pair the arms' slopes differ: docs/ENGINE.md,
+    "Costs that grow with the context"). Per token ar is faster below c = 150, BV above. Prompts of 50 tokens
+    and 200 new ones: rated at each iteration's context (auto._PRIOR_CONTEXT), auto runs ar for most of the
+    iterations below 120 tokens and BV for most above 180, and takes less time than either arm alone. The
+    control rates every arm at the contexts where it ran (the rule before): one arm runs on both sides."""
+    import types
+
+    from gbv.engine.auto import AutoDecoder
+
+    if not rated_at_the_context:
+        choose = AutoPolicy.choose
+        monkeypatch.setattr(AutoPolicy, "choose", lambda self, max_block=None, unfed_prompt=0, context=None:
+                            choose(self, max_block, unfed_prompt))
+    clock = [0.0]
+    monkeypatch.setattr(auto, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    holder = []
+    base = _TimedBase(clock, lambda run: 0.3 + 0.002 * len(holder[0].tokens),
+                      lambda run, blocks: 1.2 + 0.002 * len(holder[0].tokens))
+    holder.append(base)
+    policy = AutoPolicy([Arm("ar", 0, 0), Arm("block", 1, 2)])
+    kinds = {"short": [], "long": []}
+    step = base.step
+
+    def logged(block_len):
+        context = len(base.tokens)
+        if prompt >= 30 and (context < 120 or context > 180):
+            kinds["short" if context < 120 else "long"].append("block" if block_len else "ar")
+        return step(block_len)
+
+    base.step = logged
+    start = 0.0
+    for prompt in range(60):
+        if prompt == 30:
+            start = clock[0]
+        decoder = AutoDecoder(base, policy)
+        decoder.prefill([0] * 50)
+        while len(base.tokens) < 251:
+            room = 251 - len(base.tokens) - 1
+            decoder.step(room if room < 2 else None)
+    auto_ms = (clock[0] - start) * 1e3 / 30
+    # each arm alone, per prompt (BV's 2.5 tokens an iteration on average)
+    ar_ms = sum(0.3 + 0.002 * c for c in range(50, 250))
+    block_ms = sum((1.2 + 0.002 * c) / 2.5 for c in range(50, 250))
+    ar_short = kinds["short"].count("ar") / len(kinds["short"])
+    block_long = kinds["long"].count("block") / len(kinds["long"])
+    if rated_at_the_context:
+        assert ar_short > 0.8 and block_long > 0.8, (ar_short, block_long)
+        assert auto_ms < min(ar_ms, block_ms), (auto_ms, ar_ms, block_ms)
+    else:
+        assert ar_short < 0.5 or block_long < 0.5, (ar_short, block_long)
+
+
 def test_ar_takes_over_from_an_arm_that_led_while_ar_ran_only_at_the_ends_of_prompts(monkeypatch):
     """ar makes 1000 tokens/s in a run of its own steps, but a step after another arm or a prefill
     costs 1.15 ms; BV L = 2 makes 2 or 3 tokens (2.5 on average) in 2.6 ms (962 tokens/s; 2.7 ms
@@ -698,8 +761,8 @@ def test_the_auto_rows_of_a_batch_run_one_arm_a_step(monkeypatch):
     steps = []
     real = BatchRows._choose_arms
 
-    def choose(self, rows_steps):
-        chosen = real(self, rows_steps)
+    def choose(self, rows_steps, context=None):
+        chosen = real(self, rows_steps, context)
         caps = {id(row): step.block for row, step in rows_steps}
         steps.append([(id(policy), index, whole, caps[id(row)] >= policy.arms[index].block_len)
                       for row, policy, index, whole in chosen])
@@ -727,8 +790,8 @@ def test_a_batch_row_keeps_the_policy_of_its_batch_size(monkeypatch):
     seen = []
     real = BatchRows._choose_arms
 
-    def choose(self, rows_steps):
-        chosen = real(self, rows_steps)
+    def choose(self, rows_steps, context=None):
+        chosen = real(self, rows_steps, context)
         bucket = 1 << (len(rows_steps) - 1).bit_length()
         for row, policy, _, _ in chosen:
             arms, key = row.auto
