@@ -64,7 +64,7 @@ def main() -> None:
     ar, block = arms.index(auto.Arm("ar", 0, 0)), arms.index(auto.Arm("block", 1, args.block_len))
     period, count = args.block_steps + args.ar_steps, [0]
 
-    def forced(self, max_block=None, unfed_prompt=0):  # the alternation, in place of the policy's choice
+    def forced(self, max_block=None, unfed_prompt=0, context=None):  # the alternation, in place of the policy's choice
         count[0] += 1
         self.last_leader = None
         fits = max_block is None or max_block >= args.block_len

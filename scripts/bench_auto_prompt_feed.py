@@ -40,9 +40,9 @@ def prefill_before(self, prompt_ids) -> None:
     self.base.prefill(prompt_ids)
 
 
-def choose_before(self, max_block=None, unfed_prompt=0):
+def choose_before(self, max_block=None, unfed_prompt=0, context=None):
     """``AutoPolicy.choose`` with no prompt to charge, as before the change."""
-    return CHOOSE(self, max_block)
+    return CHOOSE(self, max_block, 0, context)
 
 
 def use(before: bool) -> None:
