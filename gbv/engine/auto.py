@@ -457,14 +457,14 @@ class AutoPolicy:
         remaining = _HORIZON if max_block is None else max_block + 1.0
         speculative = self._speculative
         leader, floor = None, 0.0
-        # (an arm's rate: its tokens over its seconds at this context, as rate() computes it)
         at = context is not None
+        effective = {}  # the explored arms' rates as this choice sees them
         for i in allowed:  # the leader: the first best rate among the explored arms, as leader() finds it
             if runs[i] >= _MIN_TRIALS:
                 terms = rates.get(i)
                 if terms is None:
                     terms = self._terms(i)
-                seconds = terms[1]
+                seconds = terms[1]  # (its tokens over its seconds at this context, as rate() computes it)
                 if at:
                     seconds = max(seconds + terms[2] * (context - terms[3]), _CONTEXT_FLOOR * seconds)
                 rate = terms[0] / seconds
@@ -472,6 +472,7 @@ class AutoPolicy:
                     rate /= 1.0 + costs[i] * rate / horizon
                 if feed and speculative[i]:
                     rate /= 1.0 + feed * rate / remaining
+                effective[i] = rate
                 if leader is None or rate > floor:
                     leader, floor = i, rate
         self.last_leader = leader
@@ -485,17 +486,7 @@ class AutoPolicy:
             if runs[i] < _MIN_TRIALS or (runs[i] < 2 * _MIN_TRIALS and not speculative[i]
                                          and self.steady_trials[i] == 0.0):
                 return i  # (ar explores until a stretch follows one of its own, or twice as long: ar_seconds)
-            terms = rates.get(i)
-            if terms is None:
-                terms = self._terms(i)
-            seconds = terms[1]
-            if at:
-                seconds = max(seconds + terms[2] * (context - terms[3]), _CONTEXT_FLOOR * seconds)
-            rate = terms[0] / seconds
-            if i != previous:
-                rate /= 1.0 + costs[i] * rate / horizon
-            if feed and speculative[i]:
-                rate /= 1.0 + feed * rate / remaining
+            rate = effective[i]  # (explored: rated in the first pass)
             candidates.append((i, rate))
             best_rate = rate if rate > best_rate else best_rate
         clock, stamps = self.clock, self.stamps
