@@ -164,8 +164,9 @@ _TAIL_UNRECORDED = True
 # L = 2 21%, so that which of them made more tokens per second changed near 180 tokens, inside the benchmark's
 # generations. Rated by plain means, arms were compared at the contexts where each happened to run: an arm tried
 # again late in a generation was measured at that part's costs, against the leader's mean over whole generations.
-# In paired runs (scripts/bench_auto_ab.py --before, 40 prompts, T = 0.2 and 1) auto made 0.977-1.051x its speed
-# before, mean 1.017 in bfloat16 (8 values) and 1.024 in float32 (4); on a fake clock where ar's and BV's costs
+# In paired runs (scripts/bench_auto_ab.py --before, 40 prompts, T = 0.2 and 1) auto made 0.963-1.060x its speed
+# before, mean 1.008 in bfloat16 (12 values) and 1.013 in float32 (6): a gain of about 1%, within a run's noise of
+# ~3%. On a fake clock where ar's and BV's costs
 # cross at 150 tokens auto runs each where it is faster, and beats both (tests/engine/test_auto.py). A line with
 # little spread in its contexts is shrunk towards the slope of the pooled evidence, in proportion to the arm's
 # cost (weight _PRIOR_CONTEXT, in trials times tokens squared: eight iterations 32 tokens from their mean): an
