@@ -42,30 +42,22 @@ def main() -> None:
     log: dict[tuple[str, int], list[tuple[int, float]]] = collections.defaultdict(list)
     state = {"row": None, "count": 0}
 
-    def note(self, seconds: float) -> None:
+    def note(context: int, seconds: float) -> None:  # (a fixed row's iteration, past its generation's first 10)
         state["count"] += 1
         if state["row"] is not None and state["row"][0] != "auto" and state["count"] > 10:
-            log[state["row"]].append((len(self.tokens), seconds))
+            log[state["row"]].append((context, seconds))
 
     def timed(self, block_len=None):
-        start = time.perf_counter()
-        before = len(self.tokens)
+        start, context = time.perf_counter(), len(self.tokens)
         new = step(self, block_len)
         if not (block_len == 0 or self.method == "ar"):  # (ar's steps are timed in plain_steps)
-            seconds = time.perf_counter() - start
-            state["count"] += 1
-            if state["row"] is not None and state["row"][0] != "auto" and state["count"] > 10:
-                log[state["row"]].append((before, seconds))
+            note(context, time.perf_counter() - start)
         return new
 
-    def one_at_a_time(self, limit):
-        start = time.perf_counter()
-        before = len(self.tokens)
+    def one_at_a_time(self, limit):  # ar's plain steps, one call each (a run's steps have no times of their own)
+        start, context = time.perf_counter(), len(self.tokens)
         new = plain_steps(self, 1)
-        seconds = time.perf_counter() - start
-        state["count"] += 1
-        if state["row"] is not None and state["row"][0] != "auto" and state["count"] > 10:
-            log[state["row"]].append((before, seconds))
+        note(context, time.perf_counter() - start)
         return new
 
     tree_decoder.TreeDecoder.step = timed
