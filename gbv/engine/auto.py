@@ -266,8 +266,7 @@ class AutoPolicy:
         self.steady_context_seconds = [0.0] * len(arms)
         self._context_scale: float | None = None  # the pooled slope per second of cost (_CONTEXT_REFRESH)
         self._context_refresh = 0  # the clock at which it is computed again
-        self._context_sums = (self.contexts, self.context_squares, self.context_seconds, self.steady_contexts,
-                              self.steady_context_squares, self.steady_context_seconds)
+        self._context_sums = tuple(getattr(self, name) for name in _CONTEXT_LISTS)  # (aged together)
         # ar's consecutive steps not yet recorded, [arm, steps, seconds, the arm that ran before them]
         # (see _STRETCH; ``previous`` is already ar).
         self._stretch: list | None = None
@@ -371,31 +370,37 @@ class AutoPolicy:
         return (self.trials[index], self.seconds[index], self.contexts[index], self.context_squares[index],
                 self.context_seconds[index])
 
+    def _context_moments(self, index: int) -> tuple[float, float, float, float] | None:
+        """``(mean seconds, center, spread, covariance)`` of the arm's cost sums (:meth:`_sums`): the mean
+        seconds per iteration and context, the sum of trials * (context - center)^2 and of seconds *
+        (context - center); None before any iteration."""
+        trials, seconds, contexts, squares, products = self._sums(index)
+        if trials <= 0.0:
+            return None
+        center = contexts / trials
+        return seconds / trials, center, max(squares - center * contexts, 0.0), products - center * seconds
+
     def context_line(self, index: int) -> tuple[float, float]:
         """``(slope, center)``: how many seconds an iteration of the arm costs more per token of context, and
         the mean context of its iterations (``_PRIOR_CONTEXT``). The slope is the weighted least-squares one
         of its iterations, shrunk towards the pooled slope per second of cost times the arm's mean."""
-        trials, seconds, contexts, squares, products = self._sums(index)
-        if trials <= 0.0:
+        moments = self._context_moments(index)
+        if moments is None:
             return 0.0, 0.0
-        center = contexts / trials
-        spread = max(squares - center * contexts, 0.0)  # sum of trials * (context - center)^2
-        covariance = products - center * seconds  # sum of seconds * (context - center)
+        mean, center, spread, covariance = moments
         if self._context_scale is None:
             self._context_scale = self._pooled_context_scale()
-        prior = self._context_scale * seconds / trials
-        return (covariance + _PRIOR_CONTEXT * prior) / (spread + _PRIOR_CONTEXT), center
+        return (covariance + _PRIOR_CONTEXT * self._context_scale * mean) / (spread + _PRIOR_CONTEXT), center
 
     def _pooled_context_scale(self) -> float:
         """The slope per second of cost that fits every arm's iterations at once (each arm's slope taken as
         this times its mean seconds): 0 before any spread of contexts."""
         covariance = weight = 0.0
-        for index in range(len(self.arms)):
-            trials, seconds, contexts, squares, products = self._sums(index)
-            if trials > 0.0:
-                center = contexts / trials
-                covariance += (products - center * seconds) * (seconds / trials)
-                weight += max(squares - center * contexts, 0.0) * (seconds / trials) ** 2
+        for moments in map(self._context_moments, range(len(self.arms))):
+            if moments is not None:
+                mean, _, spread, arm_covariance = moments
+                covariance += arm_covariance * mean
+                weight += spread * mean * mean
         return covariance / weight if weight > 0.0 else 0.0
 
     def ceiling(self, index: int) -> float:
@@ -683,8 +688,7 @@ class AutoPolicy:
             families[family] = (kept, tried)
         for i in range(len(self.arms)):
             scale = min(1.0, _LOADED_TRIALS / lists["trials"][i]) if lists["trials"][i] > 0 else 1.0
-            for name in ("tokens", "seconds", "trials", "steady_seconds", "steady_trials", "contexts", "context_squares",
-                         "context_seconds", "steady_contexts", "steady_context_squares", "steady_context_seconds"):
+            for name in ("tokens", "seconds", "trials", "steady_seconds", "steady_trials", *_CONTEXT_LISTS):
                 getattr(self, name)[i] = lists[name][i] * scale
             pairs = lists["switch_pairs"][i]
             scale = min(1.0, _LOADED_TRIALS / pairs) if pairs > 0 else 1.0
@@ -718,10 +722,12 @@ class AutoPolicy:
                 for i, arm in enumerate(self.arms)]
 
 
-# The per-arm lists of AutoPolicy.state_dict (runs too: a loaded arm has been explored).
+# The per-arm sums of the iterations' contexts (AutoPolicy.context_line), and the per-arm lists of
+# AutoPolicy.state_dict (runs too: a loaded arm has been explored).
+_CONTEXT_LISTS = ("contexts", "context_squares", "context_seconds", "steady_contexts", "steady_context_squares",
+                  "steady_context_seconds")
 _STATE_LISTS = ("tokens", "seconds", "trials", "runs", "steady_seconds", "steady_trials", "switch_sums", "switch_pairs",
-                "contexts", "context_squares", "context_seconds", "steady_contexts", "steady_context_squares",
-                "steady_context_seconds")
+                *_CONTEXT_LISTS)
 # A policy loaded from an earlier process (gbv.engine.auto_store) weighs at most this many trials an arm,
 # and its families this many iterations a depth: enough that nothing is explored again, little enough
 # that this process's own iterations outweigh it after a few dozen (the old sums decay by _DECAY each).
