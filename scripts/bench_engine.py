@@ -37,6 +37,7 @@ import time
 import numpy as np
 import torch
 
+from gbv.bench.report import held_out_best
 from gbv.data import load_prompts
 from gbv.engine.generate import generate
 from gbv.engine import tree_decoder
@@ -362,6 +363,11 @@ def markdown(report: dict) -> str:
                       f"({best_fixed_wall})"
                       + "".join(f"; {auto_wall / _rate(totals[peer], 'wall'):.1f}x {peer}" for peer in peers)
                       + f" end to end; its most chosen arms: {', '.join(f'{a} ({n})' for a, n in top)}.", ""]
+            # (the maximum over a dozen rows on the same prompts is partly the luckiest: held_out_best)
+            held_out, chosen = held_out_best(totals, fixed)
+            lines += [f"The best fixed row chosen on the other half of the prompts (held out: {chosen[0]} for the "
+                      f"even-numbered prompts, {chosen[1]} for the odd ones) makes {held_out / ar_rate:.2f}x `ar`; "
+                      f"`auto` makes {_rate(totals['auto']) / held_out:.3f}x it.", ""]
             sets = sorted({r.get("seed_set", 0) for r in totals["auto"]})
             if len(sets) > 1:  # each seed set alone: how much of a row's rate is its texts' luck
                 def rate_in(label: str, seed_set: int) -> float:

@@ -11,7 +11,7 @@ import pytest
 
 from gbv.bench.compare import compare
 from gbv.bench.grid import Setting, expand_settings
-from gbv.bench.report import SUMMARY_COLUMNS, summarize
+from gbv.bench.report import SUMMARY_COLUMNS, held_out_best, summarize
 from gbv.cli import main
 
 EOS = "<|eos|>"
@@ -367,3 +367,26 @@ def test_compare_paired_ratios():
     assert "| 1 | 4 | 2 | 1.250 [1.25, 1.25] | 2.500 [2.50, 2.50] |" in text
     text = compare(recs, "block", ["ar"], metric="tokens_per_s", resamples=50)
     assert "| 1 | 4 | 1 | 1.000 [1.00, 1.00] |" in text
+
+
+def test_held_out_best_measures_each_fold_with_the_row_the_other_fold_picked():
+    def row(seconds):  # 10 tokens a prompt, in the given seconds
+        return [{"tokens": 10, "seconds": s} for s in seconds]
+
+    # a wins the even prompts by luck, b the odd ones; over both, a looks best (in-sample 20 / 3.6 = 5.56)
+    rows = {"a": row([0.5, 1.3, 0.5, 1.3]), "b": row([1.2, 0.8, 1.2, 0.8]), "c": row([2.0, 2.0, 2.0, 2.0])}
+    rate, chosen = held_out_best(rows, ["a", "b", "c"])
+    # even prompts get b (the odd ones' best), odd prompts get a: 40 tokens in 1.2 + 1.2 + 1.3 + 1.3 s
+    assert chosen == ["b", "a"]
+    assert rate == pytest.approx(40 / 5.0)
+    in_sample = max(sum(r["tokens"] for r in rows[k]) / sum(r["seconds"] for r in rows[k]) for k in rows)
+    assert rate < in_sample
+    # a row that wins every prompt is chosen for every fold, at its own rate
+    rows["d"] = row([0.4, 0.4, 0.4, 0.4])
+    rate, chosen = held_out_best(rows, ["a", "b", "c", "d"], folds=3)
+    assert chosen == ["d", "d", "d"] and rate == pytest.approx(25.0)
+    # another clock
+    rate, _ = held_out_best({"a": [{"tokens": 4, "seconds": 9, "wall": 2}] * 2}, ["a"], key="wall")
+    assert rate == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="same number of prompts"):
+        held_out_best({"a": row([1.0, 1.0]), "b": row([1.0])}, ["a", "b"])
