@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from gbv.engine.decoder import AR, host_copies, host_random, set_method, verifies_on_host
-from gbv.engine.sampling import SamplingConfig, draw_token, process_logits, sample_at, sample_into_at
+from gbv.engine.sampling import (SamplingConfig, draw_token, draw_tokens, process_logits, sample_at,
+                                 sample_into_at)
 from gbv.engine.static_sampling import draft_uniforms, plain_run_length
 from gbv.engine.stats import GenerationStats
 from gbv.engine.tree import TokenTree, build_tree, packed_to
@@ -399,13 +400,20 @@ class BatchTreeDecoder:
         if on_host:
             flat = host_copies(*(t for b in on_host for t in verify_inputs(b)))
             copied = {b: flat[3 * i:3 * i + 3] for i, b in enumerate(on_host)}
+        # The plain rows' draws: one call for all where they sample alike (draw_tokens), else one a row.
+        plain = [b for b in range(n) if block[b] == 0]
+        plain_configs = {rows[b].target_sampling for b in plain}
+        drawn = {}
+        if len(plain) > 1 and len(plain_configs) == 1:
+            drawn = dict(zip(plain, draw_tokens(logits[plain, 0, :self.vocab], plain_configs.pop(),
+                                                [rows[b].rng for b in plain])))
         for b, (row, tree) in enumerate(zip(rows, trees)):
             if block[b] < 0:
                 continue
             stats = row.stats
             stats.target_calls += 1
             if not drafting[b]:
-                token = draw_token(logits[b, 0, :self.vocab], row.target_sampling, row.rng)
+                token = drawn[b] if drawn else draw_token(logits[b, 0, :self.vocab], row.target_sampling, row.rng)
                 _extend(t_moves, b, [t_start], [lens[b]])
                 row.tokens.append(token)
                 out[id(row)] = [token]

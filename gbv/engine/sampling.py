@@ -88,6 +88,23 @@ def draw_token(logits: Tensor, config: SamplingConfig, rng: TorchRandom) -> int:
     return int(sample_at(probs[None], None if config.greedy else token_uniform(rng), config.greedy)[0])
 
 
+def draw_tokens(logits: Tensor, config: SamplingConfig, rngs: list[TorchRandom]) -> list[int]:
+    """One token per row of (n, V) ``logits`` under ``config``, row ``i``'s from ``rngs[i]``: what
+    :func:`draw_token` gives each row alone, the same tokens from the same uniforms (taken in row order),
+    in one call where it can be: one compiled softmax and draw over the rows (CPU generators, where
+    ``draw_token`` would take one such call a row), one argmax (greedy: one read-back, not one a row).
+    Elsewhere a ``draw_token`` call a row. Why: the plain rows of a batch step each took a call: at 16
+    rows of ``ar`` in bfloat16, ~10% of the step's host work (scripts/batch_step_split.py)."""
+    if config.greedy:  # (draw_token's one-hot at the first argmax, drawn greedily: that argmax)
+        return logits.float().argmax(-1).tolist()
+    if _host_softmax(logits, config) and all(rng.generator.device.type == "cpu" for rng in rngs):
+        u = np.array([rng.uniform() for rng in rngs], dtype=np.float64)
+        tokens = np.empty(len(rngs), dtype=np.int64)
+        softmax_into(logits.numpy(), config.temperature, None, u, tokens)
+        return tokens.tolist()
+    return [draw_token(row, config, rng) for row, rng in zip(logits, rngs)]
+
+
 def fill_token_uniform(out: Tensor, rng: TorchRandom) -> Tensor:
     """:func:`token_uniform` written into ``out`` ((1, 1) float64 on the generator's device): the same
     value, from the same place in the same stream (a device's ``uniform_`` is ``torch.rand``'s)."""

@@ -548,6 +548,32 @@ def test_compiled_softmax_equals_torch_and_draws_by_the_rule(temperature):
         assert softmax_into(logits[:1], temperature, u=float(u[0])) == tokens[0]
 
 
+
+@pytest.mark.parametrize("config", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9)],
+                         ids=["T1", "T0.7", "greedy", "top-k", "top-p"])
+def test_draws_of_many_rows_equal_a_draw_a_row(config):
+    """sampling.draw_tokens (a batch step's plain rows, one call) gives each row what draw_token gives it
+    alone from its own random source, and leaves every source where draw_token leaves it: sampled rows
+    (one compiled call where the kernels are built), greedy ones (one argmax), and top-k / top-p (a call a
+    row). Rows with a dominant logit, tied maxima and -inf logits; strided rows."""
+    from gbv.engine.sampling import SamplingConfig, draw_token, draw_tokens
+    from gbv.verify.common import TorchRandom
+
+    sampling = SamplingConfig(*config)
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        rows, vocab = int(rng.integers(1, 18)), int(rng.choice([7, 300, 4096]))
+        wide = torch.from_numpy((rng.standard_normal((rows, 2, vocab + 5)) * rng.choice([0.3, 4.0])).astype(np.float32))
+        wide[0, 0, 2] = 50.0
+        wide[rows - 1, 0, :2] = 9.0  # tied maxima (greedy takes the first)
+        wide[rows // 2, 0, 1] = -float("inf")
+        logits = wide[:, 0, :vocab]
+        alone = [TorchRandom(seed=100 * trial + r) for r in range(rows)]
+        together = [TorchRandom(seed=100 * trial + r) for r in range(rows)]
+        expected = [draw_token(logits[r], sampling, alone[r]) for r in range(rows)]
+        assert draw_tokens(logits, sampling, together) == expected, trial
+        assert [a.uniform() for a in alone] == [t.uniform() for t in together]  # (the sources moved alike)
+
 @needs_kernels
 @needs_kernels
 def test_compiled_activations_equal_torch():
