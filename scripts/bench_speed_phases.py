@@ -1,4 +1,4 @@
-"""Does the speed ratio of a speculative row to ``ar`` move with the machine's speed? (1 thread, bundled pair)
+"""How much do `ar` and BV move with the machine's moments, and does the one that is faster change? (1 thread, bundled pair)
 
     python scripts/bench_speed_phases.py                                # bfloat16, T = 0.2, BV L = 3
     python scripts/bench_speed_phases.py --dtype float32 --temperature 1.0 --block-len 4
@@ -6,16 +6,15 @@
 Each prompt (``--prompts`` GSM8K + as many HumanEval, 128 new tokens, EOS off) runs ``ar`` and BV L =
 ``--block-len`` back to back (alternating which goes first), ``--repeats`` times over the prompts with the same
 seeds: the same texts, the same tokens, so that what differs between the repeats of a prompt is the moment only.
-For each run: ``ar``'s milliseconds a token and BV's tokens/s over ``ar``'s, after the prefill. Prints the pooled
-rates, then, against each prompt's own mean over its repeats, how the ratio moved with ``ar``'s speed: the
-correlation of the two deviations, how much BV's time moved with ``ar``'s (the slope of one on the other), and BV's rate over ``ar``'s pooled over the runs where ``ar`` ran faster than its
-prompt's mean and over those where it ran slower.
+For each run: ``ar``'s milliseconds a token and BV's. Prints the pooled rates (BV's tokens/s over ``ar``'s, after
+the prefill), then, against each prompt's own mean over its repeats, how much each row's time moved from one moment
+to another and the correlation of the two moves (shared moments move both), and the slope of each row's move on the
+other's. Each slope is biased towards 0 by the other row's own noise, so together they only bracket how much more a
+moment moves one row than the other.
 
 Why: on a shared machine a step's time moves by tens of % within minutes (other tenants' use of the shared
-last-level cache and memory). ``ar``'s steps stream the target's weights, a pass of several rows is bound by
-the arithmetic (in bfloat16 on a CPU without AVX-512), so a slow moment costs ``ar`` more than BV, and which of
-the two is faster can change with the moment, not only with the dtype. docs/ENGINE.md, "Why `auto` measures
-at 0.9-1.0x `ar` in bfloat16 here" (the fifty-first session).
+last-level cache and memory), and rows that are tied on average (``ar`` and BV in bfloat16 here) swap places with
+it. docs/ENGINE.md, "Why `auto` measures at 0.9-1.0x `ar` in bfloat16 here" (the fifty-first session).
 """
 import argparse
 import statistics
@@ -68,26 +67,20 @@ def pooled(members) -> float:
 
 ms = [r[2] / r[1] * 1e3 for r in runs]
 bv_ms = [r[4] / r[3] * 1e3 for r in runs]
-ratios = [r[3] / r[4] / (r[1] / r[2]) for r in runs]
 by_prompt = {}
 for i, r in enumerate(runs):
     by_prompt.setdefault(r[0], []).append(i)
-ms_dev, ratio_dev, bv_dev = [0.0] * len(runs), [0.0] * len(runs), [0.0] * len(runs)
+ms_dev, bv_dev = [0.0] * len(runs), [0.0] * len(runs)
 for members in by_prompt.values():
     for i in members:
         ms_dev[i] = ms[i] / statistics.mean(ms[j] for j in members) - 1
         bv_dev[i] = bv_ms[i] / statistics.mean(bv_ms[j] for j in members) - 1
-        ratio_dev[i] = ratios[i] / statistics.mean(ratios[j] for j in members) - 1
-faster = [runs[i] for i in range(len(runs)) if ms_dev[i] < 0]
-slower = [runs[i] for i in range(len(runs)) if ms_dev[i] >= 0]
 print(f"pooled: BV / ar {pooled(runs):.3f}; ar {sum(r[2] for r in runs) / sum(r[1] for r in runs) * 1e3:.3f} ms a "
       f"token ({min(ms):.3f}-{max(ms):.3f})")
-print(f"same texts, another moment: ar's ms a token moved by {statistics.mean(abs(d) for d in ms_dev):.1%} on "
-      f"average from its prompt's mean (at most {max(abs(d) for d in ms_dev):.1%}); correlation with BV / ar's move "
-      f"{statistics.correlation(ms_dev, ratio_dev):.2f}")
-slope = statistics.covariance(ms_dev, bv_dev) / statistics.variance(ms_dev)
-print(f"BV's ms a token moved by {statistics.mean(abs(d) for d in bv_dev):.1%} on average; correlation of the two "
-      f"rows' moves {statistics.correlation(ms_dev, bv_dev):.2f}, BV's move per unit of ar's {slope:.2f} (1: a moment "
-      f"slows both alike)")
-print(f"BV / ar pooled over the runs where ar ran faster than its prompt's mean: {pooled(faster):.3f} "
-      f"({len(faster)} runs); slower: {pooled(slower):.3f} ({len(slower)} runs)")
+print(f"same texts, another moment: ar's ms a token moved by {statistics.mean(abs(d) for d in ms_dev):.1%} on average "
+      f"from its prompt's mean (at most {max(abs(d) for d in ms_dev):.1%}), BV's by "
+      f"{statistics.mean(abs(d) for d in bv_dev):.1%} (at most {max(abs(d) for d in bv_dev):.1%}); correlation of the "
+      f"two moves {statistics.correlation(ms_dev, bv_dev):.2f}")
+covariance = statistics.covariance(ms_dev, bv_dev)
+print(f"BV's move per unit of ar's: {covariance / statistics.variance(ms_dev):.2f} (slope of BV on ar) to "
+      f"{statistics.variance(bv_dev) / covariance:.2f} (1 / slope of ar on BV)")
