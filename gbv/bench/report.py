@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import math
+import operator
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -89,18 +90,19 @@ def held_out_best(rows: dict[str, list[dict]], candidates: list[str], key: str =
     if len(counts) != 1 or counts.pop() < folds:
         raise ValueError("every candidate row needs the same number of prompts, at least one per fold")
 
-    def rate(label: str, fold: int, inside: bool) -> float:
+    def pooled(label: str, fold: int, inside: bool) -> tuple[float, float]:
+        """Tokens and seconds of ``label`` over the prompts of ``fold`` (``inside``) or of the others."""
         picked = [r for i, r in enumerate(rows[label]) if (i % folds == fold) == inside]
-        return sum(r["tokens"] for r in picked) / sum(r[key] for r in picked)
+        return sum(r["tokens"] for r in picked), sum(r[key] for r in picked)
 
     tokens = seconds = 0.0
     chosen = []
     for fold in range(folds):
-        label = max(candidates, key=lambda name: rate(name, fold, inside=False))  # (the first of equal rates)
+        # (the first of equal rates, as max() keeps)
+        label = max(candidates, key=lambda name: operator.truediv(*pooled(name, fold, inside=False)))
         chosen.append(label)
-        picked = [r for i, r in enumerate(rows[label]) if i % folds == fold]
-        tokens += sum(r["tokens"] for r in picked)
-        seconds += sum(r[key] for r in picked)
+        fold_tokens, fold_seconds = pooled(label, fold, inside=True)
+        tokens, seconds = tokens + fold_tokens, seconds + fold_seconds
     return tokens / seconds, chosen
 
 
