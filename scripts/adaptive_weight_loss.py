@@ -18,10 +18,10 @@ import statistics
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
 from gbv.verify import gbv_adaptive, ranking
+from prompt_sets import benchmark_prompts
 
 
 def main(argv=None) -> None:
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
         return lams
 
     gbv_adaptive.host_node_weights = recording_weights  # verify_gbv_adaptive looks it up at call time
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     try:
         for temperature in (0.2, 1.0):
             records.clear()

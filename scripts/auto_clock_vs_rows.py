@@ -11,16 +11,16 @@ at the end. docs/ENGINE.md, "A drafted path in one compiled call", "Tried and no
 again".
 """
 import collections, sys, time, torch
-from gbv.data import load_prompts
 from gbv.engine import auto
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 if len(sys.argv) != 4:
     raise SystemExit("usage: python scripts/auto_clock_vs_rows.py DTYPE TEMPERATURE PROMPTS (e.g. float32 0.2 10)")
 dtype, temp, n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(1)
 pair = load_pair("bundled", dtype=dtype)
-prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", n) + load_prompts("humaneval", n)]
+prompts = benchmark_prompt_ids(pair.tokenizer, n)
 ROWS = [("ar", 1), ("block", 2), ("block", 4), ("auto", 1)]
 st = dict(temperature=temp, eos_token_id=[])
 for m, L in ROWS:

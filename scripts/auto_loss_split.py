@@ -30,10 +30,10 @@ import time
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import auto, tree_decoder
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--set {setting!r}: {value!r} is not a {type(getattr(auto, name)).__name__}")
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     current = {"row": "", "prompt": 0, "why": None}
     calls: list[tuple] = []  # (row, prompt, arm, tokens, seconds) of every iteration, and auto's why
 

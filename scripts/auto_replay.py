@@ -34,14 +34,13 @@ from gbv.engine import auto
 def collect(args) -> None:
     import torch
 
-    from gbv.data import load_prompts
+    from prompt_sets import benchmark_prompt_ids
     from gbv.engine.generate import generate
     from gbv.models.loading import load_pair
 
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    ids = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-           + load_prompts("humaneval", args.prompts)]
+    ids = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     arms = auto.default_arms(False, True)
     forced, log = {"index": 0}, []
 

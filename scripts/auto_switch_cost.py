@@ -17,10 +17,10 @@ import statistics
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import auto
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    ids = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-           + load_prompts("humaneval", args.prompts)]
+    ids = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     log = []
     record = auto.AutoPolicy._record  # (every record goes through it, deferred or not)
 

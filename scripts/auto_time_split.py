@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import auto, tree_decoder
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 PARTS = {"step": (tree_decoder.TreeDecoder, "step"), "plain": (tree_decoder.TreeDecoder, "plain_steps"),
          "prefill": (tree_decoder.TreeDecoder, "prefill"),
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((row, method, int(length or 1)))
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     spent: dict[tuple[str, str], float] = collections.defaultdict(float)
     current = [""]
 

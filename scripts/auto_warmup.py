@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import auto, tree_decoder
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 
 def main() -> None:
@@ -36,8 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     times: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
     state = {"row": "", "kind": None, "position": 0}
     step, plain_steps = tree_decoder.TreeDecoder.step, tree_decoder.TreeDecoder.plain_steps

@@ -11,9 +11,9 @@ import torch
 
 import gbv
 import gbv.verify as registry
-from gbv.data import load_prompts
 
 from bench_engine_ab import load_before  # scripts/ is on the path when run as a script
+from prompt_sets import benchmark_prompts
 
 BEFORE = "506b865"
 load_before(BEFORE, "gbv/verify/gbv_adaptive.py", "gbv_adaptive_before")
@@ -26,7 +26,7 @@ def use(before: bool) -> None:
 
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled")
-prompts = load_prompts("gsm8k", 10) + load_prompts("humaneval", 10)
+prompts = benchmark_prompts(10)
 rows = [(3, 4), (3, 8)]
 gbv.generate(pair, prompt=prompts[0], method="gbv-adaptive", num_paths=2, block_len=2, max_new_tokens=8, eos_token_id=[])
 rate = {}

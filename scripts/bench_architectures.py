@@ -53,9 +53,9 @@ from bench_engine import run_hf, run_ours  # noqa: E402
 from engine_toy import family_models  # noqa: E402
 
 import gbv  # noqa: E402
-from gbv.data import load_prompts  # noqa: E402
 from gbv.engine.decoder import engine_for  # noqa: E402
 from gbv.models.loading import ModelPair  # noqa: E402
+from prompt_sets import benchmark_prompts
 
 # (label, engine or peer, method, K, L)
 ROWS = [("ar", "tree", "ar", 1, 1), ("block L=4", "tree", "block", 1, 4), ("auto", "tree", "auto", 0, 0),
@@ -96,7 +96,7 @@ def main() -> int:
     torch.set_num_threads(1)
     os.environ.setdefault("GBV_AUTO_CACHE", "0")  # (auto learns in each run, as a fresh process does)
     bundled = gbv.load_pair("bundled")
-    texts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    texts = benchmark_prompts(args.prompts)
     ids = [bundled.tokenizer(text)["input_ids"] for text in texts]
     families = args.families.split(",")
     pairs = {family: family_pair(bundled, family) for family in families}

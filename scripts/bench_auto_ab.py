@@ -26,8 +26,8 @@ import types
 import torch
 
 import gbv
-from gbv.data import load_prompts
 from gbv.engine import auto
+from prompt_sets import benchmark_prompts
 
 SWITCHES = {"age": ("_AGE", 1.0), "depth-prior": ("_PRIOR_DEPTH_TRIALS", 1e-9), "stretch": ("_STRETCH", 1),
             "horizon": ("_HORIZON", 16.0), "settle": ("_SWITCH_IN_STRETCHES", 1),
@@ -55,7 +55,7 @@ if args.before:
 
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled", dtype=args.dtype)
-prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+prompts = benchmark_prompts(args.prompts)
 gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_tokens=8, eos_token_id=[])
 if name is None:
     print(f"`auto` of {args.before} (before) and of the working tree (after), {args.dtype}\n")

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import auto
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 ROWS = [("ar", 0), ("block", 2), ("block", 3), ("block", 4), ("block", 6), ("block", 8), ("auto", 0)]
 
@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         target, draft = family_models(pair.target, pair.draft, args.family)
         pair = ModelPair(target.to(pair.target.dtype), draft.to(pair.draft.dtype), tokenizer=pair.tokenizer)
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     settings = dict(temperature=args.temperature, eos_token_id=[])
     for method, block_len in ROWS:  # warm-up (and auto's policy sees 16 tokens before the timed run)
         generate(pair, prompt_ids=prompts[0], method=method, block_len=max(block_len, 1), max_new_tokens=16, **settings)

@@ -34,8 +34,8 @@ import torch
 
 import gbv
 import gbv.engine.host_kernels as host_kernels
-from gbv.data import load_prompts
 from gbv.engine.tree_decoder import lean_model
+from prompt_sets import benchmark_prompt_ids
 
 ROWS = (("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("traversal", 3, 4),
         ("specinfer", 3, 4))
@@ -134,8 +134,7 @@ def main() -> None:
         print(f"| {n} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
 
     # 2. Generations.
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     for temperature in (0.2, 1.0):
         totals: dict = {}
         for method, k, length in ROWS:

@@ -16,9 +16,9 @@ import time
 import torch
 
 import gbv.verify.block as block
-from gbv.data import load_prompts
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 ROWS = [("block", 4), ("block", 8)]
 
@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype="float32")
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     host_rule = block.uses_device_form
     print("| row | T | form | verify ms / iteration | tokens / iteration | tokens/s |")
     print("|---|---|---|---:|---:|---:|")

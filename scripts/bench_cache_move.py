@@ -18,8 +18,8 @@ import time
 import torch
 
 import gbv
-from gbv.data import load_prompts
 from gbv.engine import lean
+from prompt_sets import benchmark_prompts
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--dtype", default="bfloat16")
@@ -30,7 +30,7 @@ args = parser.parse_args()
 
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled", dtype=args.dtype)
-prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+prompts = benchmark_prompts(args.prompts)
 form = {"compiled": True}
 moves = {"calls": 0, "seconds": 0.0}
 plain_move = lean.KVCache.move

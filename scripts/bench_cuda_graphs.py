@@ -28,12 +28,12 @@ import time
 import torch
 
 import gbv
-from gbv.data import load_prompts
 import gbv.engine.static_steps as static_steps
 from gbv.engine.static_steps import StaticSteps
 from gbv.engine.tree_decoder import lean_model
 
 from bench_engine import _median_ms, _recorded  # scripts/ is on the path when run as a script
+from prompt_sets import benchmark_prompts
 
 ROWS = (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 4), ("gbv", 3, 8),
         ("gbv-adaptive", 3, 4), ("specinfer", 3, 4), ("traversal", 3, 4), ("auto", 0, 0))
@@ -155,7 +155,7 @@ def main() -> None:
         graphs(name != "eager")
         static_steps.RECORD_ITERATION = name == "graphs"
 
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     for temperature in (float(t) for t in args.temperature.split(",")):
         seconds: dict = {}
         tokens: dict = {}

@@ -20,7 +20,7 @@ import torch
 
 import gbv
 import gbv.engine.tree_decoder as tree_decoder
-from gbv.data import load_prompts
+from prompt_sets import benchmark_prompt_ids
 
 ROWS = (("token", 1, 4), ("block", 1, 2), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8), ("traversal", 3, 4),
         ("auto", 1, 1))
@@ -57,8 +57,7 @@ def main() -> None:
     print(" | ".join(f"{kind} step {statistics.median(times[kind]):.3f} ms" for kind in KINDS))
 
     # 2. Generations.
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     for temperature in (0.2, 1.0):
         totals: dict = {}
         for index, ids in enumerate(prompts):

@@ -21,9 +21,9 @@ import time
 import torch
 
 import gbv
-from gbv.data import load_prompts
 
 from bench_rev_ab import parse_row  # scripts/ is on the path when run as a script
+from prompt_sets import benchmark_prompts
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
         parser.error("a draft temperature must be > 0 (a greedy draft drafts one path)")
     torch.set_num_threads(1)
     pair = gbv.load_pair("bundled", dtype=getattr(torch, args.dtype))
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     cells = [("ar", None)] + [(row, t) for row in args.rows.split(",") for t in temperatures]
     common = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=[])
     totals = {cell: [0, 0.0, 0, 0, 0] for cell in cells}  # tokens, seconds, target calls, nodes, tree calls

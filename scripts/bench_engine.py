@@ -38,13 +38,13 @@ import numpy as np
 import torch
 
 from gbv.bench.report import held_out_best
-from gbv.data import load_prompts
 from gbv.engine.generate import generate
 from gbv.engine import tree_decoder
 from gbv.engine.static_steps import StaticSteps
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
 from gbv.verify import METHODS
+from prompt_sets import benchmark_prompts
 
 
 def rows_for(include_hf: bool) -> list[tuple[str, str, int, int]]:
@@ -245,7 +245,7 @@ def _micro(pair, repeats: int, dev, out: dict) -> dict:
 
 def bench(args) -> dict:
     torch.set_num_threads(args.threads)
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     report = {"args": vars(args), "results": {}}
     for dtype in args.dtype.split(","):
         pair = load_pair("bundled", dtype=dtype, device=args.device)

@@ -34,9 +34,9 @@ import gbv.verify.common as common
 import gbv.verify.gbv as gbv_module
 import gbv.verify.gbv_adaptive as gbv_adaptive
 import gbv.verify.token as token
-from gbv.data import load_prompts
 
 from bench_engine import _median_ms  # scripts/ is on the path when run as a script
+from prompt_sets import benchmark_prompts
 
 
 def load_before(rev: str, path: str, name: str, replace: dict[str, str] | None = None) -> types.ModuleType:
@@ -125,7 +125,7 @@ def main() -> None:
                 print(f"| {label}, {nodes} token{'s' if nodes > 1 else ''} | {before:.3f} | {after:.3f} | "
                       f"{before / after:.3f}x |")
 
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
     rows = [("ar", 1, 1), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8)]
     for variant in ("before", "after"):  # warm-up

@@ -3,10 +3,10 @@
     python scripts/bench_engine_paths.py      # bundled pair, 5 GSM8K + 5 HumanEval prompts, 128 tokens, T = 1, 1 thread
 """
 import os, torch, gbv
-from gbv.data import load_prompts
+from prompt_sets import benchmark_prompts
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled")
-prompts = load_prompts("gsm8k", 5) + load_prompts("humaneval", 5)
+prompts = benchmark_prompts(5)
 rows = [("ar", 1, 1), ("block", 1, 4), ("gbv", 3, 8)]
 tot = {}
 gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_tokens=8, eos_token_id=[])

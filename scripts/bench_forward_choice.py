@@ -23,9 +23,9 @@ import time
 import torch
 
 import gbv
-from gbv.data import load_prompts
 import gbv.engine.host_kernels as host_kernels
 from gbv.engine.tree_decoder import lean_model
+from prompt_sets import benchmark_prompts
 
 ROWS = (("ar", 1, 1), ("block", 1, 4), ("gbv", 3, 8), ("traversal", 3, 4), ("auto", 0, 0))
 FORMS = (("measured (default)", None), ("compiled products, non-temporal", "1"), ("torch's products", "torch-products"),
@@ -58,7 +58,7 @@ def main() -> None:
         hints[label] = bool(host_kernels.prefetch_temporal()) if setting is None else False
     os.environ.pop("GBV_HOST_FORWARD", None)
     print(f"measured: the compiled kernels prefetch {'temporally' if hints[FORMS[0][0]] else 'non-temporally'}")
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     labels = list(pairs)
     for temperature in (float(t) for t in args.temperature.split(",")):
         totals: dict = {}

@@ -37,12 +37,12 @@ import time
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import host_kernels, lean_host, sampling
 from gbv.engine.generate import generate
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
 from kernels_at import kernels_at
+from prompt_sets import benchmark_prompt_ids
 
 ROWS = [("ar", 1, 1), ("block", 1, 2), ("block", 1, 4), ("block", 1, 8), ("gbv", 3, 8)]
 
@@ -150,8 +150,7 @@ def run_ab(args, pairs: dict, use) -> None:
     """Every row of ``ROWS`` with ``pairs[on]`` after ``use(on)``, on and off alternately per prompt
     (and batch); prints the table."""
     pair = pairs[True]
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     groups = [[p] for p in prompts]
     if args.batch > 1:
         groups += [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]

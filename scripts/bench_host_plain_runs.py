@@ -25,13 +25,13 @@ import time
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import static_sampling
 from gbv.engine.generate import generate, shared_vocab
 from gbv.engine.lean import LeanCausalLM
 from gbv.engine.sampling import SamplingConfig
 from gbv.models.loading import load_pair
 from gbv.verify.common import TorchRandom
+from prompt_sets import benchmark_prompt_ids
 
 RUN = static_sampling.PLAIN_RUN
 
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                 times[on].append((time.perf_counter() - start) / length)
         one, each = statistics.median(times[True]), statistics.median(times[False])
         print(f"| {length} | {one * 1e3:.3f} | {each * 1e3:.3f} | {one / each:.3f} |")
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     settings = dict(temperature=args.temperature, **({} if args.eos else dict(eos_token_id=[])))
     for method in rows:  # (warm-up)
         generate(pair, prompt_ids=prompts[0], method=method, max_new_tokens=16, **settings)

@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine.batch import BatchTreeDecoder
 from gbv.engine.generate import BatchRows, generate, prepare_job
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 LONE_PASS = BatchTreeDecoder._lone_row_pass
 
@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     settings = dict(temperature=args.temperature, eos_token_id=[], max_new_tokens=128, block_len=4)
     rows = BatchRows(pair, BatchTreeDecoder(pair.target, pair.draft, prepare_job(pair, prompts[0]).vocab,
                                             pair.device, 4))

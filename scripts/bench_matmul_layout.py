@@ -22,10 +22,10 @@ import torch
 import gbv
 import gbv.engine.lean as lean_module
 import gbv.engine.tree_decoder as tree_decoder
-from gbv.data import load_prompts
 from gbv.engine.lean import LeanCausalLM
 
 from bench_engine import _median_ms  # scripts/ is on the path when run as a script
+from prompt_sets import benchmark_prompts
 
 
 def views(pair) -> dict:
@@ -84,7 +84,7 @@ def main() -> None:
                 before, after = statistics.median(times["before"]), statistics.median(times["after"])
                 print(f"| {role}, {n} new token(s) | {before:.2f} | {after:.2f} | {before / after:.2f} |")
     rows = [("ar", 1, 1), ("block", 1, 4), ("gbv", 3, 8)]
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     rate = {}
     for temperature in (0.2, 1.0):
         for index, prompt in enumerate(prompts):

@@ -34,7 +34,7 @@ def main() -> None:
         os.environ["GBV_CUDA_GRAPHS"], os.environ["GBV_HOST_FORWARD"] = "static", "0"
     import gbv
     import gbv.engine.static_sampling as static_sampling
-    from gbv.data import load_prompts
+    from prompt_sets import benchmark_prompts
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -44,7 +44,7 @@ def main() -> None:
     if any(r < 1 or r & (r - 1) for r in runs):
         parser.error(f"--runs takes powers of two, not {args.runs!r}")
     rows = [(method, run) for method in ("ar", "auto") for run in runs]
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     eos = {} if args.eos else {"eos_token_id": []}
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {args.dtype}, "
           f"torch {torch.__version__}; {len(prompts)} prompts x {args.max_new_tokens} tokens, EOS "

@@ -16,12 +16,12 @@ import argparse
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import lean_host
 from gbv.engine.tree_decoder import lean_model
 from gbv.models.loading import load_pair
 
 from bench_engine import _median_ms  # scripts/ is on the path when run as a script
+from prompt_sets import benchmark_prompts
 
 
 def median_ms(function, repeats: int = 15) -> float:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in args.dtype.split(","):
         pair = load_pair("bundled", dtype=dtype)
         lean = lean_model(pair.target)
-        text = " ".join(load_prompts("gsm8k", 5) + load_prompts("humaneval", 5))
+        text = " ".join(benchmark_prompts(5))
         for length in [int(n) for n in args.lengths.split(",")]:
             ids = pair.tokenizer(text)["input_ids"][:length]
             cache = lean.new_cache(1, length + 8)

@@ -56,7 +56,7 @@ def worker(args) -> None:
     import torch
 
     import gbv
-    from gbv.data import load_prompts
+    from prompt_sets import benchmark_prompts
 
     torch.set_num_threads(1)
     pair = gbv.load_pair("bundled", dtype=args.dtype)
@@ -67,7 +67,7 @@ def worker(args) -> None:
 
         target, draft = family_models(pair.target, pair.draft, args.family)
         pair = ModelPair(target.to(pair.target.dtype), draft.to(pair.draft.dtype), tokenizer=pair.tokenizer)
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     rows = args.rows.split(",")
     settings = {row: parse_row(row) for row in rows}
     totals = {}

@@ -16,7 +16,7 @@ import statistics
 import torch
 
 import gbv
-from gbv.data import load_prompts
+from prompt_sets import benchmark_prompts
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--method", default="block")
@@ -30,7 +30,7 @@ args = parser.parse_args()
 
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled", dtype=args.dtype)
-prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+prompts = benchmark_prompts(args.prompts)
 gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_tokens=8, eos_token_id=[])
 totals = [[0, 0.0, 0] for _ in range(args.seed_sets)]
 for index, prompt in enumerate(prompts):

@@ -1,7 +1,7 @@
 """Before/after in one run (1 thread, bundled pair): exponential-race sampling and torch.multinomial (before) vs inverse-CDF sampling (after)."""
 import statistics, time, torch, gbv
 import gbv.engine.sampling as S, gbv.verify.common as C
-from gbv.data import load_prompts
+from prompt_sets import benchmark_prompts
 torch.set_num_threads(1)
 icdf = C.draw_rows
 def race(probs, generator):
@@ -16,7 +16,7 @@ def use(before):
     C.TorchRandom.sample = OldRandom.sample if before else NEW_SAMPLE
 NEW_SAMPLE = C.TorchRandom.sample
 pair = gbv.load_pair("bundled")
-prompts = load_prompts("gsm8k", 10) + load_prompts("humaneval", 10)
+prompts = benchmark_prompts(10)
 rows = [("ar", {}), ("block", dict(block_len=4)), ("gbv", dict(num_paths=3, block_len=8)), ("gbv-adaptive", dict(num_paths=3, block_len=4)), ("auto", {})]
 gbv.generate(pair, prompt=prompts[0], method="block", block_len=2, max_new_tokens=8, eos_token_id=[])
 rate = {}

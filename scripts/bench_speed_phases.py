@@ -21,9 +21,9 @@ import statistics
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -34,8 +34,7 @@ parser.add_argument("--repeats", type=int, default=3, help="passes over the prom
 args = parser.parse_args()
 torch.set_num_threads(1)
 pair = load_pair("bundled", dtype=args.dtype)
-prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-           + load_prompts("humaneval", args.prompts)]
+prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
 settings = dict(temperature=args.temperature, eos_token_id=[], block_len=args.block_len, max_new_tokens=128)
 for method in ("ar", "block"):  # (first calls: allocations)
     generate(pair, prompt_ids=prompts[0], method=method, **{**settings, "max_new_tokens": 16})

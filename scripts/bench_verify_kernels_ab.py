@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 import gbv
-from gbv.data import load_prompts
 from gbv.verify import common
+from prompt_sets import benchmark_prompts
 
 ROWS = [("block", 1, 4), ("gbv-adaptive", 3, 4), ("gbv-adaptive", 3, 8), ("gbv", 3, 8)]
 
@@ -36,7 +36,7 @@ def interleaved_ab(dtype: str, prompts: int, max_new_tokens: int, rows: list[tup
     other s]`` and ``same[(temperature, row)]`` = prompts on which both variants made the same tokens."""
     torch.set_num_threads(1)
     pair = gbv.load_pair("bundled", dtype=dtype)
-    texts = load_prompts("gsm8k", prompts) + load_prompts("humaneval", prompts)
+    texts = benchmark_prompts(prompts)
     gbv.generate(pair, prompt=texts[0], method="gbv", num_paths=3, block_len=4, max_new_tokens=16,
                  eos_token_id=[])  # warm-up
     sums: dict = {}

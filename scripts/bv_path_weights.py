@@ -20,9 +20,9 @@ import statistics
 import torch
 
 import gbv
-from gbv.data import load_prompts
 from gbv.engine import decoder
 from gbv.verify.block import path_weights
+from prompt_sets import benchmark_prompts
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--dtype", default="float32")
@@ -33,7 +33,7 @@ args = parser.parse_args()
 
 torch.set_num_threads(1)
 pair = gbv.load_pair("bundled", dtype=args.dtype)
-prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+prompts = benchmark_prompts(args.prompts)
 log: list[tuple[int, list[float]]] = []
 verify = decoder.DecoderState.verify
 

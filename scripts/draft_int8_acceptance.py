@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=20, help="prompts per data set (GSM8K, HumanEval)")
     args = parser.parse_args(argv)
     os.environ["GBV_DRAFT_BF16"] = "0"  # (before the engine reads it: the draft drafts with its own weights)
-    from gbv.data import load_prompts
+    from prompt_sets import benchmark_prompt_ids
     from gbv.engine.generate import generate
     from gbv.models.loading import load_pair
 
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127
                     parameter.data = torch.round(w / scale).clamp(-127, 127) * scale
-        prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-                   + load_prompts("humaneval", args.prompts)]
+        prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
         tokens = calls = 0
         for seed, prompt_ids in enumerate(prompts):
             out = generate(pair, prompt_ids=prompt_ids, method="block", block_len=args.block_len, max_new_tokens=128,

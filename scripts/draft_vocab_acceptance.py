@@ -21,8 +21,10 @@ import collections
 import torch
 
 from gbv.data import load_prompts
+
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(counted)} prompts counted: {sum(1 for t in range(vocab) if frequency.get(t, 0))} of {vocab} tokens seen\n")
     print("| T | full draft | " + " | ".join(f"N = {n} | target mass outside" for n in sizes) + " |")
     print("|---:|---:|" + "---:|---:|" * len(sizes))
-    evaluated = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    evaluated = benchmark_prompts(args.prompts)
     for temperature in (float(t) for t in args.temperature.split(",")):
         sums = collections.defaultdict(float)
         positions = 0

@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from gbv.data import load_prompts
 from gbv.engine import tree_decoder
 from gbv.engine.generate import generate
 from gbv.models.loading import load_pair
+from prompt_sets import benchmark_prompt_ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pair = load_pair("bundled", dtype=args.dtype)
-    prompts = [pair.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", args.prompts)
-               + load_prompts("humaneval", args.prompts)]
+    prompts = benchmark_prompt_ids(pair.tokenizer, args.prompts)
     times: list[float] = []
 
     def timed(function, full):

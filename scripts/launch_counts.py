@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import gbv  # noqa: E402
 import gbv.engine.decoder as decoder_module  # noqa: E402
-from gbv.data import load_prompts  # noqa: E402
 from gbv.engine import static_sampling, static_steps, tree_decoder  # noqa: E402
+from prompt_sets import benchmark_prompts
 
 ROWS = (("ar", 1, 1), ("token", 1, 4), ("block", 1, 4), ("gbv", 3, 8), ("gbv-adaptive", 3, 4), ("traversal", 3, 4))
 
@@ -88,7 +88,7 @@ def main() -> None:
     _wrap(decoder_module.DecoderState, "verify", "verify")
     _wrap(tree_decoder.TreeDecoder, "step", "step")
     pair = gbv.load_pair("bundled")
-    prompts = load_prompts("gsm8k", args.prompts) + load_prompts("humaneval", args.prompts)
+    prompts = benchmark_prompts(args.prompts)
     print(f"Torch calls per iteration, {len(prompts)} prompts x {args.max_new_tokens} tokens, T = {args.temperature}")
     print("| row | around the steps | iterations | outside recorded calls | recorded | verifier (host) |")
     print("|---|---|---:|---:|---:|---:|")  # (per iteration: TreeDecoder.step, prefill not counted)
