@@ -18,11 +18,12 @@ from pathlib import Path
 
 from gbv.atomic import atomic_write_text
 from gbv.errors import GbvError
-from gbv.theory.enumerate import exact_analysis
 from gbv.theory.instance import (DISTRIBUTION_KINDS, MAX_DRAFT_TUPLES, InstanceError, TinyInstance, load_instance,
                                  parse_instance, random_instance)
-from gbv.theory.lp import check_lp_size, lp_optimum
 from gbv.verify import METHODS, get_verifier, is_multi_path
+
+# (the enumeration imports torch and the LP scipy, 2.8 s together: both are imported where they run, so that ``gbv
+# bound --help`` and a bad flag answer at once)
 
 # The JSON loader's limits (gbv.theory.instance.parse_instance), checked before generating anything.
 _LIMITS = {"vocab": 16, "block_len": 8, "num_paths": 16}
@@ -96,6 +97,9 @@ def save_instance(inst: TinyInstance, path: str | Path) -> None:
 
 def compute_bounds(inst: TinyInstance) -> dict:
     """Every method's exact results and the LP optimum, as printed by ``gbv bound --json``."""
+    from gbv.theory.enumerate import exact_analysis
+    from gbv.theory.lp import lp_optimum
+
     methods = {}
     for name in METHODS:
         paths = inst.num_paths if is_multi_path(name) else 1
@@ -136,6 +140,8 @@ def format_table(bounds: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gbv.theory.lp import check_lp_size
+
     inst = _load(args)
     check_lp_size(inst)  # fail fast, before any enumeration or --save
     if args.save:
