@@ -13,7 +13,7 @@ in ``gbv/data/``, benchmarks in ``gbv/bench/``, the CLI in ``gbv/cli.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from gbv._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -26,12 +26,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'gbv' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)[0]  # (dir(gbv) is its own, below: __all__ and dunders)
 
 
 def __dir__() -> list[str]:

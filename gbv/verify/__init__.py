@@ -21,12 +21,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from gbv._lazy import lazy_names
+
 if TYPE_CHECKING:
     from gbv.verify.common import RandomSource, TorchRandom, Verifier, VerifyResult
 
 # The registry's names without torch: ``gbv generate --help`` lists them, and importing torch took it from 0.2 to 2 s.
-# The shared types are :mod:`gbv.verify.common`'s, imported when first asked for (__getattr__).
-_COMMON = ("RandomSource", "TorchRandom", "Verifier", "VerifyResult")
+# The shared types are :mod:`gbv.verify.common`'s, imported when first asked for.
+__getattr__, __dir__ = lazy_names(__name__, dict.fromkeys(("RandomSource", "TorchRandom", "Verifier", "VerifyResult"),
+                                                          "gbv.verify.common"))
 
 # name -> (module, function, uses all K paths). Imported lazily so that one method's module
 # loading never slows down or breaks another's.
@@ -56,19 +59,6 @@ def is_multi_path(name: str) -> bool:
     """Whether the method looks at all K drafted paths (``token`` and ``block`` use path 0 only)."""
     get_verifier(name)
     return _REGISTRY[name][2]
-
-
-def __getattr__(name: str):
-    if name in _COMMON:
-        from gbv.verify import common
-
-        return getattr(common, name)
-    raise AttributeError(f"module 'gbv.verify' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """The module's own names and the ones imported when first asked for (``dir()``, tab completion)."""
-    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = ["METHODS", "MULTI_PATH_METHODS", "RandomSource", "TorchRandom", "Verifier", "VerifyResult",
