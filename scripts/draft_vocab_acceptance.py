@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     vocab = min(pair.target.config.vocab_size, pair.draft.config.vocab_size)
     order = sorted(range(vocab), key=lambda t: -frequency.get(t, 0))
     sizes = [int(n) for n in args.sizes.split(",")]
+    kept = {n: torch.zeros(vocab, dtype=torch.bool) for n in sizes}  # (each size's set: its N most frequent tokens)
+    for n, mask in kept.items():
+        mask[order[:n]] = True
     print(f"{len(counted)} prompts counted: {sum(1 for t in range(vocab) if frequency.get(t, 0))} of {vocab} tokens seen\n")
     print("| T | full draft | " + " | ".join(f"N = {n} | target mass outside" for n in sizes) + " |")
     print("|---:|---:|" + "---:|---:|" * len(sizes))
@@ -65,12 +68,10 @@ def main(argv: list[str] | None = None) -> None:
             positions += p.shape[0]
             sums["full"] += torch.minimum(p, q).sum().item()
             for n in sizes:
-                kept = torch.zeros(vocab, dtype=torch.bool)
-                kept[order[:n]] = True
-                cut = torch.where(kept, q, torch.zeros_like(q))
+                cut = torch.where(kept[n], q, torch.zeros_like(q))
                 cut = cut / cut.sum(-1, keepdim=True)
                 sums[n] += torch.minimum(p, cut).sum().item()
-                sums[n, "outside"] += p[:, ~kept].sum().item()
+                sums[n, "outside"] += p[:, ~kept[n]].sum().item()
         cells = " | ".join(f"{sums[n] / positions:.3f} | {sums[n, 'outside'] / positions:.3f}" for n in sizes)
         print(f"| {temperature} | {sums['full'] / positions:.3f} | {cells} |")
 
