@@ -2,6 +2,7 @@
 
     python scripts/bench_engine.py                                  # 20 GSM8K + 20 HumanEval prompts, 128 tokens
     python scripts/bench_engine.py --dtype float32,bfloat16 --temperature 0.2,1.0 --out docs/results/engine.md
+    python scripts/bench_engine.py --goals-of docs/results/engine/*.md.json       # the goals of saved runs
 
 Rows (all in one process, 1 torch thread, EOS off so every row makes exactly ``--max-new-tokens``
 tokens per prompt; prompts run round-robin over the rows so that load drift on a shared machine hits
@@ -23,7 +24,8 @@ compared with ours on it), block efficiency, mean target tree nodes per call, th
 and target phases (model forwards plus sampling), and one-off micro-measurements: a draft forward, a
 1-token target step against the time of its matrix multiplies alone, a 25-token tree pass against a
 1-token step, and the bandwidth ``ar`` achieves (target bytes x tokens/s) against the machine's read
-bandwidth. Medians over ``--repeats`` micro-runs; everything noisy on a shared machine.
+bandwidth. Medians over ``--repeats`` micro-runs; everything noisy on a shared machine. Under each dtype, the
+goals of the engine-speed issue, met or not (``gbv.bench.engine_goals``); ``--goals-of`` prints them for saved runs.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 import numpy as np
 import torch
 
+from gbv.bench.engine_goals import engine_goals, goals_markdown
 from gbv.bench.report import held_out_best
 from gbv.engine.generate import generate
 from gbv.engine import tree_decoder
@@ -382,7 +385,26 @@ def markdown(report: dict) -> str:
                                  f"{fixed[best_fixed] / rate_in('ar', seed_set):.2f}x `ar`")
                 lines += [f"Each seed set alone (seeds = prompt index + {SEED_SET_STRIDE} x set): "
                           + "; ".join(cells) + ".", ""]
+        lines += [f"*{dtype}: the goals of the engine-speed issue* (`gbv.bench.engine_goals`):", "",
+                  goals_markdown(engine_goals(m, res["temperatures"])), ""]
     return "\n".join(lines)
+
+
+def goals_of(paths: list[str]) -> str:
+    """The goals table of each dtype of saved runs (``--out``'s FILE.json), older files' included."""
+    parts = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                report = json.load(f)
+            results = report["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"bench_engine.py: cannot read a saved run from {path!r} ({exc}); give the FILE.json that --out "
+                  "wrote", file=sys.stderr)
+            raise SystemExit(2) from None
+        for dtype, res in results.items():
+            parts += [f"{path}, {dtype}:", "", goals_markdown(engine_goals(res["micro"], res["temperatures"])), ""]
+    return "\n".join(parts)
 
 
 def main() -> int:
@@ -402,7 +424,12 @@ def main() -> int:
                              "depends on the texts its seeds draw (a few %% here), and the best of a dozen rows on one "
                              "set of texts is partly the luckiest")
     parser.add_argument("--out", default=None, help="write the markdown table here (and FILE.json)")
+    parser.add_argument("--goals-of", nargs="+", metavar="FILE.json", default=None,
+                        help="run nothing: print the goals table of saved runs (the FILE.json of --out)")
     args = parser.parse_args()
+    if args.goals_of:
+        print(goals_of(args.goals_of))
+        return 0
     report = bench(args)
     text = markdown(report)
     print(text)

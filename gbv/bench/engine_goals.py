@@ -1,0 +1,166 @@
+"""The engine benchmark's results against the goals of the engine-speed issue (issue 8), goal by goal.
+
+``scripts/bench_engine.py`` prints this table under each dtype's results, and renders it again from a saved
+run (``--from FILE.json``), so that whether a goal holds is read off a measured run by one rule, the same for
+every run and machine, not assembled by hand from several tables.
+
+Input: one dtype's part of the benchmark's report: ``micro`` (the one-off measurements: ``draft_step_ms``,
+``target_step_over_matmuls``, ``target_bytes``, ``read_bandwidth_gb_s``, ...) and ``temperatures``
+(``str(T)`` -> row label -> one result per prompt: ``tokens``, ``seconds`` after the prefill, ``wall`` end to
+end, ``target_calls``, ``phases`` (draft + target seconds), ``tree_nodes``, ``tree_calls``). Row labels are
+the benchmark's: ``ar``, ``block L=4``, ``gbv K=3 L=8``, ``auto``, ``hf-assisted L=4``, ``hf-assisted default``;
+a fixed row is any of ours but ``ar`` and ``auto``.
+
+Each goal's rate is pooled (total tokens / total seconds) as in the benchmark's tables. Comparisons among our
+rows use the rate after the prefill; comparisons with transformers' rows use end-to-end rates for both sides
+(transformers' rows have no other time). Files written before end-to-end rates existed (no ``wall``) compare
+our rates after the prefill with transformers' end to end, which flatters ours; the row says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The issue's thresholds.
+DRAFT_FORWARD_MS = 0.4
+STEP_OVER_MATMULS = 1.3
+TREE_NODE_SHARE = 0.6  # of K (L + 1) nodes, at T = 0.2, K = 3, L = 8
+FORWARD_SHARE = 0.9
+BLOCK_OVER_AR = 1.4  # BV L = 4 at T = 1
+AUTO_OVER_AR = 1.0
+AUTO_OVER_BEST_FIXED = 0.95
+OVER_ASSISTED = 2.0  # ar and auto against assisted generation at the same settings (L = 4)
+
+TREE_ROW, TREE_PATHS, TREE_BLOCK = "gbv K=3 L=8", 3, 8
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One goal: what the issue asks, what the run measured, and whether that meets it (None: nothing to
+    meet, a figure the issue asks to report)."""
+
+    goal: str
+    measured: str
+    met: bool | None
+
+
+def _rate(results: list[dict], key: str) -> float | None:
+    """Pooled tokens/s over ``key`` seconds; None where a result has no such time."""
+    if not results or any(r.get(key) is None for r in results):
+        return None
+    seconds = sum(r[key] for r in results)
+    return sum(r["tokens"] for r in results) / seconds if seconds > 0 else None
+
+
+def _peer_rate(results: list[dict]) -> float | None:
+    """A transformers row's end-to-end rate: ``wall``, or ``seconds`` in files from before ``wall`` existed
+    (where its ``seconds`` were already end to end)."""
+    return _rate(results, "wall") if results and results[0].get("wall") is not None else _rate(results, "seconds")
+
+
+def _is_fixed(label: str) -> bool:
+    return label not in ("ar", "auto") and not label.startswith("hf")
+
+
+def _at(temperatures: dict, value: float) -> tuple[str, dict] | None:
+    """The results at temperature ``value`` (keys are ``str(T)``), or None."""
+    for key, rows in temperatures.items():
+        if abs(float(key) - value) < 1e-9:
+            return key, rows
+    return None
+
+
+def _yes(value: float | None, threshold: float, at_most: bool = False) -> bool | None:
+    if value is None:
+        return None
+    return value <= threshold if at_most else value >= threshold
+
+
+def engine_goals(micro: dict, temperatures: dict) -> list[Goal]:
+    """The goals of issue 8 that one dtype's benchmark results can answer, in the issue's order. A goal
+    whose rows the run lacks (``--no-hf``, no T = 0.2) is left out."""
+    goals: list[Goal] = []
+    draft_ms = micro.get("draft_step_ms")
+    if draft_ms is not None:
+        goals.append(Goal(f"a draft forward at most {DRAFT_FORWARD_MS} ms", f"{draft_ms:.3f} ms",
+                          _yes(draft_ms, DRAFT_FORWARD_MS, at_most=True)))
+    over = micro.get("target_step_over_matmuls")
+    if over is None and micro.get("target_matmuls_ms"):
+        over = micro["target_step_ms"] / micro["target_matmuls_ms"]
+    if over is not None:
+        goals.append(Goal(f"a 1-token target step at most {STEP_OVER_MATMULS}x its matrix multiplies",
+                          f"{over:.2f}x", _yes(over, STEP_OVER_MATMULS, at_most=True)))
+    cold = _at(temperatures, 0.2)
+    if cold is not None and TREE_ROW in cold[1]:
+        rows = cold[1][TREE_ROW]
+        calls = sum(r.get("tree_calls") or 0 for r in rows)
+        if calls:
+            nodes = sum(r.get("tree_nodes") or 0 for r in rows) / calls
+            share = nodes / (TREE_PATHS * (TREE_BLOCK + 1))
+            goals.append(Goal(f"tree nodes per target call at T = 0.2, K = {TREE_PATHS}, L = {TREE_BLOCK} at most "
+                              f"{TREE_NODE_SHARE} K(L + 1) = {TREE_NODE_SHARE * TREE_PATHS * (TREE_BLOCK + 1):.1f}",
+                              f"{nodes:.1f} ({share:.2f} K(L + 1))", _yes(share, TREE_NODE_SHARE, at_most=True)))
+    shares = [(sum(r["phases"] for r in rows) / sum(r["seconds"] for r in rows), label, key)
+              for key, table in temperatures.items() for label, rows in table.items()
+              if rows and all(r.get("phases") is not None and r.get("seconds") for r in rows)]
+    if shares:
+        low, label, key = min(shares)
+        goals.append(Goal(f"model forwards (draft and target phases) at least {FORWARD_SHARE:.0%} of every row's time",
+                          f"{low:.1%} at the least ({label}, T = {key})", _yes(low, FORWARD_SHARE)))
+    for key, table in temperatures.items():
+        goals += _rate_goals(key, table, micro)
+    return goals
+
+
+def _rate_goals(key: str, table: dict, micro: dict) -> list[Goal]:
+    """The goals on rates at one temperature."""
+    goals: list[Goal] = []
+    ar = _rate(table.get("ar", []), "seconds")
+    if ar is None:
+        return goals
+    if micro.get("target_bytes") and micro.get("read_bandwidth_gb_s"):
+        achieved = micro["target_bytes"] * ar / 1e9
+        goals.append(Goal(f"`ar`'s bandwidth achieved (target bytes x tokens/s), T = {key}: reported",
+                          f"{achieved:.1f} GB/s, {achieved / micro['read_bandwidth_gb_s']:.0%} of the "
+                          f"{micro['read_bandwidth_gb_s']:.1f} GB/s measured", None))
+    if abs(float(key) - 1.0) < 1e-9 and "block L=4" in table:
+        block = _rate(table["block L=4"], "seconds") / ar
+        goals.append(Goal(f"BV L = 4 at least {BLOCK_OVER_AR}x `ar`, T = {key}", f"{block:.2f}x",
+                          _yes(block, BLOCK_OVER_AR)))
+    auto = _rate(table.get("auto", []), "seconds")
+    if auto is None:
+        return goals
+    goals.append(Goal(f"`auto` at least {AUTO_OVER_AR}x `ar`, T = {key}", f"{auto / ar:.2f}x",
+                      _yes(auto / ar, AUTO_OVER_AR)))
+    fixed = {label: _rate(rows, "seconds") for label, rows in table.items() if _is_fixed(label)}
+    fixed = {label: rate for label, rate in fixed.items() if rate}
+    if fixed:
+        best = max(fixed, key=fixed.get)
+        goals.append(Goal(f"`auto` at least {AUTO_OVER_BEST_FIXED}x the best fixed row, T = {key}",
+                          f"{auto / fixed[best]:.3f}x ({best})", _yes(auto / fixed[best], AUTO_OVER_BEST_FIXED)))
+    # (transformers' rows have only an end-to-end time: ours are compared with them end to end too)
+    end_to_end = all(r.get("wall") is not None for label in ("ar", "auto") for r in table[label])
+    ours_key = "wall" if end_to_end else "seconds"
+    caveat = "" if end_to_end else " (an older file: ours after the prefill against transformers' end to end)"
+    ours = {label: _rate(table[label], ours_key) for label in ("ar", "auto")}
+    assisted, default = (_peer_rate(table.get(label, [])) for label in ("hf-assisted L=4", "hf-assisted default"))
+    if assisted:
+        goals.append(Goal(f"`ar` and `auto` at least {OVER_ASSISTED}x assisted generation with L = 4, T = {key}",
+                          f"{ours['ar'] / assisted:.1f}x and {ours['auto'] / assisted:.1f}x{caveat}",
+                          min(ours.values()) / assisted >= OVER_ASSISTED))
+    if default:
+        goals.append(Goal(f"`auto` faster than assisted generation with its own defaults, T = {key}",
+                          f"{ours['auto'] / default:.1f}x{caveat}", ours["auto"] > default))
+    return goals
+
+
+def goals_markdown(goals: list[Goal]) -> str:
+    """The goals as a markdown table (goal, measured, met)."""
+    lines = ["| goal (issue 8) | measured | met |", "|---|---|---|"]
+    for goal in goals:
+        met = "-" if goal.met is None else ("yes" if goal.met else "**no**")
+        lines.append(f"| {goal.goal} | {goal.measured} | {met} |")
+    return "\n".join(lines)
+
+
+__all__ = ["Goal", "engine_goals", "goals_markdown"]
