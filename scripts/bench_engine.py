@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from gbv.bench.engine_goals import engine_goals, goals_markdown
+from gbv.bench.engine_goals import engine_goals, goals_markdown, goals_matrix_markdown
 from gbv.bench.report import held_out_best
 from gbv.engine.generate import generate
 from gbv.engine import tree_decoder
@@ -386,13 +387,15 @@ def markdown(report: dict) -> str:
                 lines += [f"Each seed set alone (seeds = prompt index + {SEED_SET_STRIDE} x set): "
                           + "; ".join(cells) + ".", ""]
         lines += [f"*{dtype}: the goals of the engine-speed issue* (`gbv.bench.engine_goals`):", "",
-                  goals_markdown(engine_goals(m, res["temperatures"])), ""]
+                  goals_markdown(engine_goals(m, res["temperatures"], args.get("device", "cpu"))), ""]
     return "\n".join(lines)
 
 
 def goals_of(paths: list[str]) -> str:
-    """The goals table of each dtype of saved runs (``--out``'s FILE.json), older files' included."""
-    parts = []
+    """The goals table of each dtype of saved runs (``--out``'s FILE.json), older files' included; with more
+    than one, then all of them side by side (met or not)."""
+    parts, columns = [], []
+    common = os.path.commonpath([os.path.dirname(os.path.abspath(path)) for path in paths])
     for path in paths:
         try:
             with open(path) as f:
@@ -403,7 +406,12 @@ def goals_of(paths: list[str]) -> str:
                   "wrote", file=sys.stderr)
             raise SystemExit(2) from None
         for dtype, res in results.items():
-            parts += [f"{path}, {dtype}:", "", goals_markdown(engine_goals(res["micro"], res["temperatures"])), ""]
+            goals = engine_goals(res["micro"], res["temperatures"], report.get("args", {}).get("device", "cpu"))
+            parts += [f"{path}, {dtype}:", "", goals_markdown(goals), ""]
+            name = os.path.relpath(os.path.abspath(path), common).removesuffix(".json").removesuffix(".md")
+            columns.append((f"{name} ({dtype})", goals))
+    if len(columns) > 1:
+        parts += ["Side by side:", "", goals_matrix_markdown(columns), ""]
     return "\n".join(parts)
 
 

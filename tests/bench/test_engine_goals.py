@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gbv.bench.engine_goals import engine_goals, goals_markdown
+from gbv.bench.engine_goals import engine_goals, goals_markdown, goals_matrix_markdown
 
 
 def _row(tokens_per_s: float, prompts: int = 2, tokens: int = 100, wall_factor: float = 1.25,
@@ -134,3 +134,21 @@ def test_the_markdown_marks_what_is_not_met():
     assert "| a draft forward at most 0.4 ms | 0.500 ms | **no** |" in text
     assert "| `auto` at least 1.0x `ar`, T = 1.0 | 1.45x | yes |" in text
     assert text.count("| - |") == 1  # the bandwidth: a figure to report, nothing to meet
+
+
+def test_off_the_cpu_the_forwards_share_is_reported_not_judged():
+    tables = {"1.0": _table(share=0.3)}
+    assert _find(engine_goals(MICRO, tables), "model forwards").met is False
+    goal = _find(engine_goals(MICRO, tables, device="cuda"), "model forwards")
+    assert goal.met is None and "not judged" in goal.measured
+
+
+def test_runs_side_by_side_one_row_per_goal_one_column_per_run():
+    meets = engine_goals(MICRO, {"0.2": _table(), "1.0": _table()})
+    misses = engine_goals({**MICRO, "draft_step_ms": 0.5}, {"1.0": _table(nodes=20.0)})  # no T = 0.2
+    text = goals_matrix_markdown([("a", meets), ("b", misses)])
+    lines = text.splitlines()
+    assert lines[0] == "| goal (issue 8) | a | b |" and len(lines) == 2 + len(meets)
+    assert "| a draft forward at most 0.4 ms | yes | **no** |" in lines
+    assert "| `auto` at least 1.0x `ar`, T = 0.2 | yes |  |" in lines  # b has no T = 0.2
+    assert "| `ar`'s bandwidth achieved (target bytes x tokens/s), T = 1.0: reported | - | - |" in lines
