@@ -1,4 +1,5 @@
-"""The engine benchmark's results against the goals of the engine-speed issue (issue 8), goal by goal.
+"""The engine benchmark's results against the goals of the engine-speed issue (issue 8), goal by goal
+(and the verifier micro-benchmark's one goal: :func:`verifier_goals`).
 
 ``scripts/bench_engine.py`` prints this table under each dtype's results, and renders it again from a saved
 run (``--from FILE.json``), so that whether a goal holds is read off a measured run by one rule, the same for
@@ -32,6 +33,8 @@ AUTO_OVER_BEST_FIXED = 0.95
 OVER_ASSISTED = 2.0  # ar and auto against assisted generation at the same settings (L = 4)
 
 TREE_ROW, TREE_PATHS, TREE_BLOCK = "gbv K=3 L=8", 3, 8
+VERIFY_OVER_SOFTMAX = 3.0  # one GBV verify call at K = 4, L = 8 against one softmax over p (scripts/bench_verifiers.py)
+VERIFY_PATHS, VERIFY_BLOCK = 4, 8
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,14 @@ def _rate_goals(key: str, table: dict, micro: dict) -> list[Goal]:
     return goals
 
 
+def verifier_goals(ratios: dict[int, float]) -> list[Goal]:
+    """The verifier micro-benchmark's goal: a ``gbv`` verify call at K = 4, L = 8 costs at most 3x one
+    softmax over ``p`` in the same process; ``ratios``: vocabulary size -> that ratio of the means."""
+    return [Goal(f"one `gbv` verify call (K = {VERIFY_PATHS}, L = {VERIFY_BLOCK}, V = {vocab}) at most "
+                 f"{VERIFY_OVER_SOFTMAX:g}x one softmax over p", f"{ratio:.2f}x", ratio <= VERIFY_OVER_SOFTMAX)
+            for vocab, ratio in sorted(ratios.items())]
+
+
 def goals_markdown(goals: list[Goal]) -> str:
     """The goals as a markdown table (goal, measured, met)."""
     lines = ["| goal (issue 8) | measured | met |", "|---|---|---|"]
@@ -187,4 +198,4 @@ def goals_matrix_markdown(columns: list[tuple[str, list[Goal]]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Goal", "engine_goals", "goals_markdown", "goals_matrix_markdown"]
+__all__ = ["Goal", "engine_goals", "goals_markdown", "goals_matrix_markdown", "verifier_goals"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gbv.bench.engine_goals import engine_goals, goals_markdown, goals_matrix_markdown
+from gbv.bench.engine_goals import engine_goals, goals_markdown, goals_matrix_markdown, verifier_goals
 
 
 def _row(tokens_per_s: float, prompts: int = 2, tokens: int = 100, wall_factor: float = 1.25,
@@ -152,3 +152,10 @@ def test_runs_side_by_side_one_row_per_goal_one_column_per_run():
     assert "| a draft forward at most 0.4 ms | yes | **no** |" in lines
     assert "| `auto` at least 1.0x `ar`, T = 0.2 | yes |  |" in lines  # b has no T = 0.2
     assert "| `ar`'s bandwidth achieved (target bytes x tokens/s), T = 1.0: reported | - | - |" in lines
+
+
+def test_the_verifier_goal_per_vocabulary():
+    goals = verifier_goals({128000: 3.01, 32000: 3.0})
+    assert [(g.goal, g.measured, g.met) for g in goals] == [
+        ("one `gbv` verify call (K = 4, L = 8, V = 32000) at most 3x one softmax over p", "3.00x", True),
+        ("one `gbv` verify call (K = 4, L = 8, V = 128000) at most 3x one softmax over p", "3.01x", False)]
