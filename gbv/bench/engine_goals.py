@@ -1,9 +1,9 @@
 """The engine benchmark's results against the goals of the engine-speed issue (issue 8), goal by goal
 (and the verifier micro-benchmark's one goal: :func:`verifier_goals`).
 
-``scripts/bench_engine.py`` prints this table under each dtype's results, and renders it again from a saved
-run (``--from FILE.json``), so that whether a goal holds is read off a measured run by one rule, the same for
-every run and machine, not assembled by hand from several tables.
+``scripts/bench_engine.py`` prints this table under each dtype's results, and again for saved runs
+(``--goals-of FILE.json ...``, side by side for several), so that whether a goal holds is read off a measured run
+by one rule, the same for every run and machine, not assembled by hand from several tables.
 
 Input: one dtype's part of the benchmark's report: ``micro`` (the one-off measurements: ``draft_step_ms``,
 ``target_step_over_matmuls``, ``target_bytes``, ``read_bandwidth_gb_s``, ...) and ``temperatures``
