@@ -40,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from gbv.bench.engine_goals import engine_goals, goals_markdown, goals_matrix_markdown
+from gbv.bench.engine_goals import engine_goals, goals_markdown, goals_matrix_markdown, is_fixed_row, pooled_rate
 from gbv.bench.report import held_out_best
 from gbv.engine.generate import generate
 from gbv.engine import tree_decoder
@@ -286,21 +286,8 @@ def bench(args) -> dict:
 SEED_SET_STRIDE = 1000
 
 
-def _is_fixed(label: str) -> bool:
-    """Whether a row is one of our fixed (method, K, L) settings: not ``ar``, ``auto`` or a transformers row."""
-    return label not in ("ar", "auto") and not label.startswith("hf")
-
-
 def _sum(results: list[dict], key: str) -> float:
     return sum(r.get(key) or 0 for r in results)
-
-
-def _rate(results: list[dict], key: str = "seconds") -> float | None:
-    """Pooled tokens/s over ``key`` (``seconds``: after the prefill; ``wall``: end to end); None where the
-    rows have no such time (transformers' rows after the prefill)."""
-    if any(r.get(key) is None for r in results):
-        return None
-    return _sum(results, "tokens") / _sum(results, key)
 
 
 def markdown(report: dict) -> str:
@@ -325,7 +312,7 @@ def markdown(report: dict) -> str:
                   + "".join(f" {name.capitalize()}: {m[f'{name}_forward_choice']}." for name in ("target", "draft")
                             if f"{name}_forward_choice" in m), ""]
         for temperature, totals in res["temperatures"].items():
-            ar_rate = _rate(totals["ar"])
+            ar_rate = pooled_rate(totals["ar"])
             bandwidth = m["target_bytes"] * ar_rate / 1e9
             lines += [f"*{dtype}, T = {temperature}*: `ar` reads the target's {m['target_bytes'] / 1e6:.1f} MB per "
                       f"token, {bandwidth:.1f} GB/s achieved against {m['read_bandwidth_gb_s']:.1f} GB/s measured "
@@ -333,12 +320,12 @@ def markdown(report: dict) -> str:
                       "| method | tokens/s | vs ar | end to end tokens/s | vs ar | block efficiency "
                       "| tree nodes / call | draft+target share |",
                       "|---|---|---|---|---|---|---|---|"]
-            fixed = [label for label in totals if _is_fixed(label)]
-            best_fixed = max(fixed, key=lambda label: _rate(totals[label]))
-            best_fixed_wall = max(fixed, key=lambda label: _rate(totals[label], "wall"))
-            ar_wall = _rate(totals["ar"], "wall")
+            fixed = [label for label in totals if is_fixed_row(label)]
+            best_fixed = max(fixed, key=lambda label: pooled_rate(totals[label]))
+            best_fixed_wall = max(fixed, key=lambda label: pooled_rate(totals[label], "wall"))
+            ar_wall = pooled_rate(totals["ar"], "wall")
             for label, results in totals.items():
-                tokens, rate, wall = _sum(results, "tokens"), _rate(results), _rate(results, "wall")
+                tokens, rate, wall = _sum(results, "tokens"), pooled_rate(results), pooled_rate(results, "wall")
                 calls = _sum(results, "target_calls")
                 nodes = _sum(results, "tree_nodes") / _sum(results, "tree_calls") if _sum(results, "tree_calls") else 0
                 share = (_sum(results, "phases") / _sum(results, "seconds") if results[0].get("phases") is not None
@@ -361,25 +348,26 @@ def markdown(report: dict) -> str:
                     arms[arm] = arms.get(arm, 0) + count
             top = sorted(arms.items(), key=lambda kv: -kv[1])[:3]
             peers = [label for label in totals if label.startswith("hf")]
-            auto_wall = _rate(totals["auto"], "wall")
-            lines += ["", f"`auto` = {_rate(totals['auto']) / _rate(totals[best_fixed]):.3f}x the best fixed row "
-                      f"({best_fixed}), {auto_wall / _rate(totals[best_fixed_wall], 'wall'):.3f}x end to end "
+            auto_wall = pooled_rate(totals["auto"], "wall")
+            auto_rate = pooled_rate(totals["auto"])
+            lines += ["", f"`auto` = {auto_rate / pooled_rate(totals[best_fixed]):.3f}x the best fixed row "
+                      f"({best_fixed}), {auto_wall / pooled_rate(totals[best_fixed_wall], 'wall'):.3f}x end to end "
                       f"({best_fixed_wall})"
-                      + "".join(f"; {auto_wall / _rate(totals[peer], 'wall'):.1f}x {peer}" for peer in peers)
+                      + "".join(f"; {auto_wall / pooled_rate(totals[peer], 'wall'):.1f}x {peer}" for peer in peers)
                       + f" end to end; its most chosen arms: {', '.join(f'{a} ({n})' for a, n in top)}.", ""]
             # (the maximum over a dozen rows on the same prompts is partly the luckiest: held_out_best)
             held_out, chosen = held_out_best(totals, fixed)
             lines += [f"The best fixed row chosen on the other half of the prompts (held out: {chosen[0]} for the "
                       f"even-numbered prompts, {chosen[1]} for the odd ones) makes {held_out / ar_rate:.2f}x `ar`; "
-                      f"`auto` makes {_rate(totals['auto']) / held_out:.3f}x it.", ""]
+                      f"`auto` makes {auto_rate / held_out:.3f}x it.", ""]
             sets = sorted({r.get("seed_set", 0) for r in totals["auto"]})
             if len(sets) > 1:  # each seed set alone: how much of a row's rate is its texts' luck
                 def rate_in(label: str, seed_set: int) -> float:
-                    return _rate([r for r in totals[label] if r.get("seed_set", 0) == seed_set])
+                    return pooled_rate([r for r in totals[label] if r.get("seed_set", 0) == seed_set])
 
                 cells = []
                 for seed_set in sets:
-                    fixed = {label: rate_in(label, seed_set) for label in totals if _is_fixed(label)}
+                    fixed = {label: rate_in(label, seed_set) for label in totals if is_fixed_row(label)}
                     best = max(fixed, key=fixed.get)
                     cells.append(f"set {seed_set}: {best} {fixed[best] / rate_in('ar', seed_set):.2f}x `ar`, `auto` "
                                  f"{rate_in('auto', seed_set) / fixed[best]:.3f}x it, {best_fixed} "

@@ -47,8 +47,9 @@ class Goal:
     met: bool | None
 
 
-def _rate(results: list[dict], key: str) -> float | None:
-    """Pooled tokens/s over ``key`` seconds; None where a result has no such time."""
+def pooled_rate(results: list[dict], key: str = "seconds") -> float | None:
+    """Pooled tokens/s (total tokens / total ``key`` seconds: ``seconds`` after the prefill, ``wall`` end to end)
+    of a row's results; None where a result has no such time (transformers' rows after the prefill)."""
     if not results or any(r.get(key) is None for r in results):
         return None
     seconds = sum(r[key] for r in results)
@@ -58,19 +59,21 @@ def _rate(results: list[dict], key: str) -> float | None:
 def _peer_rate(results: list[dict]) -> float | None:
     """A transformers row's end-to-end rate: ``wall``, or ``seconds`` in files from before ``wall`` existed
     (where its ``seconds`` were already end to end)."""
-    return _rate(results, "wall") if results and results[0].get("wall") is not None else _rate(results, "seconds")
+    return pooled_rate(results, "wall" if results and results[0].get("wall") is not None else "seconds")
 
 
-def _is_fixed(label: str) -> bool:
+def is_fixed_row(label: str) -> bool:
+    """Whether a row is one of our fixed (method, K, L) settings: not ``ar``, ``auto`` or a transformers row."""
     return label not in ("ar", "auto") and not label.startswith("hf")
 
 
-def _at(temperatures: dict, value: float) -> tuple[str, dict] | None:
-    """The results at temperature ``value`` (keys are ``str(T)``), or None."""
-    for key, rows in temperatures.items():
-        if abs(float(key) - value) < 1e-9:
-            return key, rows
-    return None
+def _is_temperature(key: str, value: float) -> bool:
+    """Whether the results' key ``key`` (``str(T)``) is temperature ``value``."""
+    return abs(float(key) - value) < 1e-9
+
+
+def _met_cell(goal: Goal) -> str:
+    return "-" if goal.met is None else ("yes" if goal.met else "**no**")
 
 
 def _yes(value: float | None, threshold: float, at_most: bool = False) -> bool | None:
@@ -94,9 +97,9 @@ def engine_goals(micro: dict, temperatures: dict, device: str = "cpu") -> list[G
     if over is not None:
         goals.append(Goal(f"a 1-token target step at most {STEP_OVER_MATMULS}x its matrix multiplies",
                           f"{over:.2f}x", _yes(over, STEP_OVER_MATMULS, at_most=True)))
-    cold = _at(temperatures, 0.2)
-    if cold is not None and TREE_ROW in cold[1]:
-        rows = cold[1][TREE_ROW]
+    cold = next((rows for key, rows in temperatures.items() if _is_temperature(key, 0.2)), None)
+    if cold is not None and TREE_ROW in cold:
+        rows = cold[TREE_ROW]
         calls = sum(r.get("tree_calls") or 0 for r in rows)
         if calls:
             nodes = sum(r.get("tree_nodes") or 0 for r in rows) / calls
@@ -123,7 +126,7 @@ def engine_goals(micro: dict, temperatures: dict, device: str = "cpu") -> list[G
 def _rate_goals(key: str, table: dict, micro: dict) -> list[Goal]:
     """The goals on rates at one temperature."""
     goals: list[Goal] = []
-    ar = _rate(table.get("ar", []), "seconds")
+    ar = pooled_rate(table.get("ar", []), "seconds")
     if ar is None:
         return goals
     if micro.get("target_bytes") and micro.get("read_bandwidth_gb_s"):
@@ -131,16 +134,16 @@ def _rate_goals(key: str, table: dict, micro: dict) -> list[Goal]:
         goals.append(Goal(f"`ar`'s bandwidth achieved (target bytes x tokens/s), T = {key}: reported",
                           f"{achieved:.1f} GB/s, {achieved / micro['read_bandwidth_gb_s']:.0%} of the "
                           f"{micro['read_bandwidth_gb_s']:.1f} GB/s measured", None))
-    if abs(float(key) - 1.0) < 1e-9 and "block L=4" in table:
-        block = _rate(table["block L=4"], "seconds") / ar
+    if _is_temperature(key, 1.0) and "block L=4" in table:
+        block = pooled_rate(table["block L=4"], "seconds") / ar
         goals.append(Goal(f"BV L = 4 at least {BLOCK_OVER_AR}x `ar`, T = {key}", f"{block:.2f}x",
                           _yes(block, BLOCK_OVER_AR)))
-    auto = _rate(table.get("auto", []), "seconds")
+    auto = pooled_rate(table.get("auto", []), "seconds")
     if auto is None:
         return goals
     goals.append(Goal(f"`auto` at least {AUTO_OVER_AR}x `ar`, T = {key}", f"{auto / ar:.2f}x",
                       _yes(auto / ar, AUTO_OVER_AR)))
-    fixed = {label: _rate(rows, "seconds") for label, rows in table.items() if _is_fixed(label)}
+    fixed = {label: pooled_rate(rows, "seconds") for label, rows in table.items() if is_fixed_row(label)}
     fixed = {label: rate for label, rate in fixed.items() if rate}
     if fixed:
         best = max(fixed, key=fixed.get)
@@ -150,7 +153,7 @@ def _rate_goals(key: str, table: dict, micro: dict) -> list[Goal]:
     end_to_end = all(r.get("wall") is not None for label in ("ar", "auto") for r in table[label])
     ours_key = "wall" if end_to_end else "seconds"
     caveat = "" if end_to_end else " (an older file: ours after the prefill against transformers' end to end)"
-    ours = {label: _rate(table[label], ours_key) for label in ("ar", "auto")}
+    ours = {label: pooled_rate(table[label], ours_key) for label in ("ar", "auto")}
     assisted, default = (_peer_rate(table.get(label, [])) for label in ("hf-assisted L=4", "hf-assisted default"))
     if assisted:
         goals.append(Goal(f"`ar` and `auto` at least {OVER_ASSISTED}x assisted generation with L = 4, T = {key}",
@@ -174,8 +177,7 @@ def goals_markdown(goals: list[Goal]) -> str:
     """The goals as a markdown table (goal, measured, met)."""
     lines = ["| goal (issue 8) | measured | met |", "|---|---|---|"]
     for goal in goals:
-        met = "-" if goal.met is None else ("yes" if goal.met else "**no**")
-        lines.append(f"| {goal.goal} | {goal.measured} | {met} |")
+        lines.append(f"| {goal.goal} | {goal.measured} | {_met_cell(goal)} |")
     return "\n".join(lines)
 
 
@@ -190,7 +192,7 @@ def goals_matrix_markdown(columns: list[tuple[str, list[Goal]]]) -> str:
         for goal in goals:
             if goal.goal not in order:
                 order.append(goal.goal)
-            column[goal.goal] = "-" if goal.met is None else ("yes" if goal.met else "**no**")
+            column[goal.goal] = _met_cell(goal)
         cells.append(column)
     lines = ["| goal (issue 8) | " + " | ".join(name for name, _ in columns) + " |",
              "|---|" + "---|" * len(columns)]
@@ -198,4 +200,5 @@ def goals_matrix_markdown(columns: list[tuple[str, list[Goal]]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Goal", "engine_goals", "goals_markdown", "goals_matrix_markdown", "verifier_goals"]
+__all__ = ["Goal", "engine_goals", "goals_markdown", "goals_matrix_markdown", "is_fixed_row", "pooled_rate",
+           "verifier_goals"]
